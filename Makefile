@@ -1,0 +1,44 @@
+# The two set-up commands of README.md: `make demo` and `make test`. Each creates .venv on first use
+# (torch pinned to the CPU build first, the rest with constraints.txt) and reuses it afterwards.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+export DS_ACCELERATOR := cpu
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+
+.PHONY: install demo test lint format bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -m "not gpu and not slow" tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/step_time.py
+
+clean:
+	rm -rf $(VENV) demo-out runs

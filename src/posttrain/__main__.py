@@ -1,0 +1,3 @@
+from posttrain.cli import main
+
+raise SystemExit(main())

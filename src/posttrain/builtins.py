@@ -1,0 +1,13 @@
+"""Import the built-in components so their registrations run (one import, explicit list)."""
+
+from __future__ import annotations
+
+
+def register_builtins() -> None:
+    import posttrain.checkpoint.huggingface
+    import posttrain.data.sources
+    import posttrain.methods.sft
+    import posttrain.models.huggingface
+    import posttrain.optim.adamw
+    import posttrain.optim.schedulers
+    import posttrain.tokenizers.huggingface  # noqa: F401

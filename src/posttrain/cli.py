@@ -1,0 +1,148 @@
+"""``posttrain`` command line: parse, call, print. No training logic lives here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+EXIT_USER_ERROR = 2
+
+
+def _quiet_environment() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="posttrain", description="Fine-tune and post-train LLMs from one YAML file."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train from a YAML config")
+    train.add_argument("config", type=Path)
+    train.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. optimizer.lr=1e-4")
+    train.add_argument("--nproc", type=int, default=1, help="processes on this machine (default 1)")
+    train.add_argument(
+        "--launcher-args",
+        default="",
+        help="extra torchrun arguments, quoted, e.g. '--nnodes 2 --node_rank 0 --master_addr 10.0.0.1'",
+    )
+
+    validate = sub.add_parser("validate", help="validate a config and print it with every default filled in")
+    validate.add_argument("config", type=Path)
+    validate.add_argument("overrides", nargs="*")
+    validate.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+
+    tiny = sub.add_parser("tiny-model", help="write a tiny random LLaMA model and BPE tokenizer (no network)")
+    tiny.add_argument("out_dir", type=Path)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--hidden-size", type=int, default=64)
+    tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--vocab-size", type=int, default=2048)
+    tiny.add_argument("--heads", type=int, default=4)
+
+    sub.add_parser("schema", help="print the JSON schema of the config file")
+    return parser
+
+
+def _load(config: Path, overrides: list[str]):  # -> TrainerConfig
+    from posttrain.config import load_config
+
+    return load_config(config, overrides)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    import yaml
+
+    config = _load(args.config, args.overrides)
+    data = config.model_dump(mode="json")
+    print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False), end="")
+    return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """Re-run this command under torchrun with ``--nproc`` processes on this node."""
+    import shlex
+
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={args.nproc}",
+        *shlex.split(args.launcher_args),
+    ]
+    if "--master_port" not in args.launcher_args and "--rdzv" not in args.launcher_args:
+        from posttrain.dist import _free_port
+
+        command.append(f"--master_port={_free_port()}")
+    command += ["-m", "posttrain", "train", str(args.config), *args.overrides]
+    return subprocess.call(command)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    if args.nproc < 1:
+        raise SystemExit("--nproc must be >= 1")
+    config = _load(args.config, args.overrides)  # validate once before starting any process
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch(args)
+    from posttrain.run import run
+
+    run(config)
+    return 0
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from posttrain.testing.tiny import write_tiny_model
+
+    out = write_tiny_model(
+        args.out_dir,
+        seed=args.seed,
+        hidden_size=args.hidden_size,
+        layers=args.layers,
+        vocab_size=args.vocab_size,
+        heads=args.heads,
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from posttrain.config.trainer import TrainerConfig
+
+    print(json.dumps(TrainerConfig.model_json_schema(), indent=2))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "validate": cmd_validate, "tiny-model": cmd_tiny_model, "schema": cmd_schema}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _quiet_environment()
+    from posttrain.config.errors import ConfigError
+    from posttrain.errors import UserError
+
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as exc:
+        print(exc.render(), file=sys.stderr)
+        return EXIT_USER_ERROR
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""The base of every config model: strict keys, attribute docstrings, and cross-field checks that report."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Problem(tuple[str, str]):
+    """A cross-field problem: (dotted key path relative to the model, message)."""
+
+    __slots__ = ()
+
+    def __new__(cls, path: str, message: str) -> Problem:
+        return super().__new__(cls, (path, message))
+
+
+class BaseConfig(BaseModel):
+    """Common behaviour: unknown keys are errors; field docstrings become the schema's descriptions."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+        populate_by_name=True,
+        validate_assignment=False,
+    )
+
+    def problems(self) -> Iterator[Problem]:
+        """Cross-field checks of this model (values only, no I/O). Sub-models are walked by the caller."""
+        return iter(())
+
+    def all_problems(self, prefix: str = "") -> Iterator[Problem]:
+        """Problems of this model and, recursively, of every sub-config, with full key paths."""
+        for path, message in self.problems():
+            yield Problem(join_path(prefix, path), message)
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            items = enumerate(value) if isinstance(value, list) else [(None, value)]
+            for index, item in items:
+                if isinstance(item, BaseConfig):
+                    child = join_path(prefix, name) + (f"[{index}]" if index is not None else "")
+                    yield from item.all_problems(child)
+
+
+def join_path(prefix: str, path: str) -> str:
+    if not prefix:
+        return path
+    if not path:
+        return prefix
+    return f"{prefix}{path}" if path.startswith("[") else f"{prefix}.{path}"
+
+
+def unsupported(path: str, value: Any, default: Any, issue: str) -> Iterator[Problem]:
+    """Refuse a value for a key whose feature is not built yet (never ignore it silently)."""
+    if value != default:
+        yield Problem(
+            path,
+            f"{value!r} is not supported yet ({issue}); remove the key or set it to its default {default!r}",
+        )

@@ -1,0 +1,45 @@
+"""``checkpoint:`` — one entry per checkpoint engine; several engines can run together."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from pydantic import Field
+
+from posttrain.config.base import BaseConfig, Problem
+from posttrain.config.human import HumanInt
+
+
+class CheckpointConfig(BaseConfig):
+    type: str = ""
+    """Checkpoint engine type. Defaults to the trainer's first accepted engine (``huggingface``)."""
+
+    output_dir: str
+    """Directory the checkpoints are written to (created in the run if missing)."""
+
+    enabled: bool = True
+    """Turn this engine on or off without removing its block."""
+
+    auto_resume: bool = False
+    """Resume from the newest complete checkpoint in ``output_dir`` if there is one."""
+
+    save_every_n_steps: HumanInt = Field(default=0, ge=0)
+    """Save every N optimizer steps (0: never)."""
+
+    save_every_n_epochs: HumanInt = Field(default=0, ge=0)
+    """Save at the end of every N-th epoch (0: never)."""
+
+    save_end_of_training: bool = False
+    """Save once more when training ends (also after an early exit such as the kill switch)."""
+
+
+class HFCheckpointConfig(CheckpointConfig):
+    """Exports in Hugging Face format (safetensors + config + tokenizer); not resumable training state."""
+
+    def problems(self) -> Iterator[Problem]:
+        if self.auto_resume:
+            yield Problem(
+                "auto_resume",
+                "the huggingface engine writes exports, not resumable training state; "
+                "resuming needs the deepspeed engine (not supported yet)",
+            )

@@ -1,0 +1,139 @@
+"""``data:`` — where rows come from, how they become token ids, and how they are batched."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from pydantic import Field, SerializeAsAny, field_validator
+
+from posttrain.config.base import BaseConfig, Problem, unsupported
+from posttrain.config.human import HumanFloat, HumanInt
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+class DataSourceConfig(BaseConfig):
+    type: str = ""
+    """Data source type. A plain string source is ``local`` when it ends in .jsonl/.json/.parquet/.csv,
+    else ``huggingface``."""
+
+    name_or_path: str
+    """A local file, or (``huggingface``) a hub dataset name, a data directory or a ``save_to_disk`` directory."""
+
+    split: str = ""
+    """Split to read (``huggingface``: any slice split such as ``train[:10%]``). Empty: ``train``."""
+
+    sample_ratio: HumanFloat | None = Field(default=None, gt=0.0, le=1.0)
+    """Keep this fraction of the rows, sampled at random with ``sample_seed``."""
+
+    sample_count: HumanInt | None = Field(default=None, ge=1)
+    """Keep this many rows, sampled at random with ``sample_seed``."""
+
+    sample_seed: int = 42
+    """Seed of the row sampling (only used with ``sample_ratio`` or ``sample_count``)."""
+
+    process: bool = True
+    """Run the trainer's formatter on the rows (render and tokenize). ``false``: rows already hold
+    ``input_ids`` and ``labels``."""
+
+    def problems(self) -> Iterator[Problem]:
+        if self.sample_ratio is not None and self.sample_count is not None:
+            yield Problem("sample_count", "set sample_ratio or sample_count, not both")
+
+
+class LocalSourceConfig(DataSourceConfig):
+    """A local .jsonl, .json, .parquet or .csv file."""
+
+    @field_validator("name_or_path")
+    @classmethod
+    def _suffix(cls, value: str) -> str:
+        if not value.endswith(LOCAL_SUFFIXES):
+            raise ValueError(
+                f"{value!r} has no supported file suffix; allowed: {', '.join(LOCAL_SUFFIXES)} "
+                "(use type: huggingface for hub datasets and save_to_disk directories)"
+            )
+        return value
+
+
+class HFSourceConfig(DataSourceConfig):
+    """A Hugging Face ``datasets`` dataset: hub name, data directory or ``save_to_disk`` directory."""
+
+    kwargs: dict[str, Any] = {}
+    """Extra keyword arguments for ``datasets.load_dataset`` (e.g. ``data_files``, ``revision``)."""
+
+
+class DataConfig(BaseConfig):
+    type: str = ""
+    """Data factory type. Defaults to the trainer's first accepted data factory."""
+
+    sources: list[SerializeAsAny[DataSourceConfig]] = Field(min_length=1)
+    """Training data sources, concatenated in order. A string is shorthand for ``{name_or_path: ...}``."""
+
+    eval_sources: list[SerializeAsAny[DataSourceConfig]] = []
+    """Evaluation data sources (instead of, or besides, ``train_eval_split``)."""
+
+    train_eval_split: tuple[HumanFloat, HumanFloat] = (1.0, 0.0)
+    """Fractions of the training rows kept for training and held out for evaluation; they must sum to 1."""
+
+    max_length: HumanInt = Field(default=8192, ge=2)
+    """Longest sequence in tokens. When not set, the run takes the model's ``max_position_embeddings``."""
+
+    num_proc: int = Field(default=16, ge=1)
+    """Processes used to tokenize large datasets (small ones are processed in the main process)."""
+
+    dl_num_workers: int = Field(default=2, ge=0)
+    """DataLoader worker processes per rank."""
+
+    seed: int = 42
+    """Seed of the data order (shuffling, splits)."""
+
+    use_data_cache: bool | None = None
+    """Cache processed data on disk. Not supported yet."""
+
+    cache_processed_data: bool | None = None
+    """Deprecated alias of ``use_data_cache``."""
+
+    cache_dir: str = ""
+    """Where processed data is cached. Empty: ``<logger.output_dir>/data-cache`` (the seed's ``/tmp`` is
+    shared by every job on a machine)."""
+
+    cache_fs_type: Literal["auto", "local", "shared"] = "auto"
+    """Whether ``cache_dir`` is node-local or shared between nodes (decides who builds the cache)."""
+
+    @field_validator("sources", "eval_sources", mode="before")
+    @classmethod
+    def _listify(cls, value: Any) -> Any:
+        return value if isinstance(value, list) else [value]
+
+    def problems(self) -> Iterator[Problem]:
+        train, held_out = self.train_eval_split
+        if train < 0 or held_out < 0 or abs(train + held_out - 1.0) > 1e-9:
+            yield Problem(
+                "train_eval_split", f"{[train, held_out]} must be two non-negative fractions summing to 1"
+            )
+        if self.cache_processed_data is not None and self.use_data_cache is not None:
+            yield Problem(
+                "cache_processed_data", "deprecated alias of use_data_cache; set only use_data_cache"
+            )
+        cache = self.use_data_cache if self.use_data_cache is not None else self.cache_processed_data
+        yield from unsupported("use_data_cache", bool(cache), False, "the data cache arrives with issue #3")
+
+    @property
+    def has_eval(self) -> bool:
+        return bool(self.eval_sources) or self.train_eval_split[1] > 0
+
+
+class SFTDataConfig(DataConfig):
+    """Chat data for supervised fine-tuning: rows of ``{"messages": [{"role", "content"}, ...]}``."""
+
+    pack_samples: bool = False
+    """Pack several samples into each ``max_length`` sequence; position ids restart per sample and no token
+    attends across samples. Needs ``micro_batch_size: 1``."""
+
+    mask_inputs: bool = True
+    """Train only on assistant tokens (each assistant turn's closing end-of-turn token included). ``false``
+    trains on every token."""
+
+    overlong_samples: Literal["drop", "truncate"] = "drop"
+    """What to do with a sample longer than ``max_length``: drop it, or cut it to ``max_length`` tokens."""

@@ -1,0 +1,47 @@
+"""Build the DeepSpeed config dict from a ``TrainerConfig`` (pure: the caller supplies model facts)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from posttrain.config.trainer import TrainerConfig
+
+
+def zero_defaults(hidden_size: int) -> dict[str, Any]:
+    """ZeRO defaults recommended by the DeepSpeed team, scaled by the model's hidden size."""
+    return {
+        "stage": 2,
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+        "stage3_max_live_parameters": 2 * hidden_size * hidden_size,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "reduce_bucket_size": hidden_size * hidden_size,
+    }
+
+
+def build_deepspeed_config(config: TrainerConfig, *, world_size: int, hidden_size: int) -> dict[str, Any]:
+    """The user's ``deepspeed:`` block with every missing key filled in.
+
+    Keys the user set win; a partial ``zero_optimization`` block is merged key by key with the defaults
+    instead of replacing them. Batch sizes always follow ``micro_batch_size`` and
+    ``gradient_accumulation_steps`` (validation refuses a disagreeing value).
+    """
+    ds = copy.deepcopy(config.deepspeed)
+    data_parallel = world_size // config.sequence_parallel_size
+    ds["train_micro_batch_size_per_gpu"] = config.micro_batch_size
+    ds["gradient_accumulation_steps"] = config.gradient_accumulation_steps
+    ds["train_batch_size"] = config.micro_batch_size * config.gradient_accumulation_steps * data_parallel
+    ds.setdefault("steps_per_print", 10**9)  # posttrain prints its own metrics
+    ds["zero_optimization"] = {**zero_defaults(hidden_size), **ds.get("zero_optimization", {})}
+    dtype = config.model.dtype
+    if "bf16" not in ds and "bfloat16" not in ds:
+        ds["bf16"] = {"enabled": dtype == "bfloat16"}
+    if "fp16" not in ds:
+        ds["fp16"] = {"enabled": dtype == "float16"}
+    ds.setdefault("gradient_clipping", 1.0)
+    ds.setdefault("prescale_gradients", False)
+    ds.setdefault("wall_clock_breakdown", False)
+    # posttrain passes a torch optimizer to DeepSpeed; ZeRO accepts it with this flag.
+    ds.setdefault("zero_allow_untested_optimizer", True)
+    ds.setdefault("zero_force_ds_cpu_optimizer", False)
+    return ds

@@ -1,0 +1,71 @@
+"""``model:`` — which weights to load and how."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from pydantic import field_validator
+
+from posttrain.config.base import BaseConfig, Problem, unsupported
+
+DTYPE_ALIASES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def canonical_dtype(value: str) -> str:
+    key = value.lower().removeprefix("torch.")
+    if key not in DTYPE_ALIASES:
+        allowed = ", ".join(sorted(DTYPE_ALIASES))
+        raise ValueError(f"unknown dtype {value!r}; allowed: {allowed} (optionally prefixed with 'torch.')")
+    return DTYPE_ALIASES[key]
+
+
+class ModelConfig(BaseConfig):
+    type: str = ""
+    """Model factory type. Defaults to the trainer's first accepted model factory (``huggingface``)."""
+
+    name_or_path: str
+    """Hugging Face hub name or local directory of the model to train."""
+
+    dtype: str = "bfloat16"
+    """Data type of the model weights: ``float32``/``fp32``, ``bfloat16``/``bf16`` or ``float16``/``fp16``
+    (a ``torch.`` prefix is accepted). Mixed precision in DeepSpeed follows it."""
+
+    save_name: str | None = None
+    """Name to use when saving the model (the export directory's name under the checkpoint's output_dir)."""
+
+    attn_implementation: str = "sdpa"
+    """Attention kernel: ``eager``, ``sdpa``, ``flash_attention_2``, ``flash_attention_3`` or ``flex_attention``."""
+
+    disable_activation_checkpoint: bool = False
+    """Turn off activation (gradient) checkpointing, which is on by default to save memory."""
+
+    peft_config: dict[str, Any] | None = None
+    """Parameter-efficient fine-tuning (PEFT) config. Not supported yet."""
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> Any:
+        return canonical_dtype(value) if isinstance(value, str) else value
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attn(cls, value: str) -> str:
+        if value not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"unknown attention implementation {value!r}; allowed: {', '.join(ATTN_IMPLEMENTATIONS)}"
+            )
+        return value
+
+    def problems(self) -> Iterator[Problem]:
+        yield from unsupported("peft_config", self.peft_config, None, "PEFT/LoRA arrives with issue #4")

@@ -1,0 +1,203 @@
+"""The top-level ``TrainerConfig``: every key of a run's YAML file."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from pydantic import Field, SerializeAsAny, field_validator
+
+from posttrain.config.base import BaseConfig, Problem, unsupported
+from posttrain.config.checkpoint import CheckpointConfig
+from posttrain.config.data import DataConfig
+from posttrain.config.human import HumanInt, coerce_tree
+from posttrain.config.logger import LoggerConfig
+from posttrain.config.model import ModelConfig
+from posttrain.config.optimizer import OptimizerConfig
+from posttrain.config.scheduler import SchedulerConfig
+from posttrain.config.tokenizer import TokenizerConfig
+from posttrain.config.wandb import WandBConfig
+
+#: the sub-config slots whose class depends on a ``type:`` name
+TYPED_SLOTS = ("model", "tokenizer", "data", "optimizer", "scheduler")
+
+
+class TrainerConfig(BaseConfig):
+    type: str = "sft"
+    """Trainer (training method) type."""
+
+    code: str = "train.py"
+    """Python file with user components, relative to the config file. Loaded before validation when it
+    exists; naming a file that does not exist is an error."""
+
+    skip_validation: bool = False
+    """Allow component types that the trainer does not declare as compatible."""
+
+    model: SerializeAsAny[ModelConfig]
+    """Model configuration."""
+
+    tokenizer: SerializeAsAny[TokenizerConfig] = Field(default_factory=lambda: TokenizerConfig())
+    """Tokenizer configuration."""
+
+    data: SerializeAsAny[DataConfig]
+    """Training and evaluation data configuration."""
+
+    logger: LoggerConfig = Field(default_factory=lambda: LoggerConfig())
+    """Logger configuration."""
+
+    wandb: WandBConfig = Field(default_factory=lambda: WandBConfig())
+    """Weights & Biases configuration."""
+
+    scheduler: SerializeAsAny[SchedulerConfig] = Field(default_factory=lambda: SchedulerConfig())
+    """Learning-rate scheduler configuration."""
+
+    optimizer: SerializeAsAny[OptimizerConfig] = Field(default_factory=lambda: OptimizerConfig())
+    """Optimizer configuration."""
+
+    deepspeed: dict[str, Any] = {}
+    """DeepSpeed config. Keys you set win; the rest is filled in (batch sizes, ZeRO stage 2 defaults,
+    bf16/fp16 from ``model.dtype``, gradient clipping 1.0). A partial ``zero_optimization`` block is merged
+    with the defaults."""
+
+    epochs: int = Field(default=1, ge=0)
+    """Passes over the training data."""
+
+    loss_log_interval: HumanInt = Field(default=1, ge=0)
+    """Print a metrics line every N optimizer steps (0: never). The metrics file gets every step."""
+
+    train_log_iter_interval: Literal[0, 1] = 1
+    """Write a line to ``train_log_metrics_path`` every step (1) or never (0)."""
+
+    train_log_metrics_path: str = ""
+    """JSON-lines file with one line of metrics per optimizer step. Empty:
+    ``<logger.output_dir>/train-log-metrics.jsonl``."""
+
+    gradient_accumulation_steps: HumanInt = Field(default=1, ge=1)
+    """Micro-batches per optimizer step."""
+
+    micro_batch_size: HumanInt = Field(default=1, ge=1)
+    """Samples (or packed sequences) per micro-batch per rank."""
+
+    sequence_parallel_size: int = Field(default=1, ge=1)
+    """Sequence-parallel degree. Not supported yet (must stay 1)."""
+
+    expert_parallel_size: int = Field(default=1, ge=1)
+    """Expert-parallel degree for MoE models. Not supported yet (must stay 1)."""
+
+    arctic_moe: bool | Literal["auto"] = False
+    """ArcticTraining's MoE kernels. Not supported."""
+
+    enable_arctic_moe_custom_optimization: bool = False
+    """ArcticTraining's MoE communication kernels. Not supported."""
+
+    enable_routing_replay: bool = False
+    """Routing replay for MoE layers. Not supported."""
+
+    activation_checkpoint_cpu_offload: bool = False
+    """Offload activation checkpoints to CPU memory. Not supported yet."""
+
+    tiled_mlp_compute: bool = False
+    """Tile the MLP computation to save memory. Not supported yet."""
+
+    seed: int = Field(default=42, ge=0)
+    """Seed of Python's, NumPy's and torch's random generators (model init, dropout)."""
+
+    checkpoint: list[SerializeAsAny[CheckpointConfig]] = []
+    """Checkpoint engines; several may be used together."""
+
+    train_iters: HumanInt = Field(default=0, ge=0)
+    """Stop after this many optimizer steps (0: run all epochs). Schedulers are sized by it when set."""
+
+    eval_interval: HumanInt = Field(default=0, ge=0)
+    """Evaluate every N optimizer steps (0: never). Needs eval data and is needed by it."""
+
+    eval_log_iter_interval: HumanInt = Field(default=1, ge=0)
+    """Print every N-th evaluation's metrics line (0: never print; the metrics file still gets them)."""
+
+    exit_iteration: int = Field(default=0, ge=0)
+    """Stop at this optimizer step even if data and epochs remain (0: off). Schedules are not resized."""
+
+    exit_iteration_this_run: int = Field(default=0, ge=0)
+    """Stop after this many optimizer steps of this process's run (0: off), counted from where it started."""
+
+    min_iterations: HumanInt = Field(default=0, ge=0)
+    """Repeat the training data until it is enough for at least this many optimizer steps."""
+
+    overfit_first_batch: bool = False
+    """Train on repetitions of the first batch only (a quick check that the model can learn)."""
+
+    mem_profiler: Literal[None, "step", "e2e"] = None
+    """Memory profiling. Not supported yet."""
+
+    mem_profiler_dir: str = ""
+    """Where memory profiles go. Empty: ``<logger.output_dir>/mem-prof``."""
+
+    mem_profiler_max_entries: HumanInt = Field(default=100_000, ge=1)
+    """Most allocation events kept by the memory profiler."""
+
+    kill_switch_path: str = ""
+    """Creating this file stops training cleanly after the current step. Empty:
+    ``<logger.output_dir>/kill-switch`` (the seed's ``/tmp/at_kill_switch`` is shared by every job)."""
+
+    @field_validator("deepspeed", mode="before")
+    @classmethod
+    def _human_deepspeed(cls, value: Any) -> Any:
+        return coerce_tree(value) if isinstance(value, dict) else value
+
+    @field_validator("checkpoint", mode="before")
+    @classmethod
+    def _listify(cls, value: Any) -> Any:
+        return value if isinstance(value, list) else [value]
+
+    def problems(self) -> Iterator[Problem]:
+        yield from unsupported(
+            "sequence_parallel_size", self.sequence_parallel_size, 1, "sequence parallelism"
+        )
+        yield from unsupported("expert_parallel_size", self.expert_parallel_size, 1, "expert parallelism")
+        yield from unsupported("arctic_moe", self.arctic_moe, False, "ArcticTraining MoE kernels")
+        yield from unsupported(
+            "enable_arctic_moe_custom_optimization",
+            self.enable_arctic_moe_custom_optimization,
+            False,
+            "ArcticTraining MoE kernels",
+        )
+        yield from unsupported(
+            "enable_routing_replay", self.enable_routing_replay, False, "MoE routing replay"
+        )
+        yield from unsupported(
+            "activation_checkpoint_cpu_offload",
+            self.activation_checkpoint_cpu_offload,
+            False,
+            "activation offload",
+        )
+        yield from unsupported("tiled_mlp_compute", self.tiled_mlp_compute, False, "tiled MLP")
+        yield from unsupported(
+            "mem_profiler", self.mem_profiler, None, "the memory profiler arrives with issue #6"
+        )
+        if self.data.has_eval and self.eval_interval == 0:
+            yield Problem("eval_interval", "eval data is configured, so eval_interval must be > 0")
+        if self.eval_interval > 0 and not self.data.has_eval:
+            yield Problem(
+                "eval_interval",
+                f"{self.eval_interval} needs eval data: set data.eval_sources or data.train_eval_split",
+            )
+        if sum(c.auto_resume for c in self.checkpoint) > 1:
+            yield Problem("checkpoint", "at most one checkpoint engine may set auto_resume: true")
+        if getattr(self.data, "pack_samples", False) and self.micro_batch_size != 1:
+            yield Problem(
+                "micro_batch_size",
+                f"data.pack_samples=true needs micro_batch_size: 1 (got {self.micro_batch_size}); "
+                "a packed sequence already holds many samples",
+            )
+        ds_batch = self.deepspeed.get("train_micro_batch_size_per_gpu")
+        if ds_batch not in (None, "auto", self.micro_batch_size):
+            yield Problem("deepspeed.train_micro_batch_size_per_gpu", "set micro_batch_size instead")
+        ds_gas = self.deepspeed.get("gradient_accumulation_steps")
+        if ds_gas not in (None, "auto", self.gradient_accumulation_steps):
+            yield Problem("deepspeed.gradient_accumulation_steps", "set gradient_accumulation_steps instead")
+        if self.scheduler.lr is not None and self.scheduler.lr != self.optimizer.lr:
+            yield Problem(
+                "scheduler.lr",
+                f"{self.scheduler.lr} disagrees with optimizer.lr={self.optimizer.lr}; "
+                "the learning rate belongs in optimizer.lr (scheduler.lr is deprecated)",
+            )

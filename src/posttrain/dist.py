@@ -1,0 +1,96 @@
+"""Process-group set-up and the few collectives the loop needs (world size 1 skips them all)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ensure_rank_env() -> None:
+    """A process started without a launcher gets the env of rank 0 of 1 (else DeepSpeed tries MPI)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        return
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()),
+    )
+
+
+def init_distributed() -> DistInfo:
+    """Start the process group (nccl on GPU, gloo on CPU) through DeepSpeed's comm layer."""
+    ensure_rank_env()
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    import importlib
+
+    import deepspeed
+
+    # `import deepspeed.comm.torch as m` would bind the real torch (an attribute of deepspeed.comm).
+    ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
+    if os.environ.get("POSTTRAIN_DS_SHM_COMM") != "1":
+        # DeepSpeed would compile its shared-memory all-reduce op (about 30 s of gcc) at the first CPU init;
+        # gloo is enough for CPU runs, so keep the default CPU run free of op compiles.
+        ds_comm_torch.build_shm_op = lambda: None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not torch_dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world, device=device)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
+    """Sum a few numbers over all ranks in one collective (a no-op with one process)."""
+    if info.world_size == 1:
+        return values
+    tensor = torch.tensor(
+        values, dtype=torch.float64, device=info.device if info.device.type == "cuda" else "cpu"
+    )
+    torch_dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.world_size > 1:
+        torch_dist.barrier()

@@ -1,0 +1,59 @@
+"""The narrow DeepSpeed adapter: wrap, forward, backward, step, grad norm. The loop never imports deepspeed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class Engine:
+    """Owns the DeepSpeed engine built from the model, a client optimizer and scheduler, and a config dict.
+
+    Gradient accumulation is driven by the loop: it marks the last micro-batch of each optimizer step as the
+    accumulation boundary, so a short last step of an epoch is handled exactly, and it scales each
+    micro-batch loss itself (``backward`` does not divide by the accumulation steps again).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        ds_config: dict[str, Any],
+    ) -> None:
+        import deepspeed
+
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+        self.world_size = self.ds.world_size if hasattr(self.ds, "world_size") else 1
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.ds.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.ds.device
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ds(*args, **kwargs)
+
+    def micro_step(self, loss: torch.Tensor, last: bool) -> None:
+        """Backward one micro-batch; on the last one of the step, reduce gradients, clip and step."""
+        self.ds.set_gradient_accumulation_boundary(last)
+        self.ds.backward(loss, scale_wrt_gas=False)
+        self.ds.step()
+
+    def grad_norm(self) -> float:
+        norm = self.ds.get_global_grad_norm()
+        if norm is None:
+            return float("nan")
+        return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def train(self, mode: bool = True) -> None:
+        self.ds.train(mode)

@@ -1,0 +1,116 @@
+"""Explicit component registries.
+
+Every pluggable component (trainer, model factory, tokenizer factory, data source, data factory, optimizer,
+scheduler, checkpoint engine) is registered by name in one of the registries below. ``type:`` keys in a config
+are looked up here, and user code loaded through ``code:`` registers new components with the same API::
+
+    from posttrain.registry import DATA_SOURCES
+
+    @DATA_SOURCES.register("my-source", config=MySourceConfig)
+    class MySource: ...
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class UnknownComponentError(KeyError):
+    """A ``type:`` name that no registry entry matches."""
+
+    def __init__(self, kind: str, name: str, known: list[str]) -> None:
+        self.kind, self.name, self.known = kind, name, known
+        hint = difflib.get_close_matches(name, known, n=1)
+        did_you_mean = f"; did you mean {hint[0]!r}?" if hint else ""
+        super().__init__(f"unknown {kind} type {name!r}{did_you_mean} (registered: {', '.join(known)})")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class Entry(Generic[T]):
+    """One registered component: its name, the object itself and the pydantic config class it takes."""
+
+    name: str
+    obj: T
+    config: type
+
+
+class Registry(Generic[T]):
+    """A name -> component table for one kind of component."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, Entry[T]] = {}
+
+    def register(self, name: str, *, config: type, replace: bool = False) -> Callable[[T], T]:
+        """Decorator registering ``obj`` under ``name`` with its config class.
+
+        Registering a taken name is an error unless ``replace=True``, so two plugins cannot silently shadow
+        each other.
+        """
+
+        def decorator(obj: T) -> T:
+            if name in self._entries and not replace and self._entries[name].obj is not obj:
+                raise ValueError(f"{self.kind} type {name!r} is already registered; pass replace=True")
+            self._entries[name] = Entry(name=name, obj=obj, config=config)
+            return obj
+
+        return decorator
+
+    def add(self, name: str, obj: T, *, config: type, replace: bool = False) -> T:
+        """Non-decorator form of :meth:`register`."""
+        return self.register(name, config=config, replace=replace)(obj)
+
+    def get(self, name: str) -> Entry[T]:
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise UnknownComponentError(self.kind, name, self.names()) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """What a trainer (a training method) is made of and which component types it accepts.
+
+    ``accepts`` maps a config slot (``model``, ``tokenizer``, ``data``, ``optimizer``, ``scheduler``,
+    ``checkpoint``) to the component names the trainer works with; the first one is the default when the
+    config names no ``type``.
+    """
+
+    name: str
+    accepts: dict[str, tuple[str, ...]]
+    loss: Callable[..., Any]
+    description: str = ""
+
+
+TRAINERS: Registry[TrainerSpec] = Registry("trainer")
+MODEL_FACTORIES: Registry[Any] = Registry("model")
+TOKENIZER_FACTORIES: Registry[Any] = Registry("tokenizer")
+DATA_SOURCES: Registry[Any] = Registry("data source")
+DATA_FACTORIES: Registry[Any] = Registry("data")
+OPTIMIZERS: Registry[Any] = Registry("optimizer")
+SCHEDULERS: Registry[Any] = Registry("scheduler")
+CHECKPOINT_ENGINES: Registry[Any] = Registry("checkpoint")
+
+#: config slot -> the registry that resolves its ``type:``
+SLOT_REGISTRIES: dict[str, Registry[Any]] = {
+    "model": MODEL_FACTORIES,
+    "tokenizer": TOKENIZER_FACTORIES,
+    "data": DATA_FACTORIES,
+    "optimizer": OPTIMIZERS,
+    "scheduler": SCHEDULERS,
+    "checkpoint": CHECKPOINT_ENGINES,
+}

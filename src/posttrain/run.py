@@ -1,0 +1,191 @@
+"""One rank of a training run: build every component from the validated config, train, finish."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from posttrain.config.deepspeed import build_deepspeed_config
+from posttrain.config.trainer import TrainerConfig
+from posttrain.context import RunContext
+from posttrain.data.build import Datasets, build_datasets
+from posttrain.data.collate import Collator
+from posttrain.data.sft import IGNORE_INDEX
+from posttrain.dist import barrier, init_distributed, seed_everything
+from posttrain.engine import Engine
+from posttrain.errors import UserError
+from posttrain.logs import get_logger, say, setup_logging
+from posttrain.loop import LoopInputs, LoopState, train_loop
+from posttrain.registry import (
+    CHECKPOINT_ENGINES,
+    MODEL_FACTORIES,
+    OPTIMIZERS,
+    SCHEDULERS,
+    TOKENIZER_FACTORIES,
+    TRAINERS,
+)
+from posttrain.tracking.metrics import MetricsFile
+
+
+@dataclass
+class RunResult:
+    state: LoopState
+    output_dir: Path
+
+
+def _model_fact(model: torch.nn.Module, *names: str) -> int | None:
+    model_config = getattr(model, "config", None)
+    for name in names:
+        value = getattr(model_config, name, None)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, list | tuple) and value:
+            return max(value)
+    return None
+
+
+def _eval_shard(samples: list[dict[str, list[int]]], rank: int, world: int) -> list[dict[str, list[int]]]:
+    """Every rank gets the same number of eval samples (collectives stay in step); the padding samples
+    carry no labels, so the token-weighted eval loss is exact."""
+    shard = samples[rank::world]
+    per_rank = math.ceil(len(samples) / world) if samples else 0
+    filler = (
+        {"input_ids": samples[0]["input_ids"], "labels": [IGNORE_INDEX] * len(samples[0]["input_ids"])}
+        if samples
+        else None
+    )
+    return shard + [filler] * (per_rank - len(shard))  # type: ignore[list-item]
+
+
+def _loaders(
+    ctx: RunContext, data: Datasets, pad_id: int
+) -> tuple[DataLoader, DistributedSampler, DataLoader | None]:
+    config = ctx.config
+    collate = Collator(pad_id)
+    sampler = DistributedSampler(
+        data.train, num_replicas=ctx.dist.world_size, rank=ctx.dist.rank, shuffle=True, seed=config.data.seed
+    )
+    workers = config.data.dl_num_workers
+    train = DataLoader(
+        data.train,  # type: ignore[arg-type]
+        batch_size=config.micro_batch_size,
+        sampler=sampler,
+        collate_fn=collate,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+    )
+    evaluation = None
+    if data.eval:
+        shard = _eval_shard(data.eval, ctx.dist.rank, ctx.dist.world_size)
+        evaluation = DataLoader(shard, batch_size=config.micro_batch_size, collate_fn=collate)  # type: ignore[arg-type]
+    return train, sampler, evaluation
+
+
+def _replicate_for_min_iterations(config: TrainerConfig, data: Datasets, world: int) -> None:
+    if not config.min_iterations:
+        return
+    per_step = config.micro_batch_size * config.gradient_accumulation_steps * world
+    steps = max(1, config.epochs) * math.ceil(len(data.train) / per_step)
+    if steps < config.min_iterations:
+        copies = math.ceil(config.min_iterations / steps)
+        data.train = data.train * copies
+        say(f"min_iterations={config.min_iterations}: training data repeated {copies}x")
+
+
+def run(config: TrainerConfig) -> RunResult:
+    """Train one rank. Every rank runs this with the same config."""
+    dist = init_distributed()
+    ctx = RunContext(config=config, dist=dist)
+    output_dir = ctx.output_dir
+    if dist.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    barrier(dist)
+    setup_logging(config.logger, dist.rank)
+    log = get_logger()
+    seed_everything(config.seed)
+    spec = TRAINERS.get(config.type).obj
+
+    tokenizer = TOKENIZER_FACTORIES.get(config.tokenizer.type).obj(config.tokenizer, ctx)
+    model = MODEL_FACTORIES.get(config.model.type).obj(config.model, ctx)
+    max_length = config.data.max_length
+    if "max_length" not in config.data.model_fields_set:
+        max_length = _model_fact(model, "max_position_embeddings") or max_length
+        log.info("data.max_length not set: using the model's max_position_embeddings=%d", max_length)
+
+    data = build_datasets(ctx, tokenizer, max_length)
+    say(data.train_report.summary("train data"))
+    if data.eval:
+        say(data.eval_report.summary("eval data"))
+    _replicate_for_min_iterations(config, data, dist.world_size)
+    train_loader, sampler, eval_loader = _loaders(ctx, data, tokenizer.pad_token_id)
+    steps_per_epoch = math.ceil(len(train_loader) / config.gradient_accumulation_steps)
+    total_steps = config.train_iters or config.epochs * steps_per_epoch
+    if total_steps == 0:
+        raise UserError("nothing to train: epochs is 0 and train_iters is 0")
+
+    optimizer = OPTIMIZERS.get(config.optimizer.type).obj(config.optimizer, model, ctx)
+    scheduler = SCHEDULERS.get(config.scheduler.type).obj(config.scheduler, optimizer, total_steps, ctx)
+    hidden = _model_fact(model, "hidden_size", "hidden_sizes", "d_model", "n_embd")
+    if hidden is None:
+        raise UserError(
+            "cannot read the model's hidden size (config.hidden_size) to fill the DeepSpeed config"
+        )
+    ds_config = build_deepspeed_config(config, world_size=dist.world_size, hidden_size=hidden)
+    engine = Engine(model, optimizer, scheduler, ds_config)
+    checkpoints = [CHECKPOINT_ENGINES.get(c.type).obj(c, ctx, tokenizer) for c in config.checkpoint]
+    metrics = MetricsFile(
+        config.train_log_metrics_path, enabled=dist.is_main and config.train_log_iter_interval == 1
+    )
+    say(
+        f"training {config.type}: {len(data.train)} sequences, {steps_per_epoch} steps/epoch, "
+        f"{total_steps} steps, world size {dist.world_size}, global batch "
+        f"{config.micro_batch_size * config.gradient_accumulation_steps * dist.world_size}"
+    )
+    inputs = LoopInputs(
+        engine=engine,
+        loss_fn=spec.loss,
+        train_loader=train_loader,
+        set_epoch=sampler.set_epoch,
+        eval_loader=eval_loader,
+        checkpoints=checkpoints,
+        metrics=metrics,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+    )
+    try:
+        state = train_loop(ctx, inputs)
+        for checkpoint in checkpoints:
+            if checkpoint.due(step=state.step, end=True):
+                path = checkpoint.save(engine.module, step=state.step, end=True)
+                say(f"saved {path}")
+        barrier(dist)
+    finally:
+        metrics.close()
+    if state.stop_reason:
+        say(f"stopped early at step {state.step}: {state.stop_reason}")
+    if dist.is_main and os.path.exists(config.kill_switch_path):
+        os.remove(config.kill_switch_path)
+        say(f"removed the kill switch {config.kill_switch_path} so the next run starts normally")
+    return RunResult(state=state, output_dir=output_dir)
+
+
+def run_in_process(config: TrainerConfig) -> RunResult:
+    """Run and tear the process group down afterwards (tests run several trainings in one process)."""
+    try:
+        return run(config)
+    finally:
+        import torch.distributed as torch_dist
+
+        if torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
+            import deepspeed.comm.comm as ds_comm
+
+            ds_comm.cdb = None
+
+
+__all__ = ["RunResult", "run", "run_in_process"]

@@ -1,0 +1,158 @@
+"""A tiny LLaMA-architecture model and byte-level BPE tokenizer, built locally with no network.
+
+Used by the tests, the demo and the benchmarks so nothing is ever downloaded. Deterministic for a seed: the
+training text, the BPE merges and the initial weights all derive from it.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from pathlib import Path
+
+BOS, EOS, PAD = "<|begin_of_text|>", "<|im_end|>", "<|pad|>"
+IM_START, END_OF_TEXT = "<|im_start|>", "<|end_of_text|>"
+SPECIAL_TOKENS = [PAD, BOS, END_OF_TEXT, IM_START, EOS]
+
+# ChatML with `{% generation %}` markers around what the assistant says, end-of-turn token included, so the
+# label mask comes from the template itself. HF's Jinja trims the newline right after `{% endgeneration %}`,
+# hence the explicit `{{ '\n' }}`.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}"
+    "{{ message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the a of and to in is you that it he was for on are as with his they at be this have from or one had by "
+    "word but not what all were we when your can said there use an each which she do how their if will up other "
+    "about out many then them these so some her would make like him into time has look two more write go see "
+    "number no way could people my than first water been call who oil its now find long down day did get come "
+    "made may part reverse sort count answer question user assistant system digits letters list please give "
+    "add sum plus minus equals true false yes hello thanks sure here result model train data token"
+).split()
+
+
+def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
+    """Deterministic training text: English-like words, pseudo-words, numbers and chat markup."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        words = []
+        for _ in range(rng.randint(4, 14)):
+            roll = rng.random()
+            if roll < 0.55:
+                words.append(rng.choice(_WORDS))
+            elif roll < 0.8:
+                words.append("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 7))))
+            elif roll < 0.92:
+                words.append(str(rng.randint(0, 99999)))
+            else:
+                words.append(rng.choice([",", ".", "?", "!", ":", "-", "+", "=", "(", ")"]))
+        line = " ".join(words)
+        lines.append(line.capitalize() if rng.random() < 0.5 else line)
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 2048, seed: int = 0):  # -> PreTrainedTokenizerFast
+    """Train a byte-level BPE tokenizer (digits split one per token) with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=1024,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model(
+    vocab_size: int,
+    *,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    seed: int = 0,
+    max_position_embeddings: int = 1024,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+):  # -> LlamaForCausalLM
+    """A randomly initialised LLaMA causal LM (float32)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if hidden_size % heads:
+        raise ValueError(f"hidden_size {hidden_size} must be a multiple of the {heads} attention heads")
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def write_tiny_model(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    layers: int = 2,
+    vocab_size: int = 2048,
+    heads: int = 4,
+) -> Path:
+    """Write model + tokenizer in Hugging Face format to ``out_dir`` (atomically) and return the path."""
+    from posttrain.utils.fs import atomic_dir
+
+    out = Path(out_dir)
+    tokenizer = build_tokenizer(vocab_size=vocab_size, seed=seed)
+    model = build_model(
+        len(tokenizer),
+        hidden_size=hidden_size,
+        layers=layers,
+        heads=heads,
+        seed=seed,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return out
