@@ -26,6 +26,7 @@ class LoopState:
     epoch: int = 0
     run_steps: int = 0
     stop_reason: str = ""
+    evals: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -103,10 +104,9 @@ def evaluate(ctx: RunContext, inputs: LoopInputs) -> float:
     return total / max(count, 1.0)
 
 
-def _stop_reason(ctx: RunContext, state: LoopState, total_steps: int) -> str:
+def _stop_reason(ctx: RunContext, state: LoopState) -> str:
+    """Why training stops before its planned end (empty: it goes on)."""
     config = ctx.config
-    if state.step >= total_steps:
-        return ""  # the planned end, not an early exit
     if config.exit_iteration and state.step >= config.exit_iteration:
         return f"exit_iteration={config.exit_iteration} reached"
     if config.exit_iteration_this_run and state.run_steps >= config.exit_iteration_this_run:
@@ -114,25 +114,46 @@ def _stop_reason(ctx: RunContext, state: LoopState, total_steps: int) -> str:
     return ""
 
 
+def _after_step(ctx: RunContext, inputs: LoopInputs, state: LoopState, record: dict[str, Any]) -> None:
+    """Evaluate, record, print and save as configured after an optimizer step."""
+    config = ctx.config
+    if config.eval_interval and state.step % config.eval_interval == 0 and inputs.eval_loader is not None:
+        record["eval_loss"] = evaluate(ctx, inputs)
+        state.evals += 1
+    inputs.metrics.write(record)
+    state.history.append(record)
+    printed = config.loss_log_interval and state.step % config.loss_log_interval == 0
+    eval_printed = (
+        "eval_loss" in record and config.eval_log_iter_interval and state.evals % config.eval_log_iter_interval == 0
+    )
+    if printed or eval_printed:
+        say(format_line(record, inputs.total_steps))
+    for engine in inputs.checkpoints:
+        if engine.due(step=state.step):
+            engine.save(inputs.engine.module, step=state.step)
+
+
+def _epoch_steps(ctx: RunContext, inputs: LoopInputs) -> Iterator[list[dict[str, Any]]]:
+    gas = ctx.config.gradient_accumulation_steps
+    if ctx.config.overfit_first_batch:
+        return repeat_first(inputs.train_loader, gas, inputs.steps_per_epoch)
+    return group_steps(inputs.train_loader, gas)
+
+
 def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState | None = None) -> LoopState:
+    """Train until the epochs or ``train_iters`` are done or an exit condition fires."""
     config = ctx.config
     state = state or LoopState()
-    kill_switch = config.kill_switch_path
-    gas = config.gradient_accumulation_steps
-    evals = 0
     while state.epoch < config.epochs and not state.stop_reason and state.step < inputs.total_steps:
         inputs.set_epoch(state.epoch)
-        steps = (
-            repeat_first(inputs.train_loader, gas, inputs.steps_per_epoch)
-            if config.overfit_first_batch
-            else group_steps(inputs.train_loader, gas)
-        )
-        for micro_batches in steps:
+        steps_this_epoch = 0
+        for micro_batches in _epoch_steps(ctx, inputs):
             started = time.perf_counter()
             loss_sum, tokens, input_tokens = train_step(ctx, inputs, micro_batches)
             state.step += 1
             state.run_steps += 1
-            killed = os.path.exists(kill_switch)
+            steps_this_epoch += 1
+            killed = os.path.exists(config.kill_switch_path)
             loss_total, killed_ranks = all_reduce_sum([loss_sum, float(killed)], ctx.dist)
             elapsed = time.perf_counter() - started
             record: dict[str, Any] = {
@@ -145,32 +166,13 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState | None = No
                 "step_time": elapsed,
                 "tokens_per_second": input_tokens / elapsed if elapsed > 0 else None,
             }
-            if (
-                config.eval_interval
-                and state.step % config.eval_interval == 0
-                and inputs.eval_loader is not None
-            ):
-                record["eval_loss"] = evaluate(ctx, inputs)
-                evals += 1
-            inputs.metrics.write(record)
-            state.history.append(record)
-            printed = config.loss_log_interval and state.step % config.loss_log_interval == 0
-            eval_printed = (
-                "eval_loss" in record
-                and config.eval_log_iter_interval
-                and evals % config.eval_log_iter_interval == 0
-            )
-            if printed or eval_printed:
-                say(format_line(record, inputs.total_steps))
-            for engine in inputs.checkpoints:
-                if engine.due(step=state.step):
-                    engine.save(inputs.engine.module, step=state.step)
+            _after_step(ctx, inputs, state, record)
             if killed_ranks > 0:
-                state.stop_reason = f"kill switch {kill_switch} found"
-            state.stop_reason = state.stop_reason or _stop_reason(ctx, state, inputs.total_steps)
-            if state.stop_reason:
+                state.stop_reason = f"kill switch {config.kill_switch_path} found"
+            state.stop_reason = state.stop_reason or _stop_reason(ctx, state)
+            if state.stop_reason or state.step >= inputs.total_steps:
                 break
-        else:
+        if steps_this_epoch == inputs.steps_per_epoch:
             state.epoch += 1
             for engine in inputs.checkpoints:
                 if engine.due(step=state.step, epoch_end=state.epoch):

@@ -36,6 +36,7 @@ from posttrain.tracking.metrics import MetricsFile
 class RunResult:
     state: LoopState
     output_dir: Path
+    model: torch.nn.Module
 
 
 def _model_fact(model: torch.nn.Module, *names: str) -> int | None:
@@ -171,21 +172,7 @@ def run(config: TrainerConfig) -> RunResult:
     if dist.is_main and os.path.exists(config.kill_switch_path):
         os.remove(config.kill_switch_path)
         say(f"removed the kill switch {config.kill_switch_path} so the next run starts normally")
-    return RunResult(state=state, output_dir=output_dir)
+    return RunResult(state=state, output_dir=output_dir, model=engine.module)
 
 
-def run_in_process(config: TrainerConfig) -> RunResult:
-    """Run and tear the process group down afterwards (tests run several trainings in one process)."""
-    try:
-        return run(config)
-    finally:
-        import torch.distributed as torch_dist
-
-        if torch_dist.is_initialized():
-            torch_dist.destroy_process_group()
-            import deepspeed.comm.comm as ds_comm
-
-            ds_comm.cdb = None
-
-
-__all__ = ["RunResult", "run", "run_in_process"]
+__all__ = ["RunResult", "run"]

@@ -156,6 +156,8 @@ def apply_overrides(raw: RawConfig, overrides: list[str]) -> None:
             elif isinstance(target, list) and isinstance(part, int) and part <= len(target):
                 if part == len(target):
                     target.append([] if isinstance(nxt, int) else {})
+                elif isinstance(target[part], str) and not isinstance(nxt, int):
+                    target[part] = {"name_or_path": target[part]}  # a source's string shorthand
                 target = target[part]
             else:
                 target = None
@@ -195,7 +197,19 @@ def load_user_code(raw: RawConfig) -> None:
             raw.issues.append(ConfigIssue("code", f"{value!r}: no such file ({path})", raw.where(("code",))))
         return
     raw.data["code"] = str(path)
-    import_user_module(path)
+    try:
+        import_user_module(path)
+    except Exception as exc:
+        raw.issues.append(ConfigIssue("code", f"importing {path} failed: {_where_in(exc, path)}", raw.where(("code",))))
+
+
+def _where_in(exc: BaseException, path: Path) -> str:
+    """``Type: message (at file:line)`` for the deepest frame of the user's file."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(path)]
+    at = f" (at {path.name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{at}"
 
 
 def import_user_module(path: Path) -> None:

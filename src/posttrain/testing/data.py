@@ -1,0 +1,29 @@
+"""Synthetic chat rows for tests and benchmarks (digit reversal, varied lengths and shapes)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+
+def chat_rows(n: int, seed: int = 0, max_digits: int = 9) -> list[dict]:
+    """Rows of varied length; every third has a system message, every fourth a second exchange."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(2, max_digits)))
+        messages = [{"role": "user", "content": f"reverse {digits}"}, {"role": "assistant", "content": digits[::-1]}]
+        if i % 3 == 0:
+            messages.insert(0, {"role": "system", "content": "Answer with digits only."})
+        if i % 4 == 0:
+            messages += [{"role": "user", "content": "again"}, {"role": "assistant", "content": digits[::-1]}]
+        rows.append({"messages": messages})
+    return rows
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path

@@ -1,0 +1,50 @@
+"""Shared fixtures: the tiny model and tokenizer are built once per test session, never downloaded."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from posttrain.testing.data import chat_rows, write_jsonl
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from posttrain.testing.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, hidden_size=64, layers=2, vocab_size=1024)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir: Path):  # -> PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def chat_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("data") / "chat.jsonl", chat_rows(64))
+
+
+@pytest.fixture
+def base_config(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> dict:
+    """A small, fast SFT config dict writing everything under tmp_path."""
+    return {
+        "type": "sft",
+        "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "disable_activation_checkpoint": True},
+        "data": {"sources": [str(chat_file)], "max_length": 64, "dl_num_workers": 0},
+        "micro_batch_size": 4,
+        "optimizer": {"lr": 1e-3},
+        "scheduler": {"name": "constant", "warmup_ratio": 0},
+        "logger": {"output_dir": str(tmp_path / "run")},
+        "loss_log_interval": 0,
+    }

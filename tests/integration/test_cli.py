@@ -1,0 +1,66 @@
+"""The ``posttrain`` command as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.integration
+
+
+def posttrain(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "posttrain", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_train_with_overrides_writes_metrics_and_export(base_config: dict, tmp_path: Path) -> None:
+    base_config["checkpoint"] = [{"output_dir": str(tmp_path / "ckpt"), "save_end_of_training": True}]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(base_config))
+    done = posttrain("train", str(path), "train_iters=3", "optimizer.lr=2e-3", "loss_log_interval=1")
+    assert done.returncode == 0, done.stderr
+    assert "iter 3/3" in done.stdout
+    lines = (Path(base_config["logger"]["output_dir"]) / "train-log-metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["iter"] for line in lines] == [1, 2, 3]
+    assert (tmp_path / "ckpt" / "final" / "config.json").is_file()
+    assert "compil" not in done.stdout + done.stderr.lower()  # no DeepSpeed op was built
+
+
+def test_bad_data_row_exit_2_no_traceback(base_config: dict, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}\n{"msg": 1}\n')
+    base_config["data"]["sources"] = [str(bad)]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(base_config))
+    done = posttrain("train", str(path))
+    assert done.returncode == 2
+    assert f"{bad} row 2: missing 'messages'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_config_error_exit_2(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {name_or_path: m}\ndata: {sources: [a.jsonl]}\noptimizer: {lr: -1, betas: [1]}\n")
+    done = posttrain("train", str(path), "epochs=x")
+    assert done.returncode == 2
+    assert "3 config errors" in done.stderr
+    assert "optimizer.lr" in done.stderr and "optimizer.betas" in done.stderr and "command line: epochs" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_tiny_model_is_deterministic_and_loadable(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        done = posttrain("tiny-model", str(tmp_path / name), "--seed", "3", "--hidden-size", "32", "--layers", "1", "--vocab-size", "512")
+        assert done.returncode == 0, done.stderr
+    for file in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "a")
+    assert model.config.hidden_size == 32 and model.config.num_hidden_layers == 1
+    assert len(tokenizer) == 512 and "generation" in tokenizer.chat_template

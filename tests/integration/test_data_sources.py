@@ -1,0 +1,103 @@
+"""Every kind of data source, sampling, splits, length policies and bad rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import load_config
+from posttrain.context import RunContext
+from posttrain.data.build import build_datasets
+from posttrain.dist import DistInfo
+from posttrain.errors import DataError
+from posttrain.testing.data import chat_rows, write_jsonl
+
+pytestmark = pytest.mark.integration
+
+
+def build(config: dict, tokenizer, tmp_path: Path):
+    cfg = load_config(data=config, base_dir=tmp_path)
+    import torch
+
+    ctx = RunContext(cfg, DistInfo(0, 0, 1, torch.device("cpu")))
+    return build_datasets(ctx, tokenizer, cfg.data.max_length)
+
+
+def data_config(sources: list, **data) -> dict:
+    return {"model": {"name_or_path": "m"}, "data": {"sources": sources, "max_length": 64, **data}}
+
+
+def test_all_local_formats_and_hf_datasets(tiny_tokenizer, tmp_path: Path) -> None:
+    import datasets
+    import pandas as pd
+
+    rows = chat_rows(10, seed=1, max_digits=4)
+    jsonl = write_jsonl(tmp_path / "a.jsonl", rows)
+    (tmp_path / "b.json").write_text(json.dumps(rows))
+    frame = pd.DataFrame({"messages": [r["messages"] for r in rows]})
+    frame.to_parquet(tmp_path / "c.parquet")
+    csv_rows = [{"question": "q", "answer": "a"}]
+    pd.DataFrame(csv_rows).to_csv(tmp_path / "d.csv", index=False)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "dir").mkdir()
+    write_jsonl(tmp_path / "dir" / "train.jsonl", rows)
+
+    out = build(data_config([str(jsonl), str(tmp_path / "b.json"), str(tmp_path / "c.parquet"),
+                             str(tmp_path / "saved"), str(tmp_path / "dir")]), tiny_tokenizer, tmp_path)  # fmt: skip
+    assert len(out.train) == 50 and out.train_report.rows == 50
+    assert out.train[0] == out.train[10] == out.train[20] == out.train[30] == out.train[40]
+
+    with pytest.raises(DataError, match=r"d\.csv row 2: missing 'messages'"):
+        build(data_config([str(tmp_path / "d.csv")]), tiny_tokenizer, tmp_path)
+
+
+def test_sampling_and_eval_split(tiny_tokenizer, tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", chat_rows(40, seed=2, max_digits=4))
+    out = build(data_config([{"name_or_path": str(path), "sample_count": 10}]), tiny_tokenizer, tmp_path)
+    assert len(out.train) == 10
+    out = build(data_config([{"name_or_path": str(path), "sample_ratio": "25%"}]), tiny_tokenizer, tmp_path)
+    assert len(out.train) == 10
+    config = data_config([str(path)], train_eval_split=[0.75, 0.25])
+    config["eval_interval"] = 5
+    out = build(config, tiny_tokenizer, tmp_path)
+    assert len(out.train) == 30 and len(out.eval) == 10
+    train_ids = {tuple(s["input_ids"]) for s in out.train}
+    assert not train_ids & {tuple(s["input_ids"]) for s in out.eval}
+
+
+def test_overlong_rows_dropped_or_truncated(tiny_tokenizer, tmp_path: Path) -> None:
+    long_answer = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y " * 100}]}
+    long_prompt = {"messages": [{"role": "user", "content": "x " * 100}, {"role": "assistant", "content": "y"}]}
+    path = write_jsonl(tmp_path / "a.jsonl", [*chat_rows(5, max_digits=3), long_answer, long_prompt])
+    out = build(data_config([str(path)]), tiny_tokenizer, tmp_path)
+    assert len(out.train) == 5 and out.train_report.dropped == {"longer than max_length=64": 2}
+    assert "2 dropped (longer than max_length=64)" in out.train_report.summary("train")
+    out = build(data_config([str(path)], overlong_samples="truncate"), tiny_tokenizer, tmp_path)
+    # the long answer keeps its first tokens; the long prompt loses its whole answer, so it is dropped
+    assert len(out.train) == 6 and out.train_report.truncated == 2
+    assert out.train_report.dropped == {"no trained tokens": 1}
+    assert max(len(s["input_ids"]) for s in out.train) == 64
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}', "row 3: messages\\[1\\].role 'bot'"),
+        ('{"messages": []}', "row 3: 'messages' must be a non-empty list"),
+        ('{"text": "hi"}', "row 3: missing 'messages'"),
+        ("{not json", "row 3: invalid JSON"),
+    ],
+)
+def test_bad_row_names_file_and_row(tiny_tokenizer, tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    good = json.dumps(chat_rows(1)[0])
+    path.write_text(f"{good}\n{good}\n{line}\n")
+    with pytest.raises(DataError, match=f"bad.jsonl {message}"):
+        build(data_config([str(path)]), tiny_tokenizer, tmp_path)
+
+
+def test_missing_file(tiny_tokenizer, tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="no such file"):
+        build(data_config([str(tmp_path / "nope.jsonl")]), tiny_tokenizer, tmp_path)

@@ -1,0 +1,56 @@
+"""A real SFT run on the tiny model: loss falls, metrics and checkpoints are written and reload exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.integration.helpers import merge, metrics, train
+
+pytestmark = pytest.mark.integration
+
+
+def test_loss_falls_metrics_and_checkpoint(base_config: dict, tmp_path: Path) -> None:
+    config = merge(
+        base_config,
+        epochs=3,
+        data={"train_eval_split": [0.875, 0.125]},
+        eval_interval=8,
+        optimizer={"lr": 3e-3},
+        checkpoint=[{"output_dir": str(tmp_path / "ckpt"), "save_end_of_training": True, "save_every_n_steps": 10}],
+    )
+    result = train(config)
+    lines = metrics(config)
+    assert len(lines) == 42 == result.state.step  # 56 training rows / 4 per step = 14 steps x 3 epochs
+    for key in ("iter", "epoch", "loss", "lr", "grad_norm", "tokens", "step_time", "tokens_per_second"):
+        assert key in lines[0], key
+    assert [line["iter"] for line in lines] == list(range(1, 43))
+    assert [line["epoch"] for line in lines[::14]] == [0, 1, 2]
+    first, last = sum(x["loss"] for x in lines[:3]) / 3, sum(x["loss"] for x in lines[-3:]) / 3
+    assert last < 0.7 * first, (first, last)
+    evals = [line for line in lines if "eval_loss" in line]
+    assert [line["iter"] for line in evals] == [8, 16, 24, 32, 40]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    assert all(line["tokens"] > 0 and line["grad_norm"] > 0 for line in lines)
+
+    ckpt = tmp_path / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["final", "global_step_10", "global_step_20", "global_step_30", "global_step_40"]
+    assert (ckpt / "final" / "model.safetensors").is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(ckpt / "final", dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(ckpt / "final")
+    ids = tokenizer("reverse 12345", return_tensors="pt")["input_ids"]
+    result.model.eval()
+    with torch.no_grad():
+        assert torch.allclose(reloaded(ids).logits, result.model(ids).logits, atol=1e-6)
+    assert not any(p.name.startswith(".") for p in ckpt.iterdir())  # no temporary directories left behind
+
+
+def test_activation_checkpointing_and_bf16_dtype_train(base_config: dict) -> None:
+    config = merge(base_config, train_iters=2, model={"disable_activation_checkpoint": False, "dtype": "bfloat16"})
+    result = train(config)
+    assert result.state.step == 2
+    assert next(result.model.parameters()).dtype == torch.bfloat16
+    assert result.model.is_gradient_checkpointing

@@ -1,0 +1,206 @@
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from posttrain.cli import main
+from posttrain.config import ConfigError, load_config
+
+GOOD = """\
+model:
+  name_or_path: some/model
+data:
+  sources:
+    - train.jsonl
+"""
+
+
+def errors_of(text: str, tmp_path: Path, overrides: list[str] | None = None) -> ConfigError:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return info.value
+
+
+def test_good_config_fills_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(GOOD)
+    config = load_config(path)
+    assert config.type == "sft"
+    assert config.model.type == "huggingface" and config.model.dtype == "bfloat16"
+    assert config.tokenizer.name_or_path == "some/model"
+    assert config.data.type == "sft" and config.data.sources[0].type == "local"
+    assert config.optimizer.type == "adamw" and config.optimizer.lr == 5e-4 and config.optimizer.weight_decay == 0.1
+    assert config.scheduler.type == "huggingface" and config.scheduler.name == "linear"
+    assert config.logger.output_dir == "runs/run"
+    assert config.kill_switch_path == "runs/run/kill-switch"
+    assert config.train_log_metrics_path == "runs/run/train-log-metrics.jsonl"
+
+
+def test_every_seed_key_is_accepted_at_its_default(tmp_path: Path) -> None:
+    keys = {
+        "type": "sft", "skip_validation": False, "epochs": 1, "loss_log_interval": 1, "train_log_iter_interval": 1,
+        "gradient_accumulation_steps": 1, "micro_batch_size": 1, "sequence_parallel_size": 1,
+        "activation_checkpoint_cpu_offload": False, "tiled_mlp_compute": False, "seed": 42, "checkpoint": [],
+        "train_iters": 0, "eval_interval": 0, "eval_log_iter_interval": 1, "exit_iteration": 0,
+        "exit_iteration_this_run": 0, "min_iterations": 0, "overfit_first_batch": False, "mem_profiler": None,
+        "mem_profiler_max_entries": 100000, "deepspeed": {}, "wandb": {"enable": False, "entity": None, "name": None},
+        "logger": {"level": "WARNING", "print_output_ranks": [0], "file_output_ranks": "*"},
+        "tokenizer": {"type": "huggingface", "name_or_path": ""},
+        "optimizer": {"type": "adamw", "weight_decay": 0.1, "betas": [0.9, 0.999], "lr": 5e-4},
+        "scheduler": {"type": "huggingface", "lr": None},
+        "model": {"type": "huggingface", "name_or_path": "m", "dtype": "torch.bfloat16", "save_name": None,
+                  "attn_implementation": "sdpa", "disable_activation_checkpoint": False, "peft_config": None},
+        "data": {"type": "sft", "sources": [{"type": "local", "name_or_path": "a.jsonl", "split": "", "sample_ratio": None,
+                 "sample_count": None, "sample_seed": 42, "process": True}], "eval_sources": [],
+                 "train_eval_split": [1.0, 0.0], "max_length": 8192, "num_proc": 16, "dl_num_workers": 2, "seed": 42,
+                 "use_data_cache": None, "cache_processed_data": None, "cache_fs_type": "auto"},
+    }  # fmt: skip
+    config = load_config(data=keys, base_dir=tmp_path)
+    assert config.model.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("override", "path"),
+    [
+        ("sequence_parallel_size=2", "sequence_parallel_size"),
+        ("activation_checkpoint_cpu_offload=true", "activation_checkpoint_cpu_offload"),
+        ("tiled_mlp_compute=true", "tiled_mlp_compute"),
+        ("mem_profiler=step", "mem_profiler"),
+        ("wandb.enable=true", "wandb.enable"),
+        ("model.peft_config={r: 8}", "model.peft_config"),
+        ("data.use_data_cache=true", "data.use_data_cache"),
+    ],
+)
+def test_features_not_built_yet_are_refused(tmp_path: Path, override: str, path: str) -> None:
+    error = errors_of(GOOD, tmp_path, [override])
+    assert [issue.path for issue in error.issues] == [path]
+    assert "not supported yet" in error.render()
+
+
+def test_duplicate_keys_name_both_lines(tmp_path: Path) -> None:
+    error = errors_of(GOOD + "epochs: 2\nepochs: 3\n", tmp_path)
+    (issue,) = error.issues
+    assert issue.path == "epochs"
+    assert "first on line 6, again on line 7" in issue.message
+    assert issue.where.endswith("run.yaml:7")
+
+
+def test_unknown_key_with_suggestion(tmp_path: Path) -> None:
+    error = errors_of(GOOD + "optimizer:\n  lrr: 1e-4\n", tmp_path)
+    (issue,) = error.issues
+    assert issue.path == "optimizer.lrr"
+    assert "did you mean 'lr'?" in issue.message
+    assert issue.where.endswith("run.yaml:7")
+
+
+def test_unknown_top_level_key(tmp_path: Path) -> None:
+    error = errors_of(GOOD + "micro_batch_sise: 4\n", tmp_path)
+    assert "did you mean 'micro_batch_size'?" in error.issues[0].message
+
+
+def test_all_errors_at_once_with_paths_and_lines(tmp_path: Path) -> None:
+    text = """\
+model:
+  name_or_path: m
+  dtype: float99
+data:
+  sources:
+    - name_or_path: a.jsonl
+      sample_ratio: 1.5
+  max_length: 2.5K5
+epochs: -1
+micro_batch_size: many
+optimizer:
+  type: adamz
+"""
+    error = errors_of(text, tmp_path)
+    found = {issue.path: issue for issue in error.issues}
+    assert set(found) == {
+        "model.dtype",
+        "data.sources[0].sample_ratio",
+        "data.max_length",
+        "epochs",
+        "micro_batch_size",
+        "optimizer.type",
+    }
+    assert found["data.sources[0].sample_ratio"].where.endswith(":7")
+    assert "less than or equal to 1" in found["data.sources[0].sample_ratio"].message
+    assert found["epochs"].where.endswith(":9")
+    assert "unknown optimizer type 'adamz'" in found["optimizer.type"].message
+    assert "did you mean 'adamw'" in found["optimizer.type"].message
+    assert "registered: adamw" in found["optimizer.type"].message
+    assert "unknown dtype 'float99'" in found["model.dtype"].message
+
+
+def test_unknown_trainer_type_lists_registered(tmp_path: Path) -> None:
+    error = errors_of("type: sfft\n" + GOOD, tmp_path)
+    assert error.issues[0].path == "type"
+    assert "did you mean 'sft'" in error.issues[0].message
+
+
+def test_missing_required_keys(tmp_path: Path) -> None:
+    error = errors_of("epochs: 1\n", tmp_path)
+    assert {issue.path for issue in error.issues} == {"model", "data"}
+    assert all("required" in issue.message for issue in error.issues)
+
+
+def test_cross_field_errors(tmp_path: Path) -> None:
+    text = GOOD.replace("    - train.jsonl\n", "    - train.jsonl\n  pack_samples: true\n") + "micro_batch_size: 4\n"
+    error = errors_of(text, tmp_path)
+    assert "pack_samples=true needs micro_batch_size: 1 (got 4)" in error.render()
+    error = errors_of(GOOD + "eval_interval: 10\n", tmp_path)
+    assert "eval_interval" in error.render() and "needs eval data" in error.render()
+    error = errors_of(GOOD.replace("train.jsonl", "train.jsonl\n  train_eval_split: [0.9, 0.1]"), tmp_path)
+    assert "eval_interval must be > 0" in error.render()
+
+
+def test_overrides_validated_like_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(GOOD)
+    config = load_config(path, ["optimizer.lr=1e-4", "data.max_length=2Ki", "data.sources[0].sample_count=5"])
+    assert config.optimizer.lr == 1e-4 and config.data.max_length == 2048
+    assert config.data.sources[0].sample_count == 5
+    error = errors_of(GOOD, tmp_path, ["optimizer.lr=-1", "optimiser.lr=1"])
+    assert {i.path: i.where for i in error.issues} == {"optimizer.lr": "command line", "optimiser": "command line"}
+
+
+def test_type_not_accepted_by_trainer(tmp_path: Path) -> None:
+    error = errors_of(GOOD + "checkpoint:\n  - type: huggingface\n    output_dir: out\n    auto_resume: true\n", tmp_path)
+    assert error.issues[0].path == "checkpoint[0].auto_resume"
+
+
+def test_missing_code_file_is_an_error(tmp_path: Path) -> None:
+    error = errors_of("code: nope.py\n" + GOOD, tmp_path)
+    assert error.issues[0].path == "code" and "no such file" in error.issues[0].message
+
+
+def test_yaml_syntax_error(tmp_path: Path) -> None:
+    error = errors_of("model: [unclosed\n", tmp_path)
+    assert "invalid YAML" in error.render() and "run.yaml:" in error.render()
+
+
+def test_validate_is_pure_and_prints_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "run.yaml").write_text(GOOD)
+    before = set(os.listdir(tmp_path))
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(["validate", "run.yaml", "--json"]) == 0
+    finally:
+        os.chdir(cwd)
+    assert set(os.listdir(tmp_path)) == before  # nothing created: no runs/, no metrics file
+    data = json.loads(capsys.readouterr().out)
+    assert data["optimizer"]["lr"] == 5e-4 and data["data"]["max_length"] == 8192
+    assert data["scheduler"]["warmup_ratio"] == 0.1
+
+
+def test_cli_exit_code_2_without_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "run.yaml").write_text(GOOD + "epochs: 2\nepochs: 3\nbogus: 1\n")
+    assert main(["validate", str(tmp_path / "run.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "2 config errors" in err and "Traceback" not in err

@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.config import load_config
+from posttrain.config.deepspeed import build_deepspeed_config
+from posttrain.optim.adamw import param_groups
+
+
+def config(tmp_path, **extra):
+    data = {"model": {"name_or_path": "m"}, "data": {"sources": ["d.jsonl"]}, **extra}
+    return load_config(data=data, base_dir=tmp_path)
+
+
+def test_no_weight_decay_on_bias_and_norms() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2, bias=False))
+    model[2].weight.requires_grad_(False)
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert [p.shape for p in decay["params"]] == [torch.Size([4, 4])]
+    assert len(no_decay["params"]) == 3  # linear bias, norm weight, norm bias; the frozen weight is left out
+
+
+def hf_lrs(tmp_path, name: str, steps: int, **scheduler) -> list[float]:
+    from posttrain.optim.schedulers import build_huggingface_scheduler
+
+    cfg = config(tmp_path, scheduler={"name": name, **scheduler}, optimizer={"lr": 1.0})
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_huggingface_scheduler(cfg.scheduler, optimizer, steps, None)  # type: ignore[arg-type]
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        sched.step()
+    return lrs
+
+
+def test_linear_schedule_with_warmup_ratio(tmp_path) -> None:
+    lrs = hf_lrs(tmp_path, "linear", 10, warmup_ratio=0.2)
+    assert lrs == pytest.approx([0.0, 0.5, 1.0, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8])
+
+
+def test_cosine_and_constant(tmp_path) -> None:
+    assert hf_lrs(tmp_path, "constant", 4, warmup_ratio=0) == [1.0] * 4
+    cosine = hf_lrs(tmp_path, "cosine", 4, warmup_ratio=0)
+    assert cosine == pytest.approx([1.0, 0.8535534, 0.5, 0.1464466])
+
+
+def test_scheduler_kwargs_pass_through(tmp_path) -> None:
+    lrs = hf_lrs(tmp_path, "warmup_stable_decay", 10, warmup_ratio=0.1, scheduler_kwargs={"num_decay_steps": 2})
+    assert lrs[:9] == pytest.approx([0.0] + [1.0] * 8)  # 1 warmup step, then stable until the decay
+    assert lrs[9] < 1.0  # the 2 decay steps start at step 8 (lr 1.0) and go down
+
+
+def test_unknown_scheduler_name(tmp_path) -> None:
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown scheduler name 'cosin'"):
+        config(tmp_path, scheduler={"name": "cosin"})
+
+
+def test_deepspeed_autofill_and_partial_zero_merge(tmp_path) -> None:
+    cfg = config(
+        tmp_path,
+        micro_batch_size=4,
+        gradient_accumulation_steps=2,
+        deepspeed={"zero_optimization": {"stage": 3}, "gradient_clipping": 0.5},
+    )
+    ds = build_deepspeed_config(cfg, world_size=2, hidden_size=64)
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 2
+    assert ds["train_batch_size"] == 16
+    assert ds["zero_optimization"] == {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 640,
+        "stage3_max_live_parameters": 2 * 64 * 64,
+        "stage3_prefetch_bucket_size": int(0.9 * 64 * 64),
+        "reduce_bucket_size": 64 * 64,
+    }
+    assert ds["bf16"] == {"enabled": True} and ds["fp16"] == {"enabled": False}
+    assert ds["gradient_clipping"] == 0.5
+
+
+def test_deepspeed_defaults_follow_dtype(tmp_path) -> None:
+    cfg = config(tmp_path, model={"name_or_path": "m", "dtype": "fp32"})
+    ds = build_deepspeed_config(cfg, world_size=1, hidden_size=8)
+    assert ds["bf16"] == {"enabled": False} and ds["fp16"] == {"enabled": False}
+    assert ds["zero_optimization"]["stage"] == 2 and ds["gradient_clipping"] == 1.0
+
+
+def test_disagreeing_deepspeed_batch_is_refused(tmp_path) -> None:
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="set micro_batch_size instead"):
+        config(tmp_path, deepspeed={"train_micro_batch_size_per_gpu": 8})
