@@ -29,7 +29,9 @@ def test_two_processes_match_one(base_config: dict, tmp_path: Path) -> None:
             micro_batch_size=micro,
             # eps=1 makes Adam's first step ~ lr * g: sensitive to the gradient's scale (a wrong world-size or
             # token normalisation would show) and free of the sign(g) amplification of float noise.
+            # Clipping would rescale the gradient to norm 1 and hide a scale error too.
             optimizer={"lr": 0.5, "eps": 1.0, "weight_decay": 0.0},
+            deepspeed={"gradient_clipping": 0.0},
             logger={"output_dir": str(tmp_path / f"run{nproc}")},
             checkpoint=[{"output_dir": str(tmp_path / f"ckpt{nproc}"), "save_end_of_training": True}],
         )
