@@ -20,7 +20,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from posttrain.testing.tiny import write_tiny_model
 
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0, hidden_size=64, layers=2, vocab_size=1024)
+    return write_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "model", seed=0, hidden_size=64, layers=2, vocab_size=1024
+    )
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +42,11 @@ def base_config(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> dict:
     """A small, fast SFT config dict writing everything under tmp_path."""
     return {
         "type": "sft",
-        "model": {"name_or_path": str(tiny_model_dir), "dtype": "float32", "disable_activation_checkpoint": True},
+        "model": {
+            "name_or_path": str(tiny_model_dir),
+            "dtype": "float32",
+            "disable_activation_checkpoint": True,
+        },
         "data": {"sources": [str(chat_file)], "max_length": 64, "dl_num_workers": 0},
         "micro_batch_size": 4,
         "optimizer": {"lr": 1e-3},

@@ -27,7 +27,11 @@ class Engine:
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
-        self.world_size = self.ds.world_size if hasattr(self.ds, "world_size") else 1
+        # DeepSpeed reports the gradient norm except for plain fp32 without ZeRO; then it is computed here.
+        self._own_norm = self.ds.zero_optimization_stage() == 0 and not (
+            self.ds.bfloat16_enabled() or self.ds.fp16_enabled()
+        )
+        self._norm: torch.Tensor | None = None
 
     @property
     def module(self) -> torch.nn.Module:
@@ -43,11 +47,15 @@ class Engine:
     def micro_step(self, loss: torch.Tensor, last: bool) -> None:
         """Backward one micro-batch; on the last one of the step, reduce gradients, clip and step."""
         self.ds.set_gradient_accumulation_boundary(last)
-        self.ds.backward(loss, scale_wrt_gas=False)
+        self.ds.backward(loss, scale_wrt_gas=False)  # at the boundary this also averages gradients over ranks
+        if last and self._own_norm:
+            grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
+            self._norm = torch.nn.utils.get_total_norm(grads) if grads else None
         self.ds.step()
 
     def grad_norm(self) -> float:
-        norm = self.ds.get_global_grad_norm()
+        """Global gradient norm of the last optimizer step, before clipping."""
+        norm = self._norm if self._own_norm else self.ds.get_global_grad_norm()
         if norm is None:
             return float("nan")
         return float(norm.item() if isinstance(norm, torch.Tensor) else norm)

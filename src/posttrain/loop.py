@@ -124,7 +124,9 @@ def _after_step(ctx: RunContext, inputs: LoopInputs, state: LoopState, record: d
     state.history.append(record)
     printed = config.loss_log_interval and state.step % config.loss_log_interval == 0
     eval_printed = (
-        "eval_loss" in record and config.eval_log_iter_interval and state.evals % config.eval_log_iter_interval == 0
+        "eval_loss" in record
+        and config.eval_log_iter_interval
+        and state.evals % config.eval_log_iter_interval == 0
     )
     if printed or eval_printed:
         say(format_line(record, inputs.total_steps))
@@ -165,6 +167,7 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState | None = No
                 "tokens": tokens,
                 "step_time": elapsed,
                 "tokens_per_second": input_tokens / elapsed if elapsed > 0 else None,
+                "time": time.time(),
             }
             _after_step(ctx, inputs, state, record)
             if killed_ranks > 0:

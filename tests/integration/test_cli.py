@@ -14,7 +14,9 @@ pytestmark = pytest.mark.integration
 
 
 def posttrain(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "posttrain", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "posttrain", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 def test_train_with_overrides_writes_metrics_and_export(base_config: dict, tmp_path: Path) -> None:
@@ -32,7 +34,9 @@ def test_train_with_overrides_writes_metrics_and_export(base_config: dict, tmp_p
 
 def test_bad_data_row_exit_2_no_traceback(base_config: dict, tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}\n{"msg": 1}\n')
+    bad.write_text(
+        '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}\n{"msg": 1}\n'
+    )
     base_config["data"]["sources"] = [str(bad)]
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(base_config))
@@ -48,13 +52,28 @@ def test_config_error_exit_2(tmp_path: Path) -> None:
     done = posttrain("train", str(path), "epochs=x")
     assert done.returncode == 2
     assert "3 config errors" in done.stderr
-    assert "optimizer.lr" in done.stderr and "optimizer.betas" in done.stderr and "command line: epochs" in done.stderr
+    assert (
+        "optimizer.lr" in done.stderr
+        and "optimizer.betas" in done.stderr
+        and "command line: epochs" in done.stderr
+    )
     assert "Traceback" not in done.stderr
 
 
 def test_tiny_model_is_deterministic_and_loadable(tmp_path: Path) -> None:
     for name in ("a", "b"):
-        done = posttrain("tiny-model", str(tmp_path / name), "--seed", "3", "--hidden-size", "32", "--layers", "1", "--vocab-size", "512")
+        done = posttrain(
+            "tiny-model",
+            str(tmp_path / name),
+            "--seed",
+            "3",
+            "--hidden-size",
+            "32",
+            "--layers",
+            "1",
+            "--vocab-size",
+            "512",
+        )
         assert done.returncode == 0, done.stderr
     for file in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file

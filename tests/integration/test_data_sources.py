@@ -68,8 +68,12 @@ def test_sampling_and_eval_split(tiny_tokenizer, tmp_path: Path) -> None:
 
 
 def test_overlong_rows_dropped_or_truncated(tiny_tokenizer, tmp_path: Path) -> None:
-    long_answer = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y " * 100}]}
-    long_prompt = {"messages": [{"role": "user", "content": "x " * 100}, {"role": "assistant", "content": "y"}]}
+    long_answer = {
+        "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y " * 100}]
+    }
+    long_prompt = {
+        "messages": [{"role": "user", "content": "x " * 100}, {"role": "assistant", "content": "y"}]
+    }
     path = write_jsonl(tmp_path / "a.jsonl", [*chat_rows(5, max_digits=3), long_answer, long_prompt])
     out = build(data_config([str(path)]), tiny_tokenizer, tmp_path)
     assert len(out.train) == 5 and out.train_report.dropped == {"longer than max_length=64": 2}
@@ -84,7 +88,10 @@ def test_overlong_rows_dropped_or_truncated(tiny_tokenizer, tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ('{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}', "row 3: messages\\[1\\].role 'bot'"),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}',
+            "row 3: messages\\[1\\].role 'bot'",
+        ),
         ('{"messages": []}', "row 3: 'messages' must be a non-empty list"),
         ('{"text": "hi"}', "row 3: missing 'messages'"),
         ("{not json", "row 3: invalid JSON"),

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.integration
 
 
 def test_packed_loss_equals_token_weighted_unpacked_loss(tiny_model_dir, tiny_tokenizer) -> None:
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     samples = [format_sft(row, tiny_tokenizer) for row in chat_rows(6, seed=3)]
     collate = Collator(tiny_tokenizer.pad_token_id)
     with torch.no_grad():
@@ -41,7 +43,9 @@ def test_gradient_accumulation_matches_one_large_batch(base_config) -> None:
     # eps=1 makes Adam's first step ~ lr * g, so a wrong gradient scale would show (see the 2-process test)
     # and clipping is off, since rescaling to norm 1 would hide a scale error as well
     base_config = merge(
-        base_config, optimizer={"lr": 0.5, "eps": 1.0, "weight_decay": 0.0}, deepspeed={"gradient_clipping": 0.0}
+        base_config,
+        optimizer={"lr": 0.5, "eps": 1.0, "weight_decay": 0.0},
+        deepspeed={"gradient_clipping": 0.0},
     )
     one = merge(base_config, train_iters=1, micro_batch_size=4)
     two = merge(
@@ -53,13 +57,17 @@ def test_gradient_accumulation_matches_one_large_batch(base_config) -> None:
     )
     first = weights(train(one).model)
     second = weights(train(two).model)
-    initial = weights(AutoModelForCausalLM.from_pretrained(base_config["model"]["name_or_path"], dtype=torch.float32))
+    initial = weights(
+        AutoModelForCausalLM.from_pretrained(base_config["model"]["name_or_path"], dtype=torch.float32)
+    )
     assert max_diff(first, initial) > 1e-3  # the step really changed the weights
     assert max_diff(first, second) < 1e-5
 
 
 def test_packed_training_runs_and_reports(base_config, capsys) -> None:
-    config = merge(base_config, micro_batch_size=1, train_iters=3, data={"pack_samples": True, "max_length": 256})
+    config = merge(
+        base_config, micro_batch_size=1, train_iters=3, data={"pack_samples": True, "max_length": 256}
+    )
     result = train(config)
     assert result.state.step == 3
     out = capsys.readouterr().out

@@ -17,14 +17,21 @@ def test_train_iters_and_exit_iteration(base_config) -> None:
     assert result.state.step == 3 and "exit_iteration=3" in result.state.stop_reason
     lines = metrics(config)
     assert len(lines) == 3
-    config = merge(base_config, train_iters=10, exit_iteration_this_run=2, logger={"output_dir": config["logger"]["output_dir"] + "2"})
+    config = merge(
+        base_config,
+        train_iters=10,
+        exit_iteration_this_run=2,
+        logger={"output_dir": config["logger"]["output_dir"] + "2"},
+    )
     assert train(config).state.step == 2
 
 
 def test_epochs_and_min_iterations(base_config) -> None:
     # 64 rows, 2 dropped as too long -> 62 samples -> 16 steps of 4 per epoch
     assert train(merge(base_config, epochs=2)).state.step == 32
-    config = merge(base_config, min_iterations=40, logger={"output_dir": base_config["logger"]["output_dir"] + "m"})
+    config = merge(
+        base_config, min_iterations=40, logger={"output_dir": base_config["logger"]["output_dir"] + "m"}
+    )
     result = train(config)
     assert result.state.step >= 40
 

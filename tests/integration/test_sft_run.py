@@ -20,7 +20,9 @@ def test_loss_falls_metrics_and_checkpoint(base_config: dict, tmp_path: Path) ->
         data={"train_eval_split": [0.875, 0.125]},
         eval_interval=8,
         optimizer={"lr": 3e-3},
-        checkpoint=[{"output_dir": str(tmp_path / "ckpt"), "save_end_of_training": True, "save_every_n_steps": 10}],
+        checkpoint=[
+            {"output_dir": str(tmp_path / "ckpt"), "save_end_of_training": True, "save_every_n_steps": 10}
+        ],
     )
     result = train(config)
     lines = metrics(config)
@@ -37,7 +39,13 @@ def test_loss_falls_metrics_and_checkpoint(base_config: dict, tmp_path: Path) ->
     assert all(line["tokens"] > 0 and line["grad_norm"] > 0 for line in lines)
 
     ckpt = tmp_path / "ckpt"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["final", "global_step_10", "global_step_20", "global_step_30", "global_step_40"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "final",
+        "global_step_10",
+        "global_step_20",
+        "global_step_30",
+        "global_step_40",
+    ]
     assert (ckpt / "final" / "model.safetensors").is_file()
     reloaded = AutoModelForCausalLM.from_pretrained(ckpt / "final", dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(ckpt / "final")
@@ -49,8 +57,31 @@ def test_loss_falls_metrics_and_checkpoint(base_config: dict, tmp_path: Path) ->
 
 
 def test_activation_checkpointing_and_bf16_dtype_train(base_config: dict) -> None:
-    config = merge(base_config, train_iters=2, model={"disable_activation_checkpoint": False, "dtype": "bfloat16"})
+    config = merge(
+        base_config, train_iters=2, model={"disable_activation_checkpoint": False, "dtype": "bfloat16"}
+    )
     result = train(config)
     assert result.state.step == 2
     assert next(result.model.parameters()).dtype == torch.bfloat16
     assert result.model.is_gradient_checkpointing
+
+
+def test_zero_stages_agree_on_one_process(base_config: dict, tmp_path: Path) -> None:
+    from tests.integration.helpers import max_diff, weights
+
+    results = {}
+    for stage in (0, 1, 2, 3):
+        config = merge(
+            base_config,
+            train_iters=2,
+            deepspeed={"zero_optimization": {"stage": stage}},
+            logger={"output_dir": str(tmp_path / f"run{stage}")},
+            checkpoint=[{"output_dir": str(tmp_path / f"ckpt{stage}"), "save_end_of_training": True}],
+        )
+        result = train(config)
+        norms = [h["grad_norm"] for h in result.state.history]
+        saved = AutoModelForCausalLM.from_pretrained(tmp_path / f"ckpt{stage}" / "final", dtype=torch.float32)
+        results[stage] = (norms, weights(saved))
+    for stage in (1, 2, 3):
+        assert results[stage][0] == pytest.approx(results[0][0], rel=1e-4), stage
+        assert max_diff(results[stage][1], results[0][1]) < 1e-5, stage

@@ -58,8 +58,16 @@ def test_user_components_in_a_real_run(tiny_model_dir: Path, tmp_path: Path) -> 
     config_path.write_text(
         yaml.safe_dump(
             {
-                "model": {"type": "frozen-embeddings", "name_or_path": str(tiny_model_dir), "dtype": "float32"},
-                "data": {"sources": [{"type": "counting", "name_or_path": "-", "rows": 12}], "max_length": 64, "dl_num_workers": 0},
+                "model": {
+                    "type": "frozen-embeddings",
+                    "name_or_path": str(tiny_model_dir),
+                    "dtype": "float32",
+                },
+                "data": {
+                    "sources": [{"type": "counting", "name_or_path": "-", "rows": 12}],
+                    "max_length": 64,
+                    "dl_num_workers": 0,
+                },
                 "skip_validation": True,
                 "micro_batch_size": 4,
                 "logger": {"output_dir": str(tmp_path / "run")},
@@ -82,9 +90,13 @@ def test_user_components_in_a_real_run(tiny_model_dir: Path, tmp_path: Path) -> 
 def test_custom_type_not_accepted_without_skip_validation(tiny_model_dir: Path, tmp_path: Path) -> None:
     from posttrain.config import ConfigError
 
-    (tmp_path / "train.py").write_text(USER_CODE.replace('"counting"', '"counting2"').replace('"frozen-embeddings"', '"frozen2"'))
+    (tmp_path / "train.py").write_text(
+        USER_CODE.replace('"counting"', '"counting2"').replace('"frozen-embeddings"', '"frozen2"')
+    )
     path = tmp_path / "run.yaml"
-    path.write_text(f"model:\n  type: frozen2\n  name_or_path: {tiny_model_dir}\ndata:\n  sources: [a.jsonl]\n")
+    path.write_text(
+        f"model:\n  type: frozen2\n  name_or_path: {tiny_model_dir}\ndata:\n  sources: [a.jsonl]\n"
+    )
     with pytest.raises(ConfigError, match="not accepted by the 'sft' trainer"):
         load_config(path)
 
@@ -98,4 +110,6 @@ def test_error_in_user_code_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert info.value.issues[0].path == "code"
-    assert "RuntimeError: boom" in info.value.issues[0].message and "train.py:2" in info.value.issues[0].message
+    assert (
+        "RuntimeError: boom" in info.value.issues[0].message and "train.py:2" in info.value.issues[0].message
+    )

@@ -34,7 +34,11 @@ def test_good_config_fills_defaults(tmp_path: Path) -> None:
     assert config.model.type == "huggingface" and config.model.dtype == "bfloat16"
     assert config.tokenizer.name_or_path == "some/model"
     assert config.data.type == "sft" and config.data.sources[0].type == "local"
-    assert config.optimizer.type == "adamw" and config.optimizer.lr == 5e-4 and config.optimizer.weight_decay == 0.1
+    assert (
+        config.optimizer.type == "adamw"
+        and config.optimizer.lr == 5e-4
+        and config.optimizer.weight_decay == 0.1
+    )
     assert config.scheduler.type == "huggingface" and config.scheduler.name == "linear"
     assert config.logger.output_dir == "runs/run"
     assert config.kill_switch_path == "runs/run/kill-switch"
@@ -150,7 +154,10 @@ def test_missing_required_keys(tmp_path: Path) -> None:
 
 
 def test_cross_field_errors(tmp_path: Path) -> None:
-    text = GOOD.replace("    - train.jsonl\n", "    - train.jsonl\n  pack_samples: true\n") + "micro_batch_size: 4\n"
+    text = (
+        GOOD.replace("    - train.jsonl\n", "    - train.jsonl\n  pack_samples: true\n")
+        + "micro_batch_size: 4\n"
+    )
     error = errors_of(text, tmp_path)
     assert "pack_samples=true needs micro_batch_size: 1 (got 4)" in error.render()
     error = errors_of(GOOD + "eval_interval: 10\n", tmp_path)
@@ -166,11 +173,16 @@ def test_overrides_validated_like_the_file(tmp_path: Path) -> None:
     assert config.optimizer.lr == 1e-4 and config.data.max_length == 2048
     assert config.data.sources[0].sample_count == 5
     error = errors_of(GOOD, tmp_path, ["optimizer.lr=-1", "optimiser.lr=1"])
-    assert {i.path: i.where for i in error.issues} == {"optimizer.lr": "command line", "optimiser": "command line"}
+    assert {i.path: i.where for i in error.issues} == {
+        "optimizer.lr": "command line",
+        "optimiser": "command line",
+    }
 
 
 def test_type_not_accepted_by_trainer(tmp_path: Path) -> None:
-    error = errors_of(GOOD + "checkpoint:\n  - type: huggingface\n    output_dir: out\n    auto_resume: true\n", tmp_path)
+    error = errors_of(
+        GOOD + "checkpoint:\n  - type: huggingface\n    output_dir: out\n    auto_resume: true\n", tmp_path
+    )
     assert error.issues[0].path == "checkpoint[0].auto_resume"
 
 

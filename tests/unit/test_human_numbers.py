@@ -58,7 +58,10 @@ def test_garbage(text: str) -> None:
 
 
 def test_deepspeed_tree() -> None:
-    tree = {"zero_optimization": {"reduce_bucket_size": "5e8", "stage": "2", "offload": {"device": "cpu"}}, "x": ["1Ki"]}
+    tree = {
+        "zero_optimization": {"reduce_bucket_size": "5e8", "stage": "2", "offload": {"device": "cpu"}},
+        "x": ["1Ki"],
+    }
     assert coerce_tree(tree) == {
         "zero_optimization": {"reduce_bucket_size": 500_000_000, "stage": 2, "offload": {"device": "cpu"}},
         "x": [1024],
@@ -86,7 +89,12 @@ def test_human_values_in_a_config(tmp_path) -> None:
 def test_fractional_integer_in_config_is_reported(tmp_path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(
-            data={"model": {"name_or_path": "m"}, "data": {"sources": ["d.jsonl"]}, "train_iters": "10%", "epochs": 1.5},
+            data={
+                "model": {"name_or_path": "m"},
+                "data": {"sources": ["d.jsonl"]},
+                "train_iters": "10%",
+                "epochs": 1.5,
+            },
             base_dir=tmp_path,
         )
     paths = {issue.path for issue in info.value.issues}

@@ -14,7 +14,9 @@ def config(tmp_path, **extra):
 
 
 def test_no_weight_decay_on_bias_and_norms() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2, bias=False))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2, bias=False)
+    )
     model[2].weight.requires_grad_(False)
     decay, no_decay = param_groups(model, 0.1)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -48,7 +50,9 @@ def test_cosine_and_constant(tmp_path) -> None:
 
 
 def test_scheduler_kwargs_pass_through(tmp_path) -> None:
-    lrs = hf_lrs(tmp_path, "warmup_stable_decay", 10, warmup_ratio=0.1, scheduler_kwargs={"num_decay_steps": 2})
+    lrs = hf_lrs(
+        tmp_path, "warmup_stable_decay", 10, warmup_ratio=0.1, scheduler_kwargs={"num_decay_steps": 2}
+    )
     assert lrs[:9] == pytest.approx([0.0] + [1.0] * 8)  # 1 warmup step, then stable until the decay
     assert lrs[9] < 1.0  # the 2 decay steps start at step 8 (lr 1.0) and go down
 
@@ -83,9 +87,13 @@ def test_deepspeed_autofill_and_partial_zero_merge(tmp_path) -> None:
 
 def test_deepspeed_defaults_follow_dtype(tmp_path) -> None:
     cfg = config(tmp_path, model={"name_or_path": "m", "dtype": "fp32"})
-    ds = build_deepspeed_config(cfg, world_size=1, hidden_size=8)
+    ds = build_deepspeed_config(cfg, world_size=2, hidden_size=8)
     assert ds["bf16"] == {"enabled": False} and ds["fp16"] == {"enabled": False}
     assert ds["zero_optimization"]["stage"] == 2 and ds["gradient_clipping"] == 1.0
+    # one process: nothing to partition, so stage 0 unless the user chose a stage
+    assert build_deepspeed_config(cfg, world_size=1, hidden_size=8)["zero_optimization"]["stage"] == 0
+    cfg = config(tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
+    assert build_deepspeed_config(cfg, world_size=1, hidden_size=8)["zero_optimization"]["stage"] == 2
 
 
 def test_disagreeing_deepspeed_batch_is_refused(tmp_path) -> None:

@@ -23,7 +23,9 @@ def test_pack_sequential_restarts_positions_and_masks_first_labels() -> None:
 
 
 def test_collate_pads_and_counts_target_tokens() -> None:
-    batch = Collator(pad_id=0)([{"input_ids": [5, 6, 7], "labels": [X, 6, 7]}, {"input_ids": [8], "labels": [8]}])
+    batch = Collator(pad_id=0)(
+        [{"input_ids": [5, 6, 7], "labels": [X, 6, 7]}, {"input_ids": [8], "labels": [8]}]
+    )
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
     assert batch["labels"].tolist() == [[X, 6, 7], [8, X, X]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
@@ -33,7 +35,9 @@ def test_collate_pads_and_counts_target_tokens() -> None:
 
 
 def test_collate_packed_passes_positions_without_mask() -> None:
-    packed = pack_sequential([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3, 4], "labels": [3, 4]}], 8)
+    packed = pack_sequential(
+        [{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3, 4], "labels": [3, 4]}], 8
+    )
     batch = Collator(pad_id=0)(packed)
     assert "attention_mask" not in batch
     assert torch.equal(batch["position_ids"], torch.tensor([[0, 1, 0, 1]]))

@@ -55,7 +55,9 @@ def test_template_without_markers_uses_token_prefixes(tiny_tokenizer) -> None:
     from copy import deepcopy
 
     plain = deepcopy(tiny_tokenizer)
-    plain.chat_template = plain.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    plain.chat_template = plain.chat_template.replace("{% generation %}", "").replace(
+        "{% endgeneration %}", ""
+    )
     rows = [
         {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
         {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "x"},

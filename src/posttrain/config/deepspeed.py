@@ -8,10 +8,15 @@ from typing import Any
 from posttrain.config.trainer import TrainerConfig
 
 
-def zero_defaults(hidden_size: int) -> dict[str, Any]:
-    """ZeRO defaults recommended by the DeepSpeed team, scaled by the model's hidden size."""
+def zero_defaults(hidden_size: int, world_size: int) -> dict[str, Any]:
+    """ZeRO defaults recommended by the DeepSpeed team, scaled by the model's hidden size.
+
+    Stage 2 as in the seed when there are several processes. A single process has nothing to partition, and
+    stage 2's bucketed gradient reduction then only costs time (about 9% of a step on the benchmark model),
+    so it gets stage 0 unless the user sets a stage.
+    """
     return {
-        "stage": 2,
+        "stage": 2 if world_size > 1 else 0,
         "stage3_param_persistence_threshold": 10 * hidden_size,
         "stage3_max_live_parameters": 2 * hidden_size * hidden_size,
         "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
@@ -32,7 +37,7 @@ def build_deepspeed_config(config: TrainerConfig, *, world_size: int, hidden_siz
     ds["gradient_accumulation_steps"] = config.gradient_accumulation_steps
     ds["train_batch_size"] = config.micro_batch_size * config.gradient_accumulation_steps * data_parallel
     ds.setdefault("steps_per_print", 10**9)  # posttrain prints its own metrics
-    ds["zero_optimization"] = {**zero_defaults(hidden_size), **ds.get("zero_optimization", {})}
+    ds["zero_optimization"] = {**zero_defaults(hidden_size, world_size), **ds.get("zero_optimization", {})}
     dtype = config.model.dtype
     if "bf16" not in ds and "bfloat16" not in ds:
         ds["bf16"] = {"enabled": dtype == "bfloat16"}

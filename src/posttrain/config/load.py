@@ -200,7 +200,9 @@ def load_user_code(raw: RawConfig) -> None:
     try:
         import_user_module(path)
     except Exception as exc:
-        raw.issues.append(ConfigIssue("code", f"importing {path} failed: {_where_in(exc, path)}", raw.where(("code",))))
+        raw.issues.append(
+            ConfigIssue("code", f"importing {path} failed: {_where_in(exc, path)}", raw.where(("code",)))
+        )
 
 
 def _where_in(exc: BaseException, path: Path) -> str:

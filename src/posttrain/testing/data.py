@@ -13,7 +13,10 @@ def chat_rows(n: int, seed: int = 0, max_digits: int = 9) -> list[dict]:
     rows = []
     for i in range(n):
         digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(2, max_digits)))
-        messages = [{"role": "user", "content": f"reverse {digits}"}, {"role": "assistant", "content": digits[::-1]}]
+        messages = [
+            {"role": "user", "content": f"reverse {digits}"},
+            {"role": "assistant", "content": digits[::-1]},
+        ]
         if i % 3 == 0:
             messages.insert(0, {"role": "system", "content": "Answer with digits only."})
         if i % 4 == 0:
