@@ -11,6 +11,7 @@ Run: ``make bench`` (or ``python benchmarks/step_time.py [--steps 30 --rounds 3]
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -24,18 +25,18 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
+import torch
 
-from posttrain.config import load_config  # noqa: E402
-from posttrain.context import RunContext  # noqa: E402
-from posttrain.data.build import build_datasets  # noqa: E402
-from posttrain.data.collate import Collator  # noqa: E402
-from posttrain.dist import init_distributed  # noqa: E402
-from posttrain.methods.sft import sft_loss  # noqa: E402
-from posttrain.optim.adamw import param_groups  # noqa: E402
-from posttrain.run import run  # noqa: E402
-from posttrain.testing.data import write_jsonl  # noqa: E402
-from posttrain.testing.tiny import write_tiny_model  # noqa: E402
+from posttrain.config import load_config
+from posttrain.context import RunContext
+from posttrain.data.build import build_datasets
+from posttrain.data.collate import Collator
+from posttrain.dist import init_distributed
+from posttrain.methods.sft import sft_loss
+from posttrain.optim.adamw import param_groups
+from posttrain.run import run
+from posttrain.testing.data import write_jsonl
+from posttrain.testing.tiny import write_tiny_model
 
 MICRO_BATCH = 4
 MAX_LENGTH = 512
@@ -58,7 +59,7 @@ def long_rows(n: int, seed: int = 0) -> list[dict]:
 
 
 def median_step(ends: list[float]) -> float:
-    gaps = [b - a for a, b in zip(ends[1:], ends[2:], strict=False)]  # skip the first (warm-up) step
+    gaps = [b - a for a, b in itertools.pairwise(ends[1:])]  # skip the first (warm-up) step
     return statistics.median(gaps)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 def register_builtins() -> None:
+    import posttrain.checkpoint.deepspeed
     import posttrain.checkpoint.huggingface
     import posttrain.data.sources
     import posttrain.methods.sft

@@ -3,7 +3,7 @@ micro-batches of a step and all ranks."""
 
 from __future__ import annotations
 
-import os
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -15,6 +15,7 @@ from posttrain.context import RunContext
 from posttrain.dist import all_reduce_sum
 from posttrain.engine import Engine
 from posttrain.logs import say
+from posttrain.stops import StopSignals
 from posttrain.tracking.metrics import MetricsFile, format_line
 
 LossFn = Callable[[Any, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
@@ -22,12 +23,19 @@ LossFn = Callable[[Any, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
 @dataclass
 class LoopState:
+    """Where training is. ``step``, ``epoch``, ``epoch_step`` and ``evals`` are saved in resumable
+    checkpoints; ``epoch_step`` (optimizer steps done in the current epoch) is the position in the data."""
+
     step: int = 0
     epoch: int = 0
+    epoch_step: int = 0
+    evals: int = 0
     run_steps: int = 0
     stop_reason: str = ""
-    evals: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+
+    def resumable(self) -> dict[str, int]:
+        return {"step": self.step, "epoch": self.epoch, "epoch_step": self.epoch_step, "evals": self.evals}
 
 
 @dataclass
@@ -41,6 +49,7 @@ class LoopInputs:
     metrics: MetricsFile
     total_steps: int
     steps_per_epoch: int
+    stops: StopSignals
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -49,10 +58,14 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     }
 
 
-def group_steps(loader: Iterable[dict[str, Any]], gas: int) -> Iterator[list[dict[str, Any]]]:
-    """Micro-batches grouped into optimizer steps; the last group of an epoch may be shorter."""
+def group_steps(
+    loader: Iterable[dict[str, Any]], gas: int, skip_steps: int = 0
+) -> Iterator[list[dict[str, Any]]]:
+    """Micro-batches grouped into optimizer steps; the last group of an epoch may be shorter.
+    ``skip_steps`` steps are passed over first (resuming in the middle of an epoch)."""
+    micro_batches = itertools.islice(iter(loader), skip_steps * gas, None)
     group: list[dict[str, Any]] = []
-    for micro in loader:
+    for micro in micro_batches:
         group.append(micro)
         if len(group) == gas:
             yield group
@@ -105,7 +118,7 @@ def evaluate(ctx: RunContext, inputs: LoopInputs) -> float:
 
 
 def _stop_reason(ctx: RunContext, state: LoopState) -> str:
-    """Why training stops before its planned end (empty: it goes on)."""
+    """Exit conditions that need no agreement between ranks (every rank computes the same answer)."""
     config = ctx.config
     if config.exit_iteration and state.step >= config.exit_iteration:
         return f"exit_iteration={config.exit_iteration} reached"
@@ -130,34 +143,32 @@ def _after_step(ctx: RunContext, inputs: LoopInputs, state: LoopState, record: d
     )
     if printed or eval_printed:
         say(format_line(record, inputs.total_steps))
-    for engine in inputs.checkpoints:
-        if engine.due(step=state.step):
-            engine.save(inputs.engine.module, step=state.step)
+    for checkpoint in inputs.checkpoints:
+        if checkpoint.due(step=state.step):
+            checkpoint.save(inputs.engine, state)
 
 
-def _epoch_steps(ctx: RunContext, inputs: LoopInputs) -> Iterator[list[dict[str, Any]]]:
+def _epoch_steps(ctx: RunContext, inputs: LoopInputs, skip_steps: int) -> Iterator[list[dict[str, Any]]]:
     gas = ctx.config.gradient_accumulation_steps
     if ctx.config.overfit_first_batch:
-        return repeat_first(inputs.train_loader, gas, inputs.steps_per_epoch)
-    return group_steps(inputs.train_loader, gas)
+        return repeat_first(inputs.train_loader, gas, inputs.steps_per_epoch - skip_steps)
+    return group_steps(inputs.train_loader, gas, skip_steps)
 
 
-def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState | None = None) -> LoopState:
-    """Train until the epochs or ``train_iters`` are done or an exit condition fires."""
+def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopState:
+    """Train from ``state`` until the epochs or ``train_iters`` are done or an exit condition fires."""
     config = ctx.config
-    state = state or LoopState()
     while state.epoch < config.epochs and not state.stop_reason and state.step < inputs.total_steps:
         inputs.set_epoch(state.epoch)
-        steps_this_epoch = 0
-        for micro_batches in _epoch_steps(ctx, inputs):
+        for micro_batches in _epoch_steps(ctx, inputs, skip_steps=state.epoch_step):
             started = time.perf_counter()
             loss_sum, tokens, input_tokens = train_step(ctx, inputs, micro_batches)
             state.step += 1
             state.run_steps += 1
-            steps_this_epoch += 1
-            killed = os.path.exists(config.kill_switch_path)
-            loss_total, killed_ranks = all_reduce_sum([loss_sum, float(killed)], ctx.dist)
+            state.epoch_step += 1
             elapsed = time.perf_counter() - started
+            local_stop = inputs.stops.check(config.kill_switch_path, elapsed)
+            loss_total, *stops = all_reduce_sum([loss_sum, *local_stop], ctx.dist)
             record: dict[str, Any] = {
                 "iter": state.step,
                 "epoch": state.epoch,
@@ -170,14 +181,13 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState | None = No
                 "time": time.time(),
             }
             _after_step(ctx, inputs, state, record)
-            if killed_ranks > 0:
-                state.stop_reason = f"kill switch {config.kill_switch_path} found"
-            state.stop_reason = state.stop_reason or _stop_reason(ctx, state)
+            state.stop_reason = inputs.stops.reason(stops) or _stop_reason(ctx, state)
             if state.stop_reason or state.step >= inputs.total_steps:
                 break
-        if steps_this_epoch == inputs.steps_per_epoch:
+        if state.epoch_step >= inputs.steps_per_epoch:
             state.epoch += 1
-            for engine in inputs.checkpoints:
-                if engine.due(step=state.step, epoch_end=state.epoch):
-                    engine.save(inputs.engine.module, step=state.step)
+            state.epoch_step = 0
+            for checkpoint in inputs.checkpoints:
+                if checkpoint.due(step=state.step, epoch_end=state.epoch):
+                    checkpoint.save(inputs.engine, state)
     return state

@@ -6,6 +6,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
@@ -14,6 +15,7 @@ from posttrain.config.deepspeed import build_deepspeed_config
 from posttrain.config.trainer import TrainerConfig
 from posttrain.context import RunContext
 from posttrain.data.build import Datasets, build_datasets
+from posttrain.data.cache import cache_key, cached
 from posttrain.data.collate import Collator
 from posttrain.data.sft import IGNORE_INDEX
 from posttrain.dist import barrier, init_distributed, seed_everything
@@ -29,6 +31,7 @@ from posttrain.registry import (
     TOKENIZER_FACTORIES,
     TRAINERS,
 )
+from posttrain.stops import StopSignals
 from posttrain.tracking.metrics import MetricsFile
 
 
@@ -37,10 +40,10 @@ class RunResult:
     state: LoopState
     output_dir: Path
     model: torch.nn.Module
+    resumed_from: Path | None = None
 
 
-def _model_fact(model: torch.nn.Module, *names: str) -> int | None:
-    model_config = getattr(model, "config", None)
+def _fact(model_config: Any, *names: str) -> int | None:
     for name in names:
         value = getattr(model_config, name, None)
         if isinstance(value, int):
@@ -50,17 +53,28 @@ def _model_fact(model: torch.nn.Module, *names: str) -> int | None:
     return None
 
 
+def _pretrained_config(config: TrainerConfig) -> Any:
+    """The model's HF config, read before the model is built (None when it is not an HF checkpoint)."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(config.model.name_or_path)
+    except (OSError, ValueError):
+        return None
+
+
 def _eval_shard(samples: list[dict[str, list[int]]], rank: int, world: int) -> list[dict[str, list[int]]]:
     """Every rank gets the same number of eval samples (collectives stay in step); the padding samples
     carry no labels, so the token-weighted eval loss is exact."""
     shard = samples[rank::world]
     per_rank = math.ceil(len(samples) / world) if samples else 0
-    filler = (
-        {"input_ids": samples[0]["input_ids"], "labels": [IGNORE_INDEX] * len(samples[0]["input_ids"])}
-        if samples
-        else None
-    )
-    return shard + [filler] * (per_rank - len(shard))  # type: ignore[list-item]
+    if len(shard) < per_rank:
+        filler = {
+            "input_ids": samples[0]["input_ids"],
+            "labels": [IGNORE_INDEX] * len(samples[0]["input_ids"]),
+        }
+        shard = shard + [filler] * (per_rank - len(shard))
+    return shard
 
 
 def _loaders(
@@ -98,27 +112,60 @@ def _replicate_for_min_iterations(config: TrainerConfig, data: Datasets, world: 
         say(f"min_iterations={config.min_iterations}: training data repeated {copies}x")
 
 
+def _datasets(ctx: RunContext, tokenizer: Any, max_length: int) -> Datasets:
+    if not ctx.config.data.cache_enabled:
+        return build_datasets(ctx, tokenizer, max_length)
+    key = cache_key(ctx, tokenizer, max_length)
+    data, hit = cached(ctx, key, lambda: build_datasets(ctx, tokenizer, max_length))
+    if hit:
+        say(f"processed data loaded from the cache ({Path(ctx.config.data.cache_dir) / key}.pkl)")
+    return data
+
+
+def _zero3_init(ds_config: dict[str, Any]) -> Any:
+    """Under ZeRO-3, register the DeepSpeed config with transformers so ``from_pretrained`` creates the
+    model already partitioned (``deepspeed.zero.Init``). The returned object must live until the engine exists."""
+    if ds_config["zero_optimization"].get("stage") != 3:
+        return None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(ds_config)
+
+
 def run(config: TrainerConfig) -> RunResult:
     """Train one rank. Every rank runs this with the same config."""
     dist = init_distributed()
     ctx = RunContext(config=config, dist=dist)
-    output_dir = ctx.output_dir
     if dist.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
+        ctx.output_dir.mkdir(parents=True, exist_ok=True)
     barrier(dist)
     setup_logging(config.logger, dist.rank)
-    log = get_logger()
     seed_everything(config.seed)
     spec = TRAINERS.get(config.type).obj
 
+    pretrained = _pretrained_config(config)
+    hidden = _fact(pretrained, "hidden_size", "hidden_sizes", "d_model", "n_embd")
+    ds_config = (
+        build_deepspeed_config(config, world_size=dist.world_size, hidden_size=hidden) if hidden else None
+    )
+    zero3 = _zero3_init(ds_config) if ds_config else None
     tokenizer = TOKENIZER_FACTORIES.get(config.tokenizer.type).obj(config.tokenizer, ctx)
     model = MODEL_FACTORIES.get(config.model.type).obj(config.model, ctx)
+    if ds_config is None:
+        hidden = _fact(getattr(model, "config", None), "hidden_size", "hidden_sizes", "d_model", "n_embd")
+        if hidden is None:
+            raise UserError(
+                "cannot read the model's hidden size (config.hidden_size) to fill the DeepSpeed config"
+            )
+        ds_config = build_deepspeed_config(config, world_size=dist.world_size, hidden_size=hidden)
+
     max_length = config.data.max_length
     if "max_length" not in config.data.model_fields_set:
-        max_length = _model_fact(model, "max_position_embeddings") or max_length
-        log.info("data.max_length not set: using the model's max_position_embeddings=%d", max_length)
-
-    data = build_datasets(ctx, tokenizer, max_length)
+        max_length = (
+            _fact(pretrained or getattr(model, "config", None), "max_position_embeddings") or max_length
+        )
+        get_logger().info("data.max_length not set: using the model's max_position_embeddings=%d", max_length)
+    data = _datasets(ctx, tokenizer, max_length)
     say(data.train_report.summary("train data"))
     if data.eval:
         say(data.eval_report.summary("eval data"))
@@ -131,14 +178,18 @@ def run(config: TrainerConfig) -> RunResult:
 
     optimizer = OPTIMIZERS.get(config.optimizer.type).obj(config.optimizer, model, ctx)
     scheduler = SCHEDULERS.get(config.scheduler.type).obj(config.scheduler, optimizer, total_steps, ctx)
-    hidden = _model_fact(model, "hidden_size", "hidden_sizes", "d_model", "n_embd")
-    if hidden is None:
-        raise UserError(
-            "cannot read the model's hidden size (config.hidden_size) to fill the DeepSpeed config"
-        )
-    ds_config = build_deepspeed_config(config, world_size=dist.world_size, hidden_size=hidden)
     engine = Engine(model, optimizer, scheduler, ds_config)
+    del zero3
     checkpoints = [CHECKPOINT_ENGINES.get(c.type).obj(c, ctx, tokenizer) for c in config.checkpoint]
+    state = LoopState()
+    resumed_from = None
+    for checkpoint in checkpoints:
+        resumed_from = resumed_from or checkpoint.load(engine, state)
+    if resumed_from is not None:
+        say(
+            f"resumed from {resumed_from} (step {state.step}, epoch {state.epoch}, step {state.epoch_step} of it)"
+        )
+
     metrics = MetricsFile(
         config.train_log_metrics_path, enabled=dist.is_main and config.train_log_iter_interval == 1
     )
@@ -147,6 +198,7 @@ def run(config: TrainerConfig) -> RunResult:
         f"{total_steps} steps, world size {dist.world_size}, global batch "
         f"{config.micro_batch_size * config.gradient_accumulation_steps * dist.world_size}"
     )
+    stops = StopSignals(config.exit_duration_in_mins)
     inputs = LoopInputs(
         engine=engine,
         loss_fn=spec.loss,
@@ -157,22 +209,24 @@ def run(config: TrainerConfig) -> RunResult:
         metrics=metrics,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
+        stops=stops,
     )
+    stops.install()
     try:
-        state = train_loop(ctx, inputs)
+        train_loop(ctx, inputs, state)
         for checkpoint in checkpoints:
-            if checkpoint.due(step=state.step, end=True):
-                path = checkpoint.save(engine.module, step=state.step, end=True)
-                say(f"saved {path}")
+            if checkpoint.due(step=state.step, end=True, early=bool(state.stop_reason)):
+                say(f"saved {checkpoint.save(engine, state, end=True)}")
         barrier(dist)
     finally:
+        stops.uninstall()
         metrics.close()
     if state.stop_reason:
         say(f"stopped early at step {state.step}: {state.stop_reason}")
     if dist.is_main and os.path.exists(config.kill_switch_path):
         os.remove(config.kill_switch_path)
         say(f"removed the kill switch {config.kill_switch_path} so the next run starts normally")
-    return RunResult(state=state, output_dir=output_dir, model=engine.module)
+    return RunResult(state=state, output_dir=ctx.output_dir, model=engine.module, resumed_from=resumed_from)
 
 
 __all__ = ["RunResult", "run"]

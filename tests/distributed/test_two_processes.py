@@ -11,13 +11,15 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from posttrain.testing.env import child_env
+
 pytestmark = pytest.mark.distributed
 
 
 def run_cli(config: dict, path: Path, nproc: int) -> subprocess.CompletedProcess[str]:
     path.write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "posttrain", "train", str(path), "--nproc", str(nproc)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=child_env())
 
 
 def test_two_processes_match_one(base_config: dict, tmp_path: Path) -> None:

@@ -56,6 +56,14 @@ def test_loss_falls_metrics_and_checkpoint(base_config: dict, tmp_path: Path) ->
     assert not any(p.name.startswith(".") for p in ckpt.iterdir())  # no temporary directories left behind
 
 
+def test_save_every_n_epochs(base_config: dict, tmp_path: Path) -> None:
+    config = merge(
+        base_config, epochs=4, checkpoint=[{"output_dir": str(tmp_path / "ckpt"), "save_every_n_epochs": 2}]
+    )
+    train(config)  # 16 steps per epoch
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["global_step_32", "global_step_64"]
+
+
 def test_activation_checkpointing_and_bf16_dtype_train(base_config: dict) -> None:
     config = merge(
         base_config, train_iters=2, model={"disable_activation_checkpoint": False, "dtype": "bfloat16"}

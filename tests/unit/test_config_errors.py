@@ -77,7 +77,6 @@ def test_every_seed_key_is_accepted_at_its_default(tmp_path: Path) -> None:
         ("mem_profiler=step", "mem_profiler"),
         ("wandb.enable=true", "wandb.enable"),
         ("model.peft_config={r: 8}", "model.peft_config"),
-        ("data.use_data_cache=true", "data.use_data_cache"),
     ],
 )
 def test_features_not_built_yet_are_refused(tmp_path: Path, override: str, path: str) -> None:

@@ -41,5 +41,12 @@ class HFCheckpointConfig(CheckpointConfig):
             yield Problem(
                 "auto_resume",
                 "the huggingface engine writes exports, not resumable training state; "
-                "resuming needs the deepspeed engine (not supported yet)",
+                "add a checkpoint with type: deepspeed to resume",
             )
+
+
+class DeepSpeedCheckpointConfig(CheckpointConfig):
+    """Full training state (model, optimizer, scheduler, RNG, data position) for exact resume."""
+
+    save_total_limit: HumanInt = Field(default=0, ge=0)
+    """Keep at most this many checkpoints, removing the oldest first (0: keep all)."""

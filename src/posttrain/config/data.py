@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SerializeAsAny, field_validator
 
-from posttrain.config.base import BaseConfig, Problem, unsupported
+from posttrain.config.base import BaseConfig, Problem
 from posttrain.config.human import HumanFloat, HumanInt
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -89,7 +89,7 @@ class DataConfig(BaseConfig):
     """Seed of the data order (shuffling, splits)."""
 
     use_data_cache: bool | None = None
-    """Cache processed data on disk. Not supported yet."""
+    """Cache processed data on disk under a key of everything that changes it (null: on)."""
 
     cache_processed_data: bool | None = None
     """Deprecated alias of ``use_data_cache``."""
@@ -116,8 +116,13 @@ class DataConfig(BaseConfig):
             yield Problem(
                 "cache_processed_data", "deprecated alias of use_data_cache; set only use_data_cache"
             )
-        cache = self.use_data_cache if self.use_data_cache is not None else self.cache_processed_data
-        yield from unsupported("use_data_cache", bool(cache), False, "the data cache arrives with issue #3")
+
+    @property
+    def cache_enabled(self) -> bool:
+        for value in (self.use_data_cache, self.cache_processed_data):
+            if value is not None:
+                return value
+        return True
 
     @property
     def has_eval(self) -> bool:

@@ -10,7 +10,7 @@ from pydantic import Field, SerializeAsAny, field_validator
 from posttrain.config.base import BaseConfig, Problem, unsupported
 from posttrain.config.checkpoint import CheckpointConfig
 from posttrain.config.data import DataConfig
-from posttrain.config.human import HumanInt, coerce_tree
+from posttrain.config.human import HumanFloat, HumanInt, coerce_tree
 from posttrain.config.logger import LoggerConfig
 from posttrain.config.model import ModelConfig
 from posttrain.config.optimizer import OptimizerConfig
@@ -134,6 +134,10 @@ class TrainerConfig(BaseConfig):
 
     mem_profiler_max_entries: HumanInt = Field(default=100_000, ge=1)
     """Most allocation events kept by the memory profiler."""
+
+    exit_duration_in_mins: HumanFloat | None = Field(default=None, gt=0)
+    """Stop cleanly (saving as for the kill switch) before this many minutes of training have passed
+    (Megatron-Bridge's option). Null: no limit."""
 
     kill_switch_path: str = ""
     """Creating this file stops training cleanly after the current step. Empty:

@@ -50,7 +50,7 @@ TRAINERS.add(
             "data": ("sft",),
             "optimizer": ("adamw",),
             "scheduler": ("huggingface",),
-            "checkpoint": ("huggingface",),
+            "checkpoint": ("huggingface", "deepspeed"),
         },
         loss=sft_loss,
         description="supervised fine-tuning on chat data",

@@ -1,0 +1,130 @@
+"""Checkpoint engine ``deepspeed``: the full training state, resumable exactly.
+
+Layout under ``output_dir``::
+
+    global_step_40/            one complete checkpoint (DeepSpeed's model + optimizer shards, scheduler)
+        posttrain_state.json   step, epoch, position in the epoch; written last: the completion marker
+        rng_state_rank0.pt     every rank's Python, NumPy and torch RNG states
+    latest                     the newest complete tag (for DeepSpeed's own tools)
+    .staging/                  checkpoints being written; never read
+
+Every rank writes its shards into ``.staging/<tag>``; after a barrier rank 0 writes the marker and renames the
+directory into place in one step. A process killed while saving leaves only a staging directory, which
+``auto_resume`` never looks at, so the previous checkpoint stays the one that is resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from posttrain.checkpoint.base import CheckpointEngine
+from posttrain.config.checkpoint import DeepSpeedCheckpointConfig
+from posttrain.dist import barrier
+from posttrain.errors import UserError
+from posttrain.logs import say
+from posttrain.registry import CHECKPOINT_ENGINES
+from posttrain.utils.fs import atomic_write_text
+
+MARKER = "posttrain_state.json"
+_TAG = re.compile(r"^global_step_(\d+)$")
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def complete_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first."""
+    if not output_dir.is_dir():
+        return []
+    found = []
+    for path in output_dir.iterdir():
+        match = _TAG.match(path.name)
+        if match and (path / MARKER).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+@CHECKPOINT_ENGINES.register("deepspeed", config=DeepSpeedCheckpointConfig)
+class DeepSpeedCheckpointEngine(CheckpointEngine):
+    saves_on_early_stop = True
+    config: DeepSpeedCheckpointConfig
+
+    def save(self, engine: Any, state: Any, *, end: bool = False) -> Path:
+        tag = f"global_step_{state.step}"
+        target = self.output_dir / tag
+        if state.step == self.last_saved_step:
+            return target
+        staging = self.output_dir / ".staging"
+        dist = self.ctx.dist
+        if dist.is_main:
+            shutil.rmtree(staging / tag, ignore_errors=True)  # left by a run killed while saving
+            staging.mkdir(parents=True, exist_ok=True)
+        barrier(dist)
+        engine.ds.save_checkpoint(str(staging), tag=tag, save_latest=False)
+        torch.save(rng_state(), staging / tag / f"rng_state_rank{dist.rank}.pt")
+        barrier(dist)
+        if dist.is_main:
+            self._commit(staging / tag, target, state)
+        barrier(dist)
+        self.last_saved_step = state.step
+        return target
+
+    def _commit(self, written: Path, target: Path, state: Any) -> None:
+        """Mark complete and move into place (rank 0), then drop checkpoints over the limit."""
+        record = {**state.resumable(), "world_size": self.ctx.dist.world_size}
+        atomic_write_text(written / MARKER, json.dumps(record))
+        if target.exists():  # a stale checkpoint of an earlier run at the same step
+            shutil.rmtree(target)
+        os.replace(written, target)
+        atomic_write_text(self.output_dir / "latest", target.name)
+        limit = self.config.save_total_limit
+        if limit:
+            for _, old in complete_checkpoints(self.output_dir)[:-limit]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, engine: Any, state: Any) -> Path | None:
+        if not (self.config.enabled and self.config.auto_resume):
+            return None
+        found = complete_checkpoints(self.output_dir)
+        if not found:
+            say(f"auto_resume: no complete checkpoint in {self.output_dir}; starting from scratch")
+            return None
+        _, path = found[-1]
+        record = json.loads((path / MARKER).read_text())
+        if record.get("world_size") != self.ctx.dist.world_size:
+            raise UserError(
+                f"checkpoint {path} was written by {record.get('world_size')} processes, this run has "
+                f"{self.ctx.dist.world_size}; resume with the same number of processes"
+            )
+        load_path, _ = engine.ds.load_checkpoint(
+            str(self.output_dir), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if load_path is None:
+            raise UserError(f"DeepSpeed could not load the checkpoint {path}")
+        for key in ("step", "epoch", "epoch_step", "evals"):
+            setattr(state, key, int(record[key]))
+        rng_file = path / f"rng_state_rank{self.ctx.dist.rank}.pt"
+        set_rng_state(torch.load(rng_file, weights_only=False))
+        self.last_saved_step = state.step
+        return path

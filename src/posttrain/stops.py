@@ -1,0 +1,56 @@
+"""Graceful stops: the kill switch file, SIGTERM/SIGINT, and a wall-clock limit.
+
+Each rank checks its own conditions after every step; the loop sums the flags over ranks in the step's one
+all-reduce, so every rank stops after the same step. The run then saves what it is configured to save
+(a ``deepspeed`` checkpoint engine always saves a resumable checkpoint on such a stop) and exits with 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import FrameType
+from typing import Any
+
+
+class StopSignals:
+    def __init__(self, exit_duration_in_mins: float | None = None) -> None:
+        self.started = time.monotonic()
+        self.limit_s = exit_duration_in_mins * 60 if exit_duration_in_mins else None
+        self.signal_name = ""
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        """Catch SIGTERM and SIGINT (main thread only); a second SIGINT interrupts at once."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. some test runners): no graceful signals
+                return
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal_name and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+
+    def check(self, kill_switch_path: str, step_time: float) -> list[float]:
+        """This rank's flags: [kill switch present, signal received, time limit (before the next step ends)]."""
+        out_of_time = self.limit_s is not None and time.monotonic() - self.started + step_time >= self.limit_s
+        return [float(os.path.exists(kill_switch_path)), float(bool(self.signal_name)), float(out_of_time)]
+
+    def reason(self, flags: list[float]) -> str:
+        """Why to stop, from the flags summed over ranks (empty: go on)."""
+        killed, signaled, timed = flags
+        if signaled:
+            return f"{self.signal_name or 'a signal'} received"
+        if killed:
+            return "kill switch found"
+        if timed:
+            return f"exit_duration_in_mins={self.limit_s / 60:g} reached"
+        return ""

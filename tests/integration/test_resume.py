@@ -1,0 +1,98 @@
+"""Exact resume on one process: killed with SIGKILL mid-epoch, restarted with auto_resume."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain.testing.env import child_env
+from tests.integration.helpers import merge
+from tests.resume_helpers import DYING, assert_same_continuation, cli, kill_and_resume
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize(
+    ("stage", "pack", "kill_at", "total"),
+    [(2, False, 10, 20), (3, True, 5, 12)],
+    ids=["zero2", "zero3-packed"],
+)
+def test_sigkill_then_resume_matches_uninterrupted(
+    base_config: dict, tmp_path: Path, stage: int, pack: bool, kill_at: int, total: int
+) -> None:
+    base = merge(base_config, epochs=3, deepspeed={"zero_optimization": {"stage": stage}})
+    if pack:
+        base = merge(base, micro_batch_size=1, data={"pack_samples": True, "max_length": 128})
+    results = kill_and_resume(base, tmp_path, nproc=1, kill_at=kill_at, total=total)
+    assert_same_continuation(results, kill_at, total)
+
+
+def test_kill_during_save_keeps_previous_checkpoint(base_config: dict, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    config = merge(base_config, train_iters=10, code=str(DYING), skip_validation=True)
+    config["checkpoint"] = [{"type": "deepspeed-dies", "output_dir": str(ckpt), "save_every_n_steps": 3,
+                             "die_at_step": 6, "die_during_save": True}]  # fmt: skip
+    done = cli(config, tmp_path / "dies.yaml")
+    assert done.returncode == -signal.SIGKILL
+    assert (ckpt / ".staging" / "global_step_6").is_dir()  # the half-written one
+    assert sorted(p.name for p in ckpt.iterdir()) == [".staging", "global_step_3", "latest"]
+    assert (ckpt / "latest").read_text() == "global_step_3"
+    config = merge(config, skip_validation=False)
+    del config["code"]
+    config["checkpoint"] = [{"type": "deepspeed", "output_dir": str(ckpt), "auto_resume": True, "save_total_limit": 2,
+                             "save_every_n_steps": 3}]  # fmt: skip
+    done = cli(config, tmp_path / "resume.yaml")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stdout and "global_step_3 (step 3" in done.stdout
+    # saves at 6 and 9 after the resume; save_total_limit: 2 removed global_step_3
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == [
+        "global_step_6",
+        "global_step_9",
+        "latest",
+    ]
+    assert not any((ckpt / ".staging").iterdir())  # the half-written step 6 was cleared before rewriting it
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_step_saves_and_exits_0(
+    base_config: dict, tmp_path: Path, sig: signal.Signals
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    config = merge(base_config, epochs=1000, micro_batch_size=1)
+    config["checkpoint"] = [{"type": "deepspeed", "output_dir": str(ckpt)}]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    metrics = Path(config["logger"]["output_dir"]) / "train-log-metrics.jsonl"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "posttrain", "train", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=child_env(),
+        text=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    process.send_signal(sig)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-3000:]
+    last = json.loads(metrics.read_text().splitlines()[-1])["iter"]
+    assert f"{sig.name} received" in out
+    assert (ckpt / f"global_step_{last}" / "posttrain_state.json").is_file()
+
+
+def test_time_limit_stops_and_saves(base_config: dict, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    config = merge(base_config, epochs=1000, exit_duration_in_mins=0.05)  # 3 seconds
+    config["checkpoint"] = [{"type": "deepspeed", "output_dir": str(ckpt)}]
+    done = cli(config, tmp_path / "run.yaml")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "exit_duration_in_mins=0.05 reached" in done.stdout
+    assert len([p for p in ckpt.iterdir() if p.name.startswith("global_step_")]) == 1

@@ -1,0 +1,81 @@
+"""Run the CLI for resume tests: a reference run, a run killed with SIGKILL, and its resumed continuation."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from safetensors.torch import load_file
+
+from posttrain.testing.env import child_env
+
+DYING = Path(__file__).parent / "resources" / "dying_checkpoint.py"
+
+
+def cli(
+    config: dict[str, Any], path: Path, nproc: int = 1, timeout: int = 300
+) -> subprocess.CompletedProcess[str]:
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "posttrain", "train", str(path), "--nproc", str(nproc)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=child_env())
+
+
+def last_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """iter -> the last line written for it (a resumed run appends to the same file)."""
+    out: dict[int, dict[str, Any]] = {}
+    for line in (run_dir / "train-log-metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out[record["iter"]] = record
+    return out
+
+
+def kill_and_resume(
+    base: dict[str, Any], tmp: Path, *, nproc: int, kill_at: int, total: int
+) -> dict[str, Any]:
+    """Reference run of ``total`` steps vs. a run SIGKILLed after the checkpoint of ``kill_at`` and resumed."""
+    results: dict[str, Any] = {}
+    for name in ("reference", "killed", "resumed"):
+        config = copy.deepcopy(base)
+        run_dir = tmp / ("reference" if name == "reference" else "interrupted")
+        config.update(train_iters=total, logger={"output_dir": str(run_dir)})
+        export = {"type": "huggingface", "output_dir": str(run_dir / "export"), "save_end_of_training": True}
+        resumable = {"output_dir": str(run_dir / "ckpt"), "auto_resume": True, "save_every_n_steps": kill_at}
+        if name == "killed":
+            config.update(code=str(DYING), skip_validation=True)
+            resumable.update(type="deepspeed-dies", die_at_step=kill_at)
+        else:
+            resumable.update(type="deepspeed")
+        config["checkpoint"] = [export, resumable]
+        done = cli(config, tmp / f"{name}.yaml", nproc)
+        results[name] = done
+        if name == "killed":
+            assert done.returncode != 0, "the run should have been killed"
+        else:
+            assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    results["reference_metrics"] = last_metrics(tmp / "reference")
+    results["resumed_metrics"] = last_metrics(tmp / "interrupted")
+    results["reference_weights"] = load_file(tmp / "reference" / "export" / "final" / "model.safetensors")
+    results["resumed_weights"] = load_file(tmp / "interrupted" / "export" / "final" / "model.safetensors")
+    return results
+
+
+def assert_same_continuation(results: dict[str, Any], kill_at: int, total: int) -> None:
+    assert f"global_step_{kill_at}" in results["resumed"].stdout, results["resumed"].stdout[-2000:]
+    reference, resumed = results["reference_metrics"], results["resumed_metrics"]
+    assert sorted(reference) == sorted(resumed) == list(range(1, total + 1))
+    for step in range(kill_at + 1, total + 1):
+        assert abs(reference[step]["loss"] - resumed[step]["loss"]) <= 1e-6, (
+            step,
+            reference[step],
+            resumed[step],
+        )
+        assert reference[step]["tokens"] == resumed[step]["tokens"], step  # the same data at the same step
+        assert abs(reference[step]["lr"] - resumed[step]["lr"]) <= 1e-12, step
+    a, b = results["reference_weights"], results["resumed_weights"]
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert diff <= 1e-6, diff
