@@ -26,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="posttrain", description="Fine-tune and post-train LLMs from one YAML file."
     )
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # set by launchers
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train from a YAML config")
@@ -33,9 +34,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. optimizer.lr=1e-4")
     train.add_argument("--nproc", type=int, default=1, help="processes on this machine (default 1)")
     train.add_argument(
+        "--launcher",
+        choices=("torchrun", "deepspeed"),
+        default="torchrun",
+        help="how --nproc processes are started (default torchrun)",
+    )
+    train.add_argument(
         "--launcher-args",
         default="",
-        help="extra torchrun arguments, quoted, e.g. '--nnodes 2 --node_rank 0 --master_addr 10.0.0.1'",
+        help="extra launcher arguments, quoted: torchrun's '--nnodes 2 --node_rank 0 --master_addr HOST' or "
+        "DeepSpeed's '--hostfile FILE --include host1 --master_addr HOST'",
     )
 
     validate = sub.add_parser("validate", help="validate a config and print it with every default filled in")
@@ -71,21 +79,39 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    """Re-run this command under torchrun with ``--nproc`` processes on this node."""
+    """Re-run this command with ``--nproc`` processes on this node through torchrun or DeepSpeed's launcher;
+    ``--launcher-args`` pass through (nodes, master address/port, hostfile, include/exclude)."""
     import shlex
 
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={args.nproc}",
-        *shlex.split(args.launcher_args),
-    ]
-    if "--master_port" not in args.launcher_args and "--rdzv" not in args.launcher_args:
-        from posttrain.dist import _free_port
+    from posttrain.dist import free_port
 
-        command.append(f"--master_port={_free_port()}")
-    command += ["-m", "posttrain", "train", str(args.config), *args.overrides]
+    extra = shlex.split(args.launcher_args)
+    port = (
+        []
+        if any(a.startswith(("--master_port", "--master-port", "--rdzv")) for a in extra)
+        else [f"--master_port={free_port()}"]
+    )
+    target = ["train", str(args.config), *args.overrides]
+    if args.launcher == "deepspeed":
+        command = [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            f"--num_gpus={args.nproc}",
+            *port,
+            *extra,
+        ]
+        command += ["--module", "posttrain", *target]
+    else:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={args.nproc}",
+            *port,
+            *extra,
+        ]
+        command += ["-m", "posttrain", *target]
     return subprocess.call(command)
 
 

@@ -24,7 +24,7 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -42,7 +42,7 @@ def ensure_rank_env() -> None:
         WORLD_SIZE="1",
         LOCAL_WORLD_SIZE="1",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()),
+        MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()),
     )
 
 

@@ -1,0 +1,27 @@
+"""Exact resume with two CPU processes (gloo): killed with SIGKILL, restarted with auto_resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.helpers import merge
+from tests.resume_helpers import assert_same_continuation, kill_and_resume
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize(
+    ("stage", "pack", "kill_at", "total"),
+    [(2, True, 4, 9), (3, False, 10, 20)],
+    ids=["zero2-packed", "zero3"],
+)
+def test_sigkill_then_resume_two_processes(
+    base_config: dict, tmp_path: Path, stage: int, pack: bool, kill_at: int, total: int
+) -> None:
+    base = merge(base_config, epochs=3, micro_batch_size=2, deepspeed={"zero_optimization": {"stage": stage}})
+    if pack:
+        base = merge(base, micro_batch_size=1, data={"pack_samples": True, "max_length": 128})
+    results = kill_and_resume(base, tmp_path, nproc=2, kill_at=kill_at, total=total)
+    assert_same_continuation(results, kill_at, total)

@@ -1,0 +1,9 @@
+"""Train several configs one after another in the same processes (one torchrun launch for many runs)."""
+
+import sys
+
+from posttrain.config import load_config
+from posttrain.run import run
+
+for path in sys.argv[1:]:
+    run(load_config(path))
