@@ -54,3 +54,15 @@ def base_config(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> dict:
         "logger": {"output_dir": str(tmp_path / "run")},
         "loss_log_interval": 0,
     }
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``gpu`` tests skip cleanly on machines without CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

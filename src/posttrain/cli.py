@@ -91,27 +91,14 @@ def _launch(args: argparse.Namespace) -> int:
         if any(a.startswith(("--master_port", "--master-port", "--rdzv")) for a in extra)
         else [f"--master_port={free_port()}"]
     )
-    target = ["train", str(args.config), *args.overrides]
-    if args.launcher == "deepspeed":
-        command = [
-            sys.executable,
-            "-m",
-            "deepspeed.launcher.runner",
-            f"--num_gpus={args.nproc}",
-            *port,
-            *extra,
-        ]
-        command += ["--module", "posttrain", *target]
-    else:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={args.nproc}",
-            *port,
-            *extra,
-        ]
-        command += ["-m", "posttrain", *target]
+    # launcher module, its process-count flag, and how it is told to run a module
+    launchers = {
+        "deepspeed": ("deepspeed.launcher.runner", f"--num_gpus={args.nproc}", "--module"),
+        "torchrun": ("torch.distributed.run", f"--nproc_per_node={args.nproc}", "-m"),
+    }
+    module, nproc_flag, module_flag = launchers[args.launcher]
+    command = [sys.executable, "-m", module, nproc_flag, *port, *extra, module_flag, "posttrain"]
+    command += ["train", str(args.config), *args.overrides]
     return subprocess.call(command)
 
 

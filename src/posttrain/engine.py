@@ -60,6 +60,17 @@ class Engine:
             return float("nan")
         return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
 
+    def save_state(self, directory: str, tag: str) -> None:
+        """Model and optimizer (sharded as ZeRO holds them) and scheduler into ``directory/tag`` (all ranks)."""
+        self.ds.save_checkpoint(directory, tag=tag, save_latest=False)
+
+    def load_state(self, directory: str, tag: str) -> bool:
+        """Restore what :meth:`save_state` wrote; False when DeepSpeed found nothing to load."""
+        path, _ = self.ds.load_checkpoint(
+            directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        return path is not None
+
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 

@@ -81,7 +81,7 @@ class DeepSpeedCheckpointEngine(CheckpointEngine):
             shutil.rmtree(staging / tag, ignore_errors=True)  # left by a run killed while saving
             staging.mkdir(parents=True, exist_ok=True)
         barrier(dist)
-        engine.ds.save_checkpoint(str(staging), tag=tag, save_latest=False)
+        engine.save_state(str(staging), tag)
         torch.save(rng_state(), staging / tag / f"rng_state_rank{dist.rank}.pt")
         barrier(dist)
         if dist.is_main:
@@ -117,10 +117,7 @@ class DeepSpeedCheckpointEngine(CheckpointEngine):
                 f"checkpoint {path} was written by {record.get('world_size')} processes, this run has "
                 f"{self.ctx.dist.world_size}; resume with the same number of processes"
             )
-        load_path, _ = engine.ds.load_checkpoint(
-            str(self.output_dir), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
-        if load_path is None:
+        if not engine.load_state(str(self.output_dir), path.name):
             raise UserError(f"DeepSpeed could not load the checkpoint {path}")
         for key in ("step", "epoch", "epoch_step", "evals"):
             setattr(state, key, int(record[key]))

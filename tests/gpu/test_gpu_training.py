@@ -1,0 +1,28 @@
+"""GPU paths: bf16 mixed precision on CUDA with nccl, ZeRO-2 and ZeRO-3 (run on a machine with a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.helpers import merge, train
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_training_on_cuda(base_config: dict, stage: int) -> None:
+    config = merge(
+        base_config,
+        train_iters=20,
+        optimizer={"lr": 3e-3},
+        model={"dtype": "bfloat16", "disable_activation_checkpoint": False},
+        deepspeed={"zero_optimization": {"stage": stage}},
+        logger={"output_dir": base_config["logger"]["output_dir"] + f"-z{stage}"},
+    )
+    result = train(config)
+    history = result.state.history
+    assert next(result.model.parameters()).device.type == "cuda"
+    assert torch.distributed.get_backend() == "nccl"
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert all(h["grad_norm"] > 0 for h in history)
