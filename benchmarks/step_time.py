@@ -81,7 +81,9 @@ def bare_loop(config, steps: int) -> float:
     model.config.use_cache = False
     model.train()
     optimizer = torch.optim.AdamW(
-        param_groups(model, config.optimizer.weight_decay), lr=config.optimizer.lr, foreach=True
+        param_groups(model, config.optimizer.weight_decay, config.optimizer.lr),
+        lr=config.optimizer.lr,
+        foreach=True,
     )
     ends = [time.time()]
     for step, batch in enumerate(loader):

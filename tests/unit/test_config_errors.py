@@ -76,7 +76,6 @@ def test_every_seed_key_is_accepted_at_its_default(tmp_path: Path) -> None:
         ("tiled_mlp_compute=true", "tiled_mlp_compute"),
         ("mem_profiler=step", "mem_profiler"),
         ("wandb.enable=true", "wandb.enable"),
-        ("model.peft_config={r: 8}", "model.peft_config"),
     ],
 )
 def test_features_not_built_yet_are_refused(tmp_path: Path, override: str, path: str) -> None:
@@ -215,3 +214,19 @@ def test_cli_exit_code_2_without_traceback(tmp_path: Path, capsys: pytest.Captur
     assert main(["validate", str(tmp_path / "run.yaml")]) == 2
     err = capsys.readouterr().err
     assert "2 config errors" in err and "Traceback" not in err
+
+
+def test_peft_config_is_validated_by_peft(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(GOOD)
+    config = load_config(
+        path, ["model.peft_config={r: 8, lora_alpha: 16, target_modules: all-linear, use_dora: true}"]
+    )
+    assert config.model.peft_config["r"] == 8
+    error = errors_of(GOOD, tmp_path, ["model.peft_config={rr: 8}"])
+    assert error.issues[0].path == "model.peft_config"
+    assert "unknown LORA keys: 'rr' (did you mean 'r'?)" in error.issues[0].message
+    error = errors_of(GOOD, tmp_path, ["model.peft_config={peft_type: LORAX}"])
+    assert "unknown peft_type 'LORAX'; did you mean 'LORA'?" in error.render()
+    error = errors_of(GOOD, tmp_path, ["model.quantization_config={load_in_4bit: true}"])
+    assert "add peft_config (QLoRA)" in error.render()

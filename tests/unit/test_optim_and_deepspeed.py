@@ -18,7 +18,7 @@ def test_no_weight_decay_on_bias_and_norms() -> None:
         torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2, bias=False)
     )
     model[2].weight.requires_grad_(False)
-    decay, no_decay = param_groups(model, 0.1)
+    decay, no_decay = param_groups(model, 0.1, 1e-3)
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert [p.shape for p in decay["params"]] == [torch.Size([4, 4])]
     assert len(no_decay["params"]) == 3  # linear bias, norm weight, norm bias; the frozen weight is left out

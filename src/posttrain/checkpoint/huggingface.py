@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 from posttrain.checkpoint.base import CheckpointEngine
 from posttrain.config.checkpoint import HFCheckpointConfig
+from posttrain.models.peft import is_peft_model
 from posttrain.registry import CHECKPOINT_ENGINES
 from posttrain.utils.fs import atomic_dir
 
@@ -28,6 +30,8 @@ def full_parameters(model: Any) -> Iterator[None]:
 
 @CHECKPOINT_ENGINES.register("huggingface", config=HFCheckpointConfig)
 class HFCheckpointEngine(CheckpointEngine):
+    config: HFCheckpointConfig
+
     """Writes ``<output_dir>/global_step_<N>`` periodically and ``<output_dir>/<save_name or final>`` at
     the end. Each export is written to a temporary directory and renamed into place by rank 0; under ZeRO-3
     the full weights are gathered first. Every rank calls ``save`` (the gather is collective)."""
@@ -40,10 +44,17 @@ class HFCheckpointEngine(CheckpointEngine):
             return target  # saved already at this step (a step and an epoch interval can coincide)
         with full_parameters(model):
             if self.ctx.dist.is_main:
-                with atomic_dir(target) as tmp:
-                    model.save_pretrained(tmp, safe_serialization=True)
-                    if self.tokenizer is not None:
-                        self.tokenizer.save_pretrained(tmp)
+                self._write(model, target)  # a PEFT model writes its adapter only
+                if self.config.save_merged and is_peft_model(model):
+                    self._write(
+                        copy.deepcopy(model).merge_and_unload(), target.with_name(target.name + "-merged")
+                    )
         if not end:
             self.last_saved_step = state.step
         return target
+
+    def _write(self, model: Any, target: Path) -> None:
+        with atomic_dir(target) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(tmp)

@@ -34,7 +34,11 @@ class CheckpointConfig(BaseConfig):
 
 
 class HFCheckpointConfig(CheckpointConfig):
-    """Exports in Hugging Face format (safetensors + config + tokenizer); not resumable training state."""
+    """Exports in Hugging Face format (safetensors + config + tokenizer); not resumable training state.
+    With PEFT the export is the adapter in PEFT's format."""
+
+    save_merged: bool = False
+    """With PEFT, also write the base model with the adapter merged in, to ``<name>-merged``."""
 
     def problems(self) -> Iterator[Problem]:
         if self.auto_resume:

@@ -142,3 +142,21 @@ class SFTDataConfig(DataConfig):
 
     overlong_samples: Literal["drop", "truncate"] = "drop"
     """What to do with a sample longer than ``max_length``: drop it, or cut it to ``max_length`` tokens."""
+
+
+class CausalDataConfig(DataConfig):
+    """Raw text for (continued) pretraining: one document per row."""
+
+    text_column: str = "text"
+    """The column holding each document's text."""
+
+    add_bos: bool = True
+    """Start every document with the tokenizer's BOS token."""
+
+    add_eos: bool = True
+    """End every document with the tokenizer's EOS token (so the model learns where documents end)."""
+
+    pack_samples: bool = False
+    """``false``: concatenate all documents and cut the stream into ``max_length`` blocks (attention crosses
+    document boundaries inside a block). ``true``: pack whole documents with per-document ``position_ids``
+    and no attention across documents (needs ``micro_batch_size: 1``)."""

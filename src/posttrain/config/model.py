@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import field_validator
 
-from posttrain.config.base import BaseConfig, Problem, unsupported
+from posttrain.config.base import BaseConfig, Problem
 
 DTYPE_ALIASES: dict[str, str] = {
     "float32": "float32",
@@ -51,7 +51,17 @@ class ModelConfig(BaseConfig):
     """Turn off activation (gradient) checkpointing, which is on by default to save memory."""
 
     peft_config: dict[str, Any] | None = None
-    """Parameter-efficient fine-tuning (PEFT) config. Not supported yet."""
+    """Parameter-efficient fine-tuning: any PEFT config as a dict, ``peft_type`` (default ``LORA``) plus its
+    fields, e.g. ``{r: 16, lora_alpha: 32, lora_dropout: 0.05, target_modules: all-linear}``;
+    ``use_rslora: true`` for rsLoRA, ``use_dora: true`` for DoRA. Only the adapter is trained."""
+
+    peft_pretrained: str | None = None
+    """Directory of a saved PEFT adapter to load and continue training (SiloGen's ``PRETRAINED_PEFT``)."""
+
+    quantization_config: dict[str, Any] | None = None
+    """Load the base model quantised through bitsandbytes for QLoRA (SiloGen's ``quant_conf``), e.g.
+    ``{load_in_4bit: true, bnb_4bit_quant_type: nf4}``: ``transformers.BitsAndBytesConfig`` arguments.
+    Needs a CUDA GPU."""
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -67,5 +77,22 @@ class ModelConfig(BaseConfig):
             )
         return value
 
+    @field_validator("peft_config")
+    @classmethod
+    def _peft(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            from posttrain.models.peft import peft_config_from_dict
+
+            peft_config_from_dict(value)  # builds PEFT's own config object: checks keys and values
+        return value
+
     def problems(self) -> Iterator[Problem]:
-        yield from unsupported("peft_config", self.peft_config, None, "PEFT/LoRA arrives with issue #4")
+        if self.peft_config is not None and self.peft_pretrained is not None:
+            yield Problem(
+                "peft_pretrained", "set peft_config (new adapters) or peft_pretrained (a saved one), not both"
+            )
+        if self.quantization_config is not None and self.peft_config is None and self.peft_pretrained is None:
+            yield Problem(
+                "quantization_config",
+                "a quantised base model cannot be trained directly; add peft_config (QLoRA)",
+            )

@@ -23,3 +23,7 @@ class OptimizerConfig(BaseConfig):
 
     eps: HumanFloat = Field(default=1e-8, gt=0.0)
     """Adam's epsilon, added to the denominator for numerical stability."""
+
+    lora_plus_scale: HumanFloat = Field(default=1.0, gt=0.0)
+    """LoRA+: the learning rate of the LoRA B matrices is ``lr`` times this (ERNIEKit's ``lora_plus_scale``;
+    the LoRA+ paper suggests 16). 1: off."""

@@ -109,22 +109,39 @@ def apply_length_policy(
     return kept
 
 
-def process(
-    rows: list[Row], processed: list[bool], ctx: RunContext, tokenizer: Any, max_length: int, pack: bool
-) -> tuple[list[Sample], DataReport]:
-    config = ctx.config.data
-    report = DataReport(rows=len(rows))
-    formatter: Formatter = DATA_FACTORIES.get(config.type).obj
-    to_format = [row for row, flag in zip(rows, processed, strict=True) if flag]
-    formatted = iter(_format_rows(to_format, formatter, tokenizer, config))
-    samples = [
-        next(formatted) if flag else _preprocessed(row) for row, flag in zip(rows, processed, strict=True)
-    ]
+def assemble_samples(
+    samples: list[Sample], max_length: int, config: DataConfig, report: DataReport, pack: bool
+) -> list[Sample]:
+    """One sample per sequence (over-long ones dropped or truncated), or packed several per sequence."""
     samples = apply_length_policy(samples, max_length, getattr(config, "overlong_samples", "drop"), report)
     report.samples = len(samples)
     if pack:
         random.Random(config.seed).shuffle(samples)
         samples = pack_sequential(samples, max_length)
+    return samples
+
+
+@dataclass(frozen=True)
+class DataFactory:
+    """A training method's data stages: ``format`` turns a row into token ids and labels (pure, per row);
+    ``assemble`` turns the formatted samples into training sequences (length policy, packing, blocks)."""
+
+    format: Formatter
+    assemble: Callable[[list[Sample], int, DataConfig, DataReport, bool], list[Sample]] = assemble_samples
+
+
+def process(
+    rows: list[Row], processed: list[bool], ctx: RunContext, tokenizer: Any, max_length: int, pack: bool
+) -> tuple[list[Sample], DataReport]:
+    config = ctx.config.data
+    report = DataReport(rows=len(rows))
+    factory: DataFactory = DATA_FACTORIES.get(config.type).obj
+    to_format = [row for row, flag in zip(rows, processed, strict=True) if flag]
+    formatted = iter(_format_rows(to_format, factory.format, tokenizer, config))
+    samples = [
+        next(formatted) if flag else _preprocessed(row) for row, flag in zip(rows, processed, strict=True)
+    ]
+    samples = factory.assemble(samples, max_length, config, report, pack)
     report.sequences = len(samples)
     report.tokens = sum(len(s["input_ids"]) for s in samples)
     report.target_tokens = sum(sum(1 for x in s["labels"][1:] if x != IGNORE_INDEX) for s in samples)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from posttrain.config.data import DataConfig, SFTDataConfig
 from posttrain.config.trainer import TrainerConfig
+from posttrain.data.build import DataFactory
 from posttrain.data.sft import IGNORE_INDEX, format_sft
 from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec
 
@@ -35,11 +36,11 @@ def sft_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tenso
     return token_nll_sum(logits, batch["labels"]), {}
 
 
-@DATA_FACTORIES.register("sft", config=SFTDataConfig)
 def format_sft_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) -> dict[str, list[int]]:
     return format_sft(row, tokenizer, mask_inputs=getattr(config, "mask_inputs", True))
 
 
+DATA_FACTORIES.add("sft", DataFactory(format=format_sft_row), config=SFTDataConfig)
 TRAINERS.add(
     "sft",
     TrainerSpec(

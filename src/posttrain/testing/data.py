@@ -30,3 +30,13 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     return path
+
+
+def text_rows(n: int, seed: int = 0) -> list[dict]:
+    """Raw-text documents for continued pretraining: counting sequences of varied length (learnable)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        start = rng.randint(0, 50)
+        rows.append({"text": " ".join(str(i) for i in range(start, start + rng.randint(3, 20)))})
+    return rows
