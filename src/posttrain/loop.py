@@ -81,40 +81,62 @@ def repeat_first(loader: Iterable[dict[str, Any]], gas: int, steps: int) -> Iter
         yield [first] * gas
 
 
-def train_step(
-    ctx: RunContext, inputs: LoopInputs, micro_batches: list[dict[str, Any]]
-) -> tuple[float, int, int]:
-    """One optimizer step. Returns (local summed loss, global target tokens, global input tokens)."""
+@dataclass
+class StepTotals:
+    """Sums over the micro-batches of a step on this rank (loss and method metrics) and global counts."""
+
+    loss: float
+    metrics: dict[str, float]
+    units: int
+    target_tokens: int
+    input_tokens: int
+
+
+def _sum_tensors(values: dict[str, torch.Tensor], into: dict[str, torch.Tensor]) -> None:
+    for key, value in values.items():
+        into[key] = into[key] + value.detach().double() if key in into else value.detach().double()
+
+
+def train_step(ctx: RunContext, inputs: LoopInputs, micro_batches: list[dict[str, Any]]) -> StepTotals:
+    """One optimizer step; the loss is divided by the loss units (target tokens, or pairs) of the whole step."""
     engine = inputs.engine
-    local_tokens = sum(m["num_target_tokens"] for m in micro_batches)
-    local_inputs = sum(m["num_input_tokens"] for m in micro_batches)
-    target_tokens, input_tokens = (int(x) for x in all_reduce_sum([local_tokens, local_inputs], ctx.dist))
-    # DeepSpeed averages gradients over ranks; multiply back so the result is sum / global tokens.
-    scale = ctx.dist.world_size / max(target_tokens, 1)
-    loss_sum = torch.zeros((), device=engine.device, dtype=torch.float32)
+    keys = ("num_loss_units", "num_target_tokens", "num_input_tokens")
+    counts = [sum(m[key] for m in micro_batches) for key in keys]
+    units, target_tokens, input_tokens = (int(x) for x in all_reduce_sum(counts, ctx.dist))
+    # DeepSpeed averages gradients over ranks; multiply back so the result is sum / global units.
+    scale = ctx.dist.world_size / max(units, 1)
+    loss_sum = torch.zeros((), device=engine.device, dtype=torch.float64)
+    metric_sums: dict[str, torch.Tensor] = {}
     for index, micro in enumerate(micro_batches):
         batch = to_device(micro, engine.device)
-        loss, _ = inputs.loss_fn(engine, batch)
+        loss, metrics = inputs.loss_fn(engine, batch)
         engine.micro_step(loss * scale, last=index == len(micro_batches) - 1)
-        loss_sum += loss.detach().float()
-    return float(loss_sum.item()), target_tokens, input_tokens
+        loss_sum += loss.detach().double()
+        _sum_tensors(metrics, metric_sums)
+    names = sorted(metric_sums)
+    values = torch.stack([loss_sum, *(metric_sums[n] for n in names)]).tolist()  # one host transfer
+    return StepTotals(
+        values[0], dict(zip(names, values[1:], strict=True)), units, target_tokens, input_tokens
+    )
 
 
 @torch.no_grad()
-def evaluate(ctx: RunContext, inputs: LoopInputs) -> float:
-    """Token-weighted mean loss over the whole eval set, all ranks."""
+def evaluate(ctx: RunContext, inputs: LoopInputs) -> dict[str, float]:
+    """``eval_loss`` (and the method's metrics as ``eval_<name>``): means per loss unit over the whole eval
+    set and all ranks."""
     engine = inputs.engine
     assert inputs.eval_loader is not None
     engine.train(False)
-    loss_sum = torch.zeros((), device=engine.device, dtype=torch.float64)
-    tokens = 0
+    sums: dict[str, torch.Tensor] = {}
+    units = 0
     for micro in inputs.eval_loader:
-        loss, _ = inputs.loss_fn(engine, to_device(micro, engine.device))
-        loss_sum += loss.double()
-        tokens += micro["num_target_tokens"]
+        loss, metrics = inputs.loss_fn(engine, to_device(micro, engine.device))
+        _sum_tensors({"loss": loss, **metrics}, sums)
+        units += micro["num_loss_units"]
     engine.train(True)
-    total, count = all_reduce_sum([float(loss_sum.item()), float(tokens)], ctx.dist)
-    return total / max(count, 1.0)
+    names = sorted(sums)
+    totals = all_reduce_sum([*torch.stack([sums[n] for n in names]).tolist(), float(units)], ctx.dist)
+    return {f"eval_{name}": total / max(totals[-1], 1.0) for name, total in zip(names, totals, strict=False)}
 
 
 def _stop_reason(ctx: RunContext, state: LoopState) -> str:
@@ -131,7 +153,7 @@ def _after_step(ctx: RunContext, inputs: LoopInputs, state: LoopState, record: d
     """Evaluate, record, print and save as configured after an optimizer step."""
     config = ctx.config
     if config.eval_interval and state.step % config.eval_interval == 0 and inputs.eval_loader is not None:
-        record["eval_loss"] = evaluate(ctx, inputs)
+        record.update(evaluate(ctx, inputs))
         state.evals += 1
     inputs.metrics.write(record)
     state.history.append(record)
@@ -162,22 +184,28 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopSta
         inputs.set_epoch(state.epoch)
         for micro_batches in _epoch_steps(ctx, inputs, skip_steps=state.epoch_step):
             started = time.perf_counter()
-            loss_sum, tokens, input_tokens = train_step(ctx, inputs, micro_batches)
+            totals = train_step(ctx, inputs, micro_batches)
             state.step += 1
             state.run_steps += 1
             state.epoch_step += 1
             elapsed = time.perf_counter() - started
             local_stop = inputs.stops.check(config.kill_switch_path, elapsed)
-            loss_total, *stops = all_reduce_sum([loss_sum, *local_stop], ctx.dist)
+            names = sorted(totals.metrics)
+            reduced = all_reduce_sum(
+                [totals.loss, *(totals.metrics[n] for n in names), *local_stop], ctx.dist
+            )
+            per_unit = [value / max(totals.units, 1) for value in reduced[: 1 + len(names)]]
+            stops = reduced[1 + len(names) :]
             record: dict[str, Any] = {
                 "iter": state.step,
                 "epoch": state.epoch,
-                "loss": loss_total / max(tokens, 1),
+                "loss": per_unit[0],
+                **dict(zip(names, per_unit[1:], strict=True)),
                 "lr": inputs.engine.lr(),
                 "grad_norm": inputs.engine.grad_norm(),
-                "tokens": tokens,
+                "tokens": totals.target_tokens,
                 "step_time": elapsed,
-                "tokens_per_second": input_tokens / elapsed if elapsed > 0 else None,
+                "tokens_per_second": totals.input_tokens / elapsed if elapsed > 0 else None,
                 "time": time.time(),
             }
             _after_step(ctx, inputs, state, record)

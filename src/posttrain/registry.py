@@ -87,12 +87,16 @@ class TrainerSpec:
 
     ``accepts`` maps a config slot (``model``, ``tokenizer``, ``data``, ``optimizer``, ``scheduler``,
     ``checkpoint``) to the component names the trainer works with; the first one is the default when the
-    config names no ``type``.
+    config names no ``type``. ``loss`` builds the loss function ``(model, batch) -> (loss sum, metric sums)``
+    from the validated config; ``collator`` builds the batch collator from the pad id; ``prepare`` (optional)
+    runs once after the engine exists and before resuming, e.g. to compute reference log-probabilities.
     """
 
     name: str
     accepts: dict[str, tuple[str, ...]]
-    loss: Callable[..., Any]
+    loss: Callable[[Any], Callable[..., Any]]
+    collator: Callable[[int], Callable[..., Any]] | None = None
+    prepare: Callable[..., None] | None = None
     description: str = ""
 
 

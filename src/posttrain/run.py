@@ -65,23 +65,19 @@ def _pretrained_config(config: TrainerConfig) -> Any:
 
 def _eval_shard(samples: list[dict[str, list[int]]], rank: int, world: int) -> list[dict[str, list[int]]]:
     """Every rank gets the same number of eval samples (collectives stay in step); the padding samples
-    carry no labels, so the token-weighted eval loss is exact."""
+    carry no labels, so the eval metrics are exact."""
     shard = samples[rank::world]
     per_rank = math.ceil(len(samples) / world) if samples else 0
     if len(shard) < per_rank:
-        filler = {
-            "input_ids": samples[0]["input_ids"],
-            "labels": [IGNORE_INDEX] * len(samples[0]["input_ids"]),
-        }
+        filler = {k: [IGNORE_INDEX] * len(v) if k.endswith("labels") else v for k, v in samples[0].items()}
         shard = shard + [filler] * (per_rank - len(shard))
     return shard
 
 
 def _loaders(
-    ctx: RunContext, data: Datasets, pad_id: int
+    ctx: RunContext, data: Datasets, collate: Any
 ) -> tuple[DataLoader, DistributedSampler, DataLoader | None]:
     config = ctx.config
-    collate = Collator(pad_id)
     sampler = DistributedSampler(
         data.train, num_replicas=ctx.dist.world_size, rank=ctx.dist.rank, shuffle=True, seed=config.data.seed
     )
@@ -170,7 +166,8 @@ def run(config: TrainerConfig) -> RunResult:
     if data.eval:
         say(data.eval_report.summary("eval data"))
     _replicate_for_min_iterations(config, data, dist.world_size)
-    train_loader, sampler, eval_loader = _loaders(ctx, data, tokenizer.pad_token_id)
+    collator = (spec.collator or Collator)(tokenizer.pad_token_id)
+    train_loader, sampler, eval_loader = _loaders(ctx, data, collator)
     steps_per_epoch = math.ceil(len(train_loader) / config.gradient_accumulation_steps)
     total_steps = config.train_iters or config.epochs * steps_per_epoch
     if total_steps == 0:
@@ -182,6 +179,8 @@ def run(config: TrainerConfig) -> RunResult:
     del zero3
     checkpoints = [CHECKPOINT_ENGINES.get(c.type).obj(c, ctx, tokenizer) for c in config.checkpoint]
     state = LoopState()
+    if spec.prepare is not None:
+        spec.prepare(ctx, engine, data, collator)  # before resuming: sees the initial weights
     resumed_from = None
     for checkpoint in checkpoints:
         resumed_from = resumed_from or checkpoint.load(engine, state)
@@ -201,7 +200,7 @@ def run(config: TrainerConfig) -> RunResult:
     stops = StopSignals(config.exit_duration_in_mins)
     inputs = LoopInputs(
         engine=engine,
-        loss_fn=spec.loss,
+        loss_fn=spec.loss(config),
         train_loader=train_loader,
         set_epoch=sampler.set_epoch,
         eval_loader=eval_loader,

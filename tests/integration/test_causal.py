@@ -30,6 +30,7 @@ def test_causal_loss_falls(base_config: dict, tmp_path: Path, pack: bool, capsys
     out = capsys.readouterr().out
     assert "train data: 200 rows -> 200 samples" in out
     if not pack:
-        assert all(
-            h["tokens"] == 4 * 63 for h in history[:-1]
-        )  # full blocks: every token but the first is a target
+        # full blocks: every token but the first is a target. Per epoch, only the step holding the stream's
+        # short last block and the epoch's last (short) step can differ.
+        short = [h["tokens"] for h in history if h["tokens"] != 4 * 63]
+        assert len(short) <= 4 and len(history) > 20, short

@@ -143,8 +143,13 @@ def process(
     ]
     samples = factory.assemble(samples, max_length, config, report, pack)
     report.sequences = len(samples)
-    report.tokens = sum(len(s["input_ids"]) for s in samples)
-    report.target_tokens = sum(sum(1 for x in s["labels"][1:] if x != IGNORE_INDEX) for s in samples)
+    report.tokens = sum(len(v) for s in samples for k, v in s.items() if k.endswith("input_ids"))
+    report.target_tokens = sum(
+        sum(1 for x in v[1:] if x != IGNORE_INDEX)
+        for s in samples
+        for k, v in s.items()
+        if k.endswith("labels")
+    )
     return samples, report
 
 

@@ -12,6 +12,8 @@ from posttrain.data.sft import IGNORE_INDEX
 class Collator:
     """Pads ``input_ids`` with ``pad_id`` and ``labels`` with -100.
 
+    ``num_loss_units`` is what the loop divides the summed loss by (target tokens here; pairs for DPO).
+
     Packed samples (with ``position_ids``) are passed with ``position_ids`` and no attention mask, which is
     how transformers recognises packed sequences. ``num_target_tokens`` (labels that are predicted, i.e.
     after the one-token shift) is counted here, on the CPU, so the loop never syncs with the device for it.
@@ -43,5 +45,6 @@ class Collator:
         else:
             batch["attention_mask"] = attention
         batch["num_target_tokens"] = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        batch["num_loss_units"] = batch["num_target_tokens"]  # the loss is normalised per target token
         batch["num_input_tokens"] = sum(len(s["input_ids"]) for s in samples)
         return batch

@@ -40,7 +40,7 @@ TRAINERS.add(
             "scheduler": ("huggingface",),
             "checkpoint": ("huggingface", "deepspeed"),
         },
-        loss=sft_loss,
+        loss=lambda config: sft_loss,
         description="(continued) pretraining on raw text",
     ),
     config=TrainerConfig,

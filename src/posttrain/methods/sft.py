@@ -53,7 +53,7 @@ TRAINERS.add(
             "scheduler": ("huggingface",),
             "checkpoint": ("huggingface", "deepspeed"),
         },
-        loss=sft_loss,
+        loss=lambda config: sft_loss,
         description="supervised fine-tuning on chat data",
     ),
     config=TrainerConfig,
