@@ -8,6 +8,7 @@ def register_builtins() -> None:
     import posttrain.checkpoint.huggingface
     import posttrain.data.sources
     import posttrain.methods.causal
+    import posttrain.methods.dpo
     import posttrain.methods.sft
     import posttrain.models.huggingface
     import posttrain.optim.adamw

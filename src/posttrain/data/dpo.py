@@ -33,7 +33,10 @@ def _messages(value: Any, role: str, name: str) -> list[dict[str, str]]:
 
 
 def _answer(tokenizer: Any, prompt: list[dict[str, str]], answer: list[dict[str, str]], name: str) -> Sample:
-    conversation = check_messages({"messages": prompt + answer}) if prompt else answer
+    try:
+        conversation = check_messages({"messages": prompt + answer})
+    except RowError as exc:
+        raise RowError(f"prompt + {name}: {exc}") from None
     ids, mask = assistant_mask(tokenizer, conversation)
     prompt_len = len(_render_ids(tokenizer, prompt)) if prompt else 0
     if ids[:prompt_len] != _render_ids(tokenizer, prompt):

@@ -1,0 +1,213 @@
+"""DPO-family preference tuning (``type: dpo``).
+
+The reference model's log-probabilities are computed once, before the first step (``prepare``), with the
+policy's initial weights or the configured ``ref_model``, and stored with each pair. The reference is
+therefore frozen by construction, takes no memory or time during training, never gets an optimizer, and
+works the same under every ZeRO stage and process count (the pass runs through the DeepSpeed engine).
+The loss is a mean over pairs: the loop divides the summed loss by the number of pairs in the step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.config.data import DataConfig
+from posttrain.config.dpo import DPODataConfig, DPOTrainerConfig
+from posttrain.context import RunContext
+from posttrain.data.build import DataFactory, DataReport, Datasets
+from posttrain.data.dpo import format_pair
+from posttrain.data.sft import IGNORE_INDEX
+from posttrain.logs import say
+from posttrain.methods.preference_losses import PreferenceParams, preference_loss
+from posttrain.registry import DATA_FACTORIES, MODEL_FACTORIES, TRAINERS, TrainerSpec
+
+Pair = dict[str, Any]
+SIDES = ("chosen", "rejected")
+
+
+# ------------------------------------------------------------------------------------------------- data
+
+
+def format_dpo_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) -> Pair:
+    assert isinstance(config, DPODataConfig)
+    return format_pair(row, tokenizer, config.max_prompt_length, config.prompt_truncation)
+
+
+def assemble_pairs(
+    pairs: list[Pair], max_length: int, config: DataConfig, report: DataReport, pack: bool
+) -> list[Pair]:
+    policy = getattr(config, "overlong_samples", "drop")
+    kept = []
+    for pair in pairs:
+        if any(len(pair[f"{side}_input_ids"]) > max_length for side in SIDES):
+            if policy == "drop":
+                report.dropped[f"longer than max_length={max_length}"] += 1
+                continue
+            pair = {key: value[:max_length] for key, value in pair.items()}
+            report.truncated += 1
+        if any(all(x == IGNORE_INDEX for x in pair[f"{side}_labels"][1:]) for side in SIDES):
+            report.dropped["an answer has no trained tokens"] += 1
+            continue
+        kept.append(pair)
+    report.samples = len(kept)
+    return kept
+
+
+class PairCollator:
+    """B pairs -> one batch of 2B rows (the chosen answers, then the rejected ones), padded together."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, pairs: list[Pair]) -> dict[str, Any]:
+        rows = [(p[f"{side}_input_ids"], p[f"{side}_labels"]) for side in SIDES for p in pairs]
+        longest = max(len(ids) for ids, _ in rows)
+        input_ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
+        attention = torch.zeros((len(rows), longest), dtype=torch.long)
+        for index, (ids, labs) in enumerate(rows):
+            input_ids[index, : len(ids)] = torch.tensor(ids)
+            labels[index, : len(labs)] = torch.tensor(labs)
+            attention[index, : len(ids)] = 1
+        # padding pairs (eval shards) carry no labels and so no weight
+        weights = [float(any(x != IGNORE_INDEX for x in p["chosen_labels"])) for p in pairs]
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "attention_mask": attention,
+            "ref_chosen": torch.tensor([p.get("ref_chosen", 0.0) for p in pairs], dtype=torch.float64),
+            "ref_rejected": torch.tensor([p.get("ref_rejected", 0.0) for p in pairs], dtype=torch.float64),
+            "pair_weight": torch.tensor(weights, dtype=torch.float64),
+            "num_loss_units": int(sum(weights)),
+            "num_target_tokens": int((labels[:, 1:] != IGNORE_INDEX).sum()),
+            "num_input_tokens": sum(len(ids) for ids, _ in rows),
+        }
+
+
+# ------------------------------------------------------------------------------------------------- loss
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the summed log-probability of the labelled tokens, and how many there are."""
+    shifted_labels = labels[:, 1:]
+    mask = shifted_labels != IGNORE_INDEX
+    token_logps = -F.cross_entropy(
+        logits[:, :-1, :].float().transpose(1, 2), shifted_labels.clamp(min=0), reduction="none"
+    )
+    return (token_logps * mask).sum(-1).double(), mask.sum(-1).double()
+
+
+def pair_logps(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+    ).logits
+    logps, counts = sequence_logps(logits, batch["labels"])
+    half = logps.shape[0] // 2
+    return logps[:half], logps[half:], counts[:half], counts[half:]
+
+
+def make_dpo_loss(config: DPOTrainerConfig) -> Any:
+    params = PreferenceParams(config.loss_type, config.beta, config.label_smoothing, config.simpo_gamma)
+
+    def dpo_loss(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        chosen, rejected, chosen_len, rejected_len = pair_logps(model, batch)
+        ref_chosen, ref_rejected = batch["ref_chosen"], batch["ref_rejected"]
+        losses, chosen_reward, rejected_reward = preference_loss(
+            params, chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len
+        )
+        losses = config.pref_loss_ratio * losses
+        if config.sft_loss_ratio:
+            losses = losses + config.sft_loss_ratio * (-chosen / chosen_len.clamp(min=1))
+        weight = batch["pair_weight"]
+        metrics = {
+            "rewards/chosen": (chosen_reward * weight).sum(),
+            "rewards/rejected": (rejected_reward * weight).sum(),
+            "rewards/margins": ((chosen_reward - rejected_reward) * weight).sum(),
+            # a tie (as before the first update, when the policy is the reference) counts one half
+            "rewards/accuracy": ((torch.sign(chosen_reward - rejected_reward) + 1) / 2 * weight).sum(),
+            "logps/chosen": (chosen * weight).sum(),
+            "logps/rejected": (rejected * weight).sum(),
+        }
+        return (losses * weight).sum(), metrics
+
+    return dpo_loss
+
+
+# ------------------------------------------------------------------------------------- reference log-probs
+
+
+@torch.no_grad()
+def _reference_logps(
+    ctx: RunContext, forward: Any, pairs: list[Pair], collator: PairCollator, device: torch.device
+) -> None:
+    """Fill ``ref_chosen``/``ref_rejected`` of every pair; each rank scores its share, then all share."""
+    import torch.distributed as dist
+
+    unique = list({id(p): p for p in pairs}.values())
+    world, rank = ctx.dist.world_size, ctx.dist.rank
+    per_rank = math.ceil(len(unique) / world)
+    mine = list(range(rank, len(unique), world))
+    mine += [mine[0] if mine else 0] * (
+        per_rank - len(mine)
+    )  # equal batch counts keep ZeRO-3 collectives in step
+    size = ctx.config.micro_batch_size
+    scores: dict[int, tuple[float, float]] = {}
+    for start in range(0, len(mine), size):
+        indices = mine[start : start + size]
+        batch = collator([unique[i] for i in indices])
+        inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
+        chosen, rejected, _, _ = pair_logps(forward, inputs)
+        for i, c, r in zip(indices, chosen.tolist(), rejected.tolist(), strict=True):
+            scores[i] = (c, r)
+    if world > 1:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, scores)
+        scores = {k: v for part in gathered for k, v in part.items()}
+    for index, pair in enumerate(unique):
+        pair["ref_chosen"], pair["ref_rejected"] = scores[index]
+
+
+def prepare_reference(ctx: RunContext, engine: Any, data: Datasets, collator: PairCollator) -> None:
+    config = ctx.config
+    assert isinstance(config, DPOTrainerConfig)
+    if not config.needs_reference:
+        return
+    if config.ref_model is not None:
+        ref_config = config.ref_model.model_copy(update={"type": config.ref_model.type or "huggingface"})
+        reference = MODEL_FACTORIES.get(ref_config.type).obj(ref_config, ctx).to(engine.device).eval()
+        reference.requires_grad_(False)
+        forward, source = reference, ref_config.name_or_path
+    else:
+        engine.train(False)
+        forward, source = engine, "the policy's initial weights"
+    for pairs in (data.train, data.eval):
+        _reference_logps(ctx, forward, pairs, collator, engine.device)
+    engine.train(True)
+    say(f"reference log-probabilities computed once for {len(data.train) + len(data.eval)} pairs ({source})")
+
+
+DATA_FACTORIES.add("dpo", DataFactory(format=format_dpo_row, assemble=assemble_pairs), config=DPODataConfig)
+
+TRAINERS.add(
+    "dpo",
+    TrainerSpec(
+        name="dpo",
+        accepts={
+            "model": ("huggingface",),
+            "tokenizer": ("huggingface",),
+            "data": ("dpo",),
+            "optimizer": ("adamw",),
+            "scheduler": ("huggingface",),
+            "checkpoint": ("huggingface", "deepspeed"),
+        },
+        loss=make_dpo_loss,
+        collator=PairCollator,
+        prepare=prepare_reference,
+        description="DPO-family preference tuning",
+    ),
+    config=DPOTrainerConfig,
+)

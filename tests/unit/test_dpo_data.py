@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import pytest
+
+from posttrain.data.dpo import format_pair
+from posttrain.data.sft import IGNORE_INDEX, RowError
+
+
+def trained(tokenizer, ids: list[int], labels: list[int]) -> str:
+    return tokenizer.decode([i for i, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX])
+
+
+def test_strings_messages_and_silogen_keys_agree(tiny_tokenizer) -> None:
+    as_strings = {"prompt": "reverse 12", "chosen": "21", "rejected": "12"}
+    as_messages = {
+        "prompt": [{"role": "user", "content": "reverse 12"}],
+        "chosen": [{"role": "assistant", "content": "21"}],
+        "rejected": [{"role": "assistant", "content": "12"}],
+    }
+    silogen = {f"{k}_messages": v for k, v in as_messages.items()}
+    a, b, c = (format_pair(row, tiny_tokenizer) for row in (as_strings, as_messages, silogen))
+    assert a == b == c
+    assert trained(tiny_tokenizer, a["chosen_input_ids"], a["chosen_labels"]) == "21<|im_end|>"
+    assert trained(tiny_tokenizer, a["rejected_input_ids"], a["rejected_labels"]) == "12<|im_end|>"
+
+
+def test_assistant_turns_inside_the_prompt_are_not_trained(tiny_tokenizer) -> None:
+    row = {
+        "prompt": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "reverse 12"},
+        ],
+        "chosen": "21",
+        "rejected": "12",
+    }
+    pair = format_pair(row, tiny_tokenizer)
+    assert trained(tiny_tokenizer, pair["chosen_input_ids"], pair["chosen_labels"]) == "21<|im_end|>"
+
+
+@pytest.mark.parametrize("side", ["keep_start", "keep_end"])
+def test_prompt_truncation(tiny_tokenizer, side: str) -> None:
+    prompt = "reverse " + "1" * 30
+    row = {"prompt": prompt, "chosen": "answer", "rejected": "other"}
+    full = format_pair(row, tiny_tokenizer)["chosen_input_ids"]
+    rendered = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=True, return_dict=True
+    )
+    p = len(rendered["input_ids"])
+    assert p > 8
+    cut = format_pair(row, tiny_tokenizer, max_prompt_length=8, truncation=side)
+    kept = full[:8] if side == "keep_start" else full[p - 8 : p]
+    assert cut["chosen_input_ids"] == kept + full[p:]  # the answer part is untouched
+    assert trained(tiny_tokenizer, cut["chosen_input_ids"], cut["chosen_labels"]) == "answer<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"prompt": "p", "chosen": "c"}, "missing 'rejected'"),
+        ({"prompt": "p", "chosen": [], "rejected": "r"}, "'chosen' must be a string or a non-empty list"),
+        (
+            {"prompt": "p", "chosen": [{"role": "user", "content": "x"}], "rejected": "r"},
+            "prompt \\+ chosen: the conversation has no assistant message",
+        ),
+    ],
+)
+def test_bad_pairs(tiny_tokenizer, row: dict, message: str) -> None:
+    with pytest.raises(RowError, match=message):
+        format_pair(row, tiny_tokenizer)
