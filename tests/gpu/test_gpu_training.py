@@ -26,3 +26,26 @@ def test_bf16_training_on_cuda(base_config: dict, stage: int) -> None:
     assert torch.distributed.get_backend() == "nccl"
     assert history[-1]["loss"] < history[0]["loss"]
     assert all(h["grad_norm"] > 0 for h in history)
+
+
+def test_qlora_4bit(base_config: dict) -> None:
+    pytest.importorskip("bitsandbytes")
+    config = merge(
+        base_config,
+        train_iters=10,
+        optimizer={"lr": 1e-2},
+        model={
+            "dtype": "bfloat16",
+            "peft_config": {"r": 8, "target_modules": "all-linear"},
+            "quantization_config": {
+                "load_in_4bit": True,
+                "bnb_4bit_quant_type": "nf4",
+                "bnb_4bit_compute_dtype": "bfloat16",
+            },
+        },
+        logger={"output_dir": base_config["logger"]["output_dir"] + "-qlora"},
+    )
+    result = train(config)
+    trainable = [n for n, p in result.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert result.state.history[-1]["loss"] < result.state.history[0]["loss"]

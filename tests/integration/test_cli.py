@@ -89,3 +89,18 @@ def test_tiny_model_is_deterministic_and_loadable(tmp_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "a")
     assert model.config.hidden_size == 32 and model.config.num_hidden_layers == 1
     assert len(tokenizer) == 512 and "generation" in tokenizer.chat_template
+
+
+def test_qlora_without_gpu_is_a_clear_error(base_config: dict, tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; tests/gpu covers QLoRA there")
+    base_config["model"]["peft_config"] = {"r": 4}
+    base_config["model"]["quantization_config"] = {"load_in_4bit": True}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(base_config))
+    done = posttrain("train", str(path))
+    assert done.returncode == 2
+    assert "model.quantization_config (QLoRA through bitsandbytes) needs a CUDA GPU" in done.stderr
+    assert "Traceback" not in done.stderr

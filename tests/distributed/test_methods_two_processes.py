@@ -1,0 +1,90 @@
+"""DPO (every ZeRO stage), causal and LoRA runs with two CPU processes, in one torchrun launch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from posttrain.dist import free_port
+from posttrain.testing.data import text_rows, write_jsonl
+from posttrain.testing.env import child_env
+from tests.integration.helpers import merge, train
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN_MANY = ROOT / "tests" / "resources" / "train_many.py"
+
+
+def run_two(paths: list[Path]) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+    ]
+    done = subprocess.run(
+        [*command, str(TRAIN_MANY), *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_dpo_causal_lora_with_two_processes(base_config: dict, tmp_path: Path) -> None:
+    pairs = {"name_or_path": str(ROOT / "examples" / "data" / "prefs-train.jsonl"), "sample_count": 32}
+    dpo = merge(
+        base_config,
+        type="dpo",
+        data={"sources": [pairs], "max_length": 64},
+        train_iters=1,
+        # scale-sensitive Adam step, no clipping: see test_two_processes.py
+        optimizer={"lr": 0.5, "eps": 1.0, "weight_decay": 0.0},
+        deepspeed={"gradient_clipping": 0.0},
+    )
+
+    def with_out(config: dict, name: str, **changes) -> dict:
+        out = {"output_dir": str(tmp_path / name / "export"), "save_end_of_training": True}
+        return merge(config, logger={"output_dir": str(tmp_path / name)}, checkpoint=[out], **changes)
+
+    train(with_out(dpo, "dpo-one", micro_batch_size=4))
+    text = write_jsonl(tmp_path / "text.jsonl", text_rows(64))
+    configs = {f"dpo-z{stage}": with_out(dpo, f"dpo-z{stage}", micro_batch_size=2) for stage in (0, 1, 2, 3)}
+    for stage in (0, 1, 2, 3):
+        configs[f"dpo-z{stage}"]["deepspeed"]["zero_optimization"] = {"stage": stage}
+    configs["causal"] = with_out(
+        base_config, "causal", type="causal", data={"sources": [str(text)]}, train_iters=4, micro_batch_size=2
+    )
+    configs["lora"] = with_out(
+        base_config,
+        "lora",
+        model={"peft_config": {"r": 4, "target_modules": "all-linear"}},
+        train_iters=4,
+        micro_batch_size=2,
+    )
+    paths = []
+    for name, config in configs.items():
+        paths.append(tmp_path / f"{name}.yaml")
+        paths[-1].write_text(yaml.safe_dump(config))
+    run_two(paths)
+
+    expected = load_file(tmp_path / "dpo-one" / "export" / "final" / "model.safetensors")
+    one = json.loads((tmp_path / "dpo-one" / "train-log-metrics.jsonl").read_text())
+    for stage in (0, 1, 2, 3):
+        got = load_file(tmp_path / f"dpo-z{stage}" / "export" / "final" / "model.safetensors")
+        assert max(float((expected[k] - got[k]).abs().max()) for k in expected) < 1e-5, stage
+        line = json.loads((tmp_path / f"dpo-z{stage}" / "train-log-metrics.jsonl").read_text())
+        for key in ("loss", "rewards/margins", "logps/chosen"):
+            assert abs(line[key] - one[key]) < 1e-5, (stage, key)
+    assert (tmp_path / "lora" / "export" / "final" / "adapter_model.safetensors").is_file()
+    for name in ("causal", "lora"):
+        lines = (tmp_path / name / "train-log-metrics.jsonl").read_text().splitlines()
+        assert len(lines) == 4 and all(json.loads(line)["loss"] > 0 for line in lines)
