@@ -100,6 +100,19 @@ class TrainerSpec:
     description: str = ""
 
 
+def hf_components(data: str) -> dict[str, tuple[str, ...]]:
+    """What the built-in trainers accept: HF model and tokenizer, their own data factory, torch AdamW, the
+    HF scheduler family, and both checkpoint engines (export first, the default)."""
+    return {
+        "model": ("huggingface",),
+        "tokenizer": ("huggingface",),
+        "data": (data,),
+        "optimizer": ("adamw",),
+        "scheduler": ("huggingface",),
+        "checkpoint": ("huggingface", "deepspeed"),
+    }
+
+
 TRAINERS: Registry[TrainerSpec] = Registry("trainer")
 MODEL_FACTORIES: Registry[Any] = Registry("model")
 TOKENIZER_FACTORIES: Registry[Any] = Registry("tokenizer")

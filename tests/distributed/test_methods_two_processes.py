@@ -3,40 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from safetensors.torch import load_file
 
-from posttrain.dist import free_port
 from posttrain.testing.data import text_rows, write_jsonl
-from posttrain.testing.env import child_env
 from tests.integration.helpers import merge, train
+from tests.launch_helpers import train_in_two_processes
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
-TRAIN_MANY = ROOT / "tests" / "resources" / "train_many.py"
-
-
-def run_two(paths: list[Path]) -> None:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-    ]
-    done = subprocess.run(
-        [*command, str(TRAIN_MANY), *map(str, paths)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=child_env(),
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def test_dpo_causal_lora_with_two_processes(base_config: dict, tmp_path: Path) -> None:
@@ -70,11 +47,7 @@ def test_dpo_causal_lora_with_two_processes(base_config: dict, tmp_path: Path) -
         train_iters=4,
         micro_batch_size=2,
     )
-    paths = []
-    for name, config in configs.items():
-        paths.append(tmp_path / f"{name}.yaml")
-        paths[-1].write_text(yaml.safe_dump(config))
-    run_two(paths)
+    train_in_two_processes(configs, tmp_path)
 
     expected = load_file(tmp_path / "dpo-one" / "export" / "final" / "model.safetensors")
     one = json.loads((tmp_path / "dpo-one" / "train-log-metrics.jsonl").read_text())

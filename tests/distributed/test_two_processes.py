@@ -11,12 +11,11 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from posttrain.dist import free_port
 from posttrain.testing.env import child_env
 from tests.integration.helpers import merge, train
+from tests.launch_helpers import train_in_two_processes
 
 pytestmark = pytest.mark.distributed
-TRAIN_MANY = Path(__file__).parent.parent / "resources" / "train_many.py"
 
 
 def one_step(base_config: dict, tmp_path: Path, name: str, **changes) -> dict:
@@ -37,24 +36,11 @@ def one_step(base_config: dict, tmp_path: Path, name: str, **changes) -> dict:
 def test_two_processes_match_one_under_every_zero_stage(base_config: dict, tmp_path: Path) -> None:
     reference = one_step(base_config, tmp_path, "one", micro_batch_size=4)
     train(reference)
-    paths = []
+    configs = {}
     for stage in (0, 1, 2, 3):
-        config = one_step(base_config, tmp_path, f"two-z{stage}", micro_batch_size=2)
-        config["deepspeed"]["zero_optimization"] = {"stage": stage}
-        paths.append(tmp_path / f"two-z{stage}.yaml")
-        paths[-1].write_text(yaml.safe_dump(config))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        str(TRAIN_MANY),
-    ]
-    done = subprocess.run(
-        [*command, *map(str, paths)], capture_output=True, text=True, timeout=300, env=child_env()
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        configs[f"two-z{stage}"] = one_step(base_config, tmp_path, f"two-z{stage}", micro_batch_size=2)
+        configs[f"two-z{stage}"]["deepspeed"]["zero_optimization"] = {"stage": stage}
+    train_in_two_processes(configs, tmp_path)
 
     expected = load_file(tmp_path / "one" / "export" / "final" / "model.safetensors")
     initial = load_file(Path(base_config["model"]["name_or_path"]) / "model.safetensors")

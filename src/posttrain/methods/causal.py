@@ -9,7 +9,7 @@ from posttrain.config.trainer import TrainerConfig
 from posttrain.data.build import DataFactory, DataReport
 from posttrain.data.causal import assemble_documents, format_document
 from posttrain.methods.sft import sft_loss
-from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec
+from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 
 def format_causal_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) -> dict[str, list[int]]:
@@ -32,14 +32,7 @@ TRAINERS.add(
     "causal",
     TrainerSpec(
         name="causal",
-        accepts={
-            "model": ("huggingface",),
-            "tokenizer": ("huggingface",),
-            "data": ("causal",),
-            "optimizer": ("adamw",),
-            "scheduler": ("huggingface",),
-            "checkpoint": ("huggingface", "deepspeed"),
-        },
+        accepts=hf_components("causal"),
         loss=lambda config: sft_loss,
         description="(continued) pretraining on raw text",
     ),

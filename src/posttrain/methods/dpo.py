@@ -23,7 +23,7 @@ from posttrain.data.dpo import format_pair
 from posttrain.data.sft import IGNORE_INDEX
 from posttrain.logs import say
 from posttrain.methods.preference_losses import PreferenceParams, preference_loss
-from posttrain.registry import DATA_FACTORIES, MODEL_FACTORIES, TRAINERS, TrainerSpec
+from posttrain.registry import DATA_FACTORIES, MODEL_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 Pair = dict[str, Any]
 SIDES = ("chosen", "rejected")
@@ -196,14 +196,7 @@ TRAINERS.add(
     "dpo",
     TrainerSpec(
         name="dpo",
-        accepts={
-            "model": ("huggingface",),
-            "tokenizer": ("huggingface",),
-            "data": ("dpo",),
-            "optimizer": ("adamw",),
-            "scheduler": ("huggingface",),
-            "checkpoint": ("huggingface", "deepspeed"),
-        },
+        accepts=hf_components("dpo"),
         loss=make_dpo_loss,
         collator=PairCollator,
         prepare=prepare_reference,

@@ -16,7 +16,7 @@ from posttrain.config.data import DataConfig, SFTDataConfig
 from posttrain.config.trainer import TrainerConfig
 from posttrain.data.build import DataFactory
 from posttrain.data.sft import IGNORE_INDEX, format_sft
-from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec
+from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 
 def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -45,14 +45,7 @@ TRAINERS.add(
     "sft",
     TrainerSpec(
         name="sft",
-        accepts={
-            "model": ("huggingface",),
-            "tokenizer": ("huggingface",),
-            "data": ("sft",),
-            "optimizer": ("adamw",),
-            "scheduler": ("huggingface",),
-            "checkpoint": ("huggingface", "deepspeed"),
-        },
+        accepts=hf_components("sft"),
         loss=lambda config: sft_loss,
         description="supervised fine-tuning on chat data",
     ),
