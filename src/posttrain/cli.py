@@ -78,7 +78,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace) -> int:
+def _launch(args: argparse.Namespace, kill_switch: str) -> int:
     """Re-run this command with ``--nproc`` processes on this node through torchrun or DeepSpeed's launcher;
     ``--launcher-args`` pass through (nodes, master address/port, hostfile, include/exclude)."""
     import shlex
@@ -99,7 +99,33 @@ def _launch(args: argparse.Namespace) -> int:
     module, nproc_flag, module_flag = launchers[args.launcher]
     command = [sys.executable, "-m", module, nproc_flag, *port, *extra, module_flag, "posttrain"]
     command += ["train", str(args.config), *args.overrides]
-    return subprocess.call(command)
+    return _run_relaying_signals(command, kill_switch)
+
+
+def _run_relaying_signals(command: list[str], kill_switch: str) -> int:
+    """Run the launcher in its own session and turn SIGTERM/SIGINT sent to this process into the run's kill
+    switch: every rank then stops after the same step, saves, and exits 0. A second SIGINT kills the job."""
+    import signal
+
+    process = subprocess.Popen(command, start_new_session=True)
+    received: list[str] = []
+
+    def relay(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if received and signum == signal.SIGINT:
+            os.killpg(process.pid, signal.SIGKILL)
+            return
+        received.append(name)
+        Path(kill_switch).parent.mkdir(parents=True, exist_ok=True)
+        Path(kill_switch).write_text(f"{name} received by the launcher\n")
+        print(f"{name} received: every process stops after its current step ({kill_switch})", flush=True)
+
+    previous = {sig: signal.signal(sig, relay) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -107,7 +133,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise SystemExit("--nproc must be >= 1")
     config = _load(args.config, args.overrides)  # validate once before starting any process
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        return _launch(args)
+        return _launch(args, config.kill_switch_path)
     from posttrain.run import run
 
     run(config)
