@@ -108,3 +108,18 @@ def test_bad_row_names_file_and_row(tiny_tokenizer, tmp_path: Path, line: str, m
 def test_missing_file(tiny_tokenizer, tmp_path: Path) -> None:
     with pytest.raises(DataError, match="no such file"):
         build(data_config([str(tmp_path / "nope.jsonl")]), tiny_tokenizer, tmp_path)
+
+
+def test_parallel_formatting_matches_and_names_bad_rows(tiny_tokenizer, tmp_path: Path, monkeypatch) -> None:
+    import posttrain.data.build as build_module
+
+    path = write_jsonl(tmp_path / "a.jsonl", chat_rows(40, seed=4, max_digits=4))
+    config = data_config([str(path)], num_proc=2)
+    serial = build(config, tiny_tokenizer, tmp_path)
+    monkeypatch.setattr(build_module, "PARALLEL_MIN_ROWS", 10)
+    parallel = build(config, tiny_tokenizer, tmp_path)
+    assert parallel.train == serial.train
+    rows = [*chat_rows(30, seed=4), {"messages": []}]
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DataError, match=r"bad\.jsonl row 31: 'messages' must be a non-empty list"):
+        build(data_config([str(bad)], num_proc=2), tiny_tokenizer, tmp_path)
