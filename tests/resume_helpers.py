@@ -79,3 +79,35 @@ def assert_same_continuation(results: dict[str, Any], kill_at: int, total: int) 
     a, b = results["reference_weights"], results["resumed_weights"]
     diff = max(float((a[k] - b[k]).abs().max()) for k in a)
     assert diff <= 1e-6, diff
+
+
+def interrupt_after_three_steps(
+    base: dict[str, Any], tmp: Path, sig: int, nproc: int = 1
+) -> tuple[str, int, Path]:
+    """Start a long run with a deepspeed checkpoint engine, send ``sig`` to the ``posttrain`` process once
+    three steps are logged, and check it exits 0. Returns (output, last logged step, checkpoint dir)."""
+    import signal
+    import time
+
+    ckpt = tmp / "ckpt"
+    config = copy.deepcopy(base)
+    config.update(
+        epochs=1000, micro_batch_size=1, checkpoint=[{"type": "deepspeed", "output_dir": str(ckpt)}]
+    )
+    path = tmp / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    metrics = Path(config["logger"]["output_dir"]) / "train-log-metrics.jsonl"
+    command = [sys.executable, "-m", "posttrain", "train", str(path), "--nproc", str(nproc)]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
+    )
+    deadline = time.time() + 180
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    process.send_signal(signal.Signals(sig))
+    out, _ = process.communicate(timeout=180)
+    assert process.returncode == 0, out[-3000:]
+    last = json.loads(metrics.read_text().splitlines()[-1])["iter"]
+    assert f"{signal.Signals(sig).name} received" in out and f"stopped early at step {last}" in out
+    assert (ckpt / f"global_step_{last}" / "posttrain_state.json").is_file()
+    return out, last, ckpt

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.helpers import merge
-from tests.resume_helpers import assert_same_continuation, kill_and_resume
+from tests.resume_helpers import assert_same_continuation, interrupt_after_three_steps, kill_and_resume
 
 pytestmark = pytest.mark.distributed
 
@@ -28,33 +28,7 @@ def test_sigkill_then_resume_two_processes(
 
 
 def test_sigterm_to_the_launcher_stops_both_ranks_and_saves(base_config: dict, tmp_path: Path) -> None:
-    import json
     import signal
-    import subprocess
-    import sys
-    import time
 
-    import yaml
-
-    from posttrain.testing.env import child_env
-
-    ckpt = tmp_path / "ckpt"
-    config = merge(base_config, epochs=1000, micro_batch_size=1)
-    config["checkpoint"] = [{"type": "deepspeed", "output_dir": str(ckpt)}]
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    metrics = Path(config["logger"]["output_dir"]) / "train-log-metrics.jsonl"
-    command = [sys.executable, "-m", "posttrain", "train", str(path), "--nproc", "2"]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
-    )
-    deadline = time.time() + 180
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
-    out, _ = process.communicate(timeout=180)
-    assert process.returncode == 0, out[-3000:]
-    last = json.loads(metrics.read_text().splitlines()[-1])["iter"]
-    assert "SIGTERM received" in out and f"stopped early at step {last}" in out
-    assert (ckpt / f"global_step_{last}" / "posttrain_state.json").is_file()
-    assert not (Path(config["logger"]["output_dir"]) / "kill-switch").exists()
+    interrupt_after_three_steps(base_config, tmp_path, signal.SIGTERM, nproc=2)
+    assert not (Path(base_config["logger"]["output_dir"]) / "kill-switch").exists()  # the relay cleaned up

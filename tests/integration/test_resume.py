@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from posttrain.testing.env import child_env
 from tests.integration.helpers import merge
-from tests.resume_helpers import DYING, assert_same_continuation, cli, kill_and_resume
+from tests.resume_helpers import (
+    DYING,
+    assert_same_continuation,
+    cli,
+    interrupt_after_three_steps,
+    kill_and_resume,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -64,28 +64,7 @@ def test_kill_during_save_keeps_previous_checkpoint(base_config: dict, tmp_path:
 def test_signal_finishes_step_saves_and_exits_0(
     base_config: dict, tmp_path: Path, sig: signal.Signals
 ) -> None:
-    ckpt = tmp_path / "ckpt"
-    config = merge(base_config, epochs=1000, micro_batch_size=1)
-    config["checkpoint"] = [{"type": "deepspeed", "output_dir": str(ckpt)}]
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    metrics = Path(config["logger"]["output_dir"]) / "train-log-metrics.jsonl"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "posttrain", "train", str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=child_env(),
-        text=True,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.2)
-    process.send_signal(sig)
-    out, err = process.communicate(timeout=120)
-    assert process.returncode == 0, err[-3000:]
-    last = json.loads(metrics.read_text().splitlines()[-1])["iter"]
-    assert f"{sig.name} received" in out
-    assert (ckpt / f"global_step_{last}" / "posttrain_state.json").is_file()
+    interrupt_after_three_steps(base_config, tmp_path, sig)
 
 
 def test_time_limit_stops_and_saves(base_config: dict, tmp_path: Path) -> None:
