@@ -34,6 +34,9 @@ from posttrain.registry import (
 from posttrain.stops import StopSignals
 from posttrain.tracking.metrics import MetricsFile
 
+#: where model configs keep their hidden size, first found wins (ZeRO bucket sizes scale with it)
+HIDDEN_SIZE_KEYS = ("hidden_size", "hidden_sizes", "d_model", "n_embd")
+
 
 @dataclass
 class RunResult:
@@ -140,7 +143,7 @@ def run(config: TrainerConfig) -> RunResult:
     spec = TRAINERS.get(config.type).obj
 
     pretrained = _pretrained_config(config)
-    hidden = _fact(pretrained, "hidden_size", "hidden_sizes", "d_model", "n_embd")
+    hidden = _fact(pretrained, *HIDDEN_SIZE_KEYS)
     ds_config = (
         build_deepspeed_config(config, world_size=dist.world_size, hidden_size=hidden) if hidden else None
     )
@@ -148,7 +151,7 @@ def run(config: TrainerConfig) -> RunResult:
     tokenizer = TOKENIZER_FACTORIES.get(config.tokenizer.type).obj(config.tokenizer, ctx)
     model = MODEL_FACTORIES.get(config.model.type).obj(config.model, ctx)
     if ds_config is None:
-        hidden = _fact(getattr(model, "config", None), "hidden_size", "hidden_sizes", "d_model", "n_embd")
+        hidden = _fact(getattr(model, "config", None), *HIDDEN_SIZE_KEYS)
         if hidden is None:
             raise UserError(
                 "cannot read the model's hidden size (config.hidden_size) to fill the DeepSpeed config"

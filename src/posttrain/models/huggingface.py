@@ -15,12 +15,6 @@ from posttrain.registry import MODEL_FACTORIES
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def read_model_config(name_or_path: str):  # -> transformers.PretrainedConfig
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(name_or_path)
-
-
 @MODEL_FACTORIES.register("huggingface", config=ModelConfig)
 def build_huggingface_model(config: ModelConfig, ctx: RunContext) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
