@@ -12,5 +12,6 @@ def register_builtins() -> None:
     import posttrain.methods.sft
     import posttrain.models.huggingface
     import posttrain.optim.adamw
+    import posttrain.optim.megatron
     import posttrain.optim.schedulers
     import posttrain.tokenizers.huggingface  # noqa: F401

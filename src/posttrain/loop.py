@@ -3,7 +3,9 @@ micro-batches of a step and all ranks."""
 
 from __future__ import annotations
 
+import gc
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -48,8 +50,9 @@ class LoopInputs:
     checkpoints: list[Any]
     metrics: MetricsFile
     total_steps: int
-    steps_per_epoch: int
+    step_plan: list[list[int]]
     stops: StopSignals
+    perplexity: bool = True
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -59,26 +62,28 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 
 def group_steps(
-    loader: Iterable[dict[str, Any]], gas: int, skip_steps: int = 0
+    loader: Iterable[dict[str, Any]], sizes: list[int], skip_steps: int = 0
 ) -> Iterator[list[dict[str, Any]]]:
-    """Micro-batches grouped into optimizer steps; the last group of an epoch may be shorter.
-    ``skip_steps`` steps are passed over first (resuming in the middle of an epoch)."""
-    micro_batches = itertools.islice(iter(loader), skip_steps * gas, None)
-    group: list[dict[str, Any]] = []
-    for micro in micro_batches:
-        group.append(micro)
-        if len(group) == gas:
-            yield group
-            group = []
-    if group:
+    """Micro-batches grouped into optimizer steps of ``sizes`` micro-batches each (see ``plan.step_plan``).
+    The first ``skip_steps`` steps are passed over (resuming in the middle of an epoch)."""
+    micro_batches = itertools.islice(iter(loader), sum(sizes[:skip_steps]), None)
+    for size in sizes[skip_steps:]:
+        group = list(itertools.islice(micro_batches, size))
+        if not group:
+            return
         yield group
 
 
-def repeat_first(loader: Iterable[dict[str, Any]], gas: int, steps: int) -> Iterator[list[dict[str, Any]]]:
+def repeat_first(loader: Iterable[dict[str, Any]], sizes: list[int]) -> Iterator[list[dict[str, Any]]]:
     """``overfit_first_batch``: the first micro-batch as every micro-batch of every step."""
     first = next(iter(loader))
-    for _ in range(steps):
-        yield [first] * gas
+    for size in sizes:
+        yield [first] * size
+
+
+def perplexity(loss: float) -> float:
+    """exp(mean token NLL); inf once it would overflow."""
+    return math.exp(loss) if loss < 700 else math.inf
 
 
 @dataclass
@@ -127,16 +132,26 @@ def evaluate(ctx: RunContext, inputs: LoopInputs) -> dict[str, float]:
     engine = inputs.engine
     assert inputs.eval_loader is not None
     engine.train(False)
+    if ctx.config.manual_gc and ctx.config.manual_gc_eval:
+        gc.collect()
     sums: dict[str, torch.Tensor] = {}
     units = 0
-    for micro in inputs.eval_loader:
+    batches = itertools.islice(inputs.eval_loader, ctx.config.eval_iters or None)
+    for micro in batches:
         loss, metrics = inputs.loss_fn(engine, to_device(micro, engine.device))
         _sum_tensors({"loss": loss, **metrics}, sums)
         units += micro["num_loss_units"]
     engine.train(True)
+    if ctx.config.manual_gc and ctx.config.manual_gc_eval:
+        gc.collect()
     names = sorted(sums)
     totals = all_reduce_sum([*torch.stack([sums[n] for n in names]).tolist(), float(units)], ctx.dist)
-    return {f"eval_{name}": total / max(totals[-1], 1.0) for name, total in zip(names, totals, strict=False)}
+    result = {
+        f"eval_{name}": total / max(totals[-1], 1.0) for name, total in zip(names, totals, strict=False)
+    }
+    if inputs.perplexity:
+        result["eval_perplexity"] = perplexity(result["eval_loss"])
+    return result
 
 
 def _stop_reason(ctx: RunContext, state: LoopState) -> str:
@@ -146,6 +161,8 @@ def _stop_reason(ctx: RunContext, state: LoopState) -> str:
         return f"exit_iteration={config.exit_iteration} reached"
     if config.exit_iteration_this_run and state.run_steps >= config.exit_iteration_this_run:
         return f"exit_iteration_this_run={config.exit_iteration_this_run} reached"
+    if config.exit_interval and state.step % config.exit_interval == 0:
+        return f"exit_interval={config.exit_interval} reached"
     return ""
 
 
@@ -170,11 +187,26 @@ def _after_step(ctx: RunContext, inputs: LoopInputs, state: LoopState, record: d
             checkpoint.save(inputs.engine, state)
 
 
-def _epoch_steps(ctx: RunContext, inputs: LoopInputs, skip_steps: int) -> Iterator[list[dict[str, Any]]]:
-    gas = ctx.config.gradient_accumulation_steps
+def _epoch_steps(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> Iterator[list[dict[str, Any]]]:
+    sizes = inputs.step_plan[state.epoch]
     if ctx.config.overfit_first_batch:
-        return repeat_first(inputs.train_loader, gas, inputs.steps_per_epoch - skip_steps)
-    return group_steps(inputs.train_loader, gas, skip_steps)
+        return repeat_first(inputs.train_loader, sizes[state.epoch_step :])
+    return group_steps(inputs.train_loader, sizes, state.epoch_step)
+
+
+def final_evaluation(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> dict[str, Any] | None:
+    """The end-of-training (or ``skip_train``) evaluation, unless the last step just evaluated."""
+    config = ctx.config
+    if inputs.eval_loader is None or not (config.eval_at_end or config.skip_train):
+        return None
+    if state.history and "eval_loss" in state.history[-1]:
+        return None
+    record = {"iter": state.step, "epoch": state.epoch, **evaluate(ctx, inputs), "time": time.time()}
+    state.evals += 1
+    inputs.metrics.write(record)
+    state.history.append(record)
+    say(format_line(record, inputs.total_steps))
+    return record
 
 
 def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopState:
@@ -182,7 +214,7 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopSta
     config = ctx.config
     while state.epoch < config.epochs and not state.stop_reason and state.step < inputs.total_steps:
         inputs.set_epoch(state.epoch)
-        for micro_batches in _epoch_steps(ctx, inputs, skip_steps=state.epoch_step):
+        for micro_batches in _epoch_steps(ctx, inputs, state):
             started = time.perf_counter()
             totals = train_step(ctx, inputs, micro_batches)
             state.step += 1
@@ -200,6 +232,7 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopSta
                 "iter": state.step,
                 "epoch": state.epoch,
                 "loss": per_unit[0],
+                **({"perplexity": perplexity(per_unit[0])} if inputs.perplexity else {}),
                 **dict(zip(names, per_unit[1:], strict=True)),
                 "lr": inputs.engine.lr(),
                 "grad_norm": inputs.engine.grad_norm(),
@@ -209,10 +242,12 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopSta
                 "time": time.time(),
             }
             _after_step(ctx, inputs, state, record)
+            if config.manual_gc and config.manual_gc_interval and state.step % config.manual_gc_interval == 0:
+                gc.collect()
             state.stop_reason = inputs.stops.reason(stops) or _stop_reason(ctx, state)
             if state.stop_reason or state.step >= inputs.total_steps:
                 break
-        if state.epoch_step >= inputs.steps_per_epoch:
+        if state.epoch_step >= len(inputs.step_plan[state.epoch]):
             state.epoch += 1
             state.epoch_step = 0
             for checkpoint in inputs.checkpoints:

@@ -90,6 +90,7 @@ class TrainerSpec:
     config names no ``type``. ``loss`` builds the loss function ``(model, batch) -> (loss sum, metric sums)``
     from the validated config; ``collator`` builds the batch collator from the pad id; ``prepare`` (optional)
     runs once after the engine exists and before resuming, e.g. to compute reference log-probabilities.
+    ``perplexity``: the loss is a mean token NLL, so exp(loss) is logged as perplexity.
     """
 
     name: str
@@ -98,6 +99,7 @@ class TrainerSpec:
     collator: Callable[[int], Callable[..., Any]] | None = None
     prepare: Callable[..., None] | None = None
     description: str = ""
+    perplexity: bool = True
 
 
 def hf_components(data: str) -> dict[str, tuple[str, ...]]:
@@ -108,7 +110,7 @@ def hf_components(data: str) -> dict[str, tuple[str, ...]]:
         "tokenizer": ("huggingface",),
         "data": (data,),
         "optimizer": ("adamw",),
-        "scheduler": ("huggingface",),
+        "scheduler": ("huggingface", "megatron"),
         "checkpoint": ("huggingface", "deepspeed"),
     }
 

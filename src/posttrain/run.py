@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 from dataclasses import dataclass
@@ -22,7 +23,8 @@ from posttrain.dist import barrier, init_distributed, seed_everything
 from posttrain.engine import Engine
 from posttrain.errors import UserError
 from posttrain.logs import get_logger, say, setup_logging
-from posttrain.loop import LoopInputs, LoopState, train_loop
+from posttrain.loop import LoopInputs, LoopState, final_evaluation, train_loop
+from posttrain.plan import check_rampup, lr_explanation, resolve, step_plan
 from posttrain.registry import (
     CHECKPOINT_ENGINES,
     MODEL_FACTORIES,
@@ -134,6 +136,9 @@ def _zero3_init(ds_config: dict[str, Any]) -> Any:
 def run(config: TrainerConfig) -> RunResult:
     """Train one rank. Every rank runs this with the same config."""
     dist = init_distributed()
+    original = config
+    config, sizes, lr = resolve(config, dist.world_size)
+    check_rampup(config.rampup_batch_size, sizes)
     ctx = RunContext(config=config, dist=dist)
     if dist.is_main:
         ctx.output_dir.mkdir(parents=True, exist_ok=True)
@@ -171,9 +176,10 @@ def run(config: TrainerConfig) -> RunResult:
     _replicate_for_min_iterations(config, data, dist.world_size)
     collator = (spec.collator or Collator)(tokenizer.pad_token_id)
     train_loader, sampler, eval_loader = _loaders(ctx, data, collator)
-    steps_per_epoch = math.ceil(len(train_loader) / config.gradient_accumulation_steps)
-    total_steps = config.train_iters or config.epochs * steps_per_epoch
-    if total_steps == 0:
+    plan = step_plan(len(train_loader), config.epochs, sizes, config.rampup_batch_size)
+    steps_per_epoch = len(plan[0])
+    total_steps = config.train_iters or sum(len(steps) for steps in plan[: config.epochs])
+    if total_steps == 0 and not config.skip_train:
         raise UserError("nothing to train: epochs is 0 and train_iters is 0")
 
     optimizer = OPTIMIZERS.get(config.optimizer.type).obj(config.optimizer, model, ctx)
@@ -197,9 +203,11 @@ def run(config: TrainerConfig) -> RunResult:
     )
     say(
         f"training {config.type}: {len(data.train)} sequences, {steps_per_epoch} steps/epoch, "
-        f"{total_steps} steps, world size {dist.world_size}, global batch "
-        f"{config.micro_batch_size * config.gradient_accumulation_steps * dist.world_size}"
+        f"{total_steps} steps, world size {dist.world_size}, global batch {sizes.global_batch_size} "
+        f"(micro-batch {sizes.micro_batch_size} x accumulation {sizes.gradient_accumulation_steps} "
+        f"x {dist.world_size} processes)"
     )
+    say(lr_explanation(original, sizes, lr))
     stops = StopSignals(config.exit_duration_in_mins)
     inputs = LoopInputs(
         engine=engine,
@@ -210,12 +218,20 @@ def run(config: TrainerConfig) -> RunResult:
         checkpoints=checkpoints,
         metrics=metrics,
         total_steps=total_steps,
-        steps_per_epoch=steps_per_epoch,
+        step_plan=plan,
         stops=stops,
+        perplexity=spec.perplexity,
     )
     stops.install()
+    if config.manual_gc:
+        gc.disable()
     try:
-        train_loop(ctx, inputs, state)
+        if not config.skip_train:
+            train_loop(ctx, inputs, state)
+        if not state.stop_reason:
+            final_evaluation(ctx, inputs, state)
+        if config.skip_train:
+            return RunResult(state=state, output_dir=ctx.output_dir, model=engine.module)
         for checkpoint in checkpoints:
             if checkpoint.due(step=state.step, end=True, early=bool(state.stop_reason)):
                 say(f"saved {checkpoint.save(engine, state, end=True)}")
@@ -223,6 +239,8 @@ def run(config: TrainerConfig) -> RunResult:
     finally:
         stops.uninstall()
         metrics.close()
+        if config.manual_gc:
+            gc.enable()
     if state.stop_reason:
         say(f"stopped early at step {state.step}: {state.stop_reason}")
     if dist.is_main and os.path.exists(config.kill_switch_path):

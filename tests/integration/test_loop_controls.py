@@ -66,3 +66,61 @@ def test_sampler_reshuffles_each_epoch(base_config) -> None:
     first = [h["tokens"] for h in result.state.history[:per_epoch]]
     second = [h["tokens"] for h in result.state.history[per_epoch:]]
     assert sorted(first) == sorted(second) and first != second  # same samples, another order
+
+
+def test_total_batch_size_and_lr_scaling(base_config) -> None:
+    config = merge(
+        base_config,
+        total_train_batch_size=8,
+        max_per_device_train_batch_size=4,
+        optimizer={
+            "lr": 1e-3,
+            "lr_multiplier": 2,
+            "lr_batch_size_scaling": "sqrt",
+            "lr_reference_batch_size": 2,
+        },
+    )
+    del config["micro_batch_size"]
+    result = train(config)
+    assert result.state.step == 8  # 62 samples -> 16 micro-batches of 4 -> 8 steps of 2
+    assert [line["lr"] for line in metrics(config)] == pytest.approx([1e-3 * 2 * 2] * 8)  # x2, x sqrt(8/2)
+
+
+def test_batch_size_rampup(base_config) -> None:
+    config = merge(base_config, gradient_accumulation_steps=2, rampup_batch_size=[4, 4, 16])
+    result = train(config)
+    # global batch 4 (one micro-batch) for the first 16 samples, then 8: 4 + 12 / 2 = 10 steps
+    assert result.state.step == 10
+    tokens = [line["tokens"] for line in metrics(config)]
+    assert sum(tokens[4:7]) / 3 > 1.5 * sum(tokens[:3]) / 3  # steps after the ramp hold twice the samples
+
+
+def test_exit_interval_and_manual_gc(base_config) -> None:
+    import gc
+
+    config = merge(base_config, train_iters=10, exit_interval=3, manual_gc=True, manual_gc_interval=2)
+    result = train(config)
+    assert result.state.step == 3 and "exit_interval=3" in result.state.stop_reason
+    assert gc.isenabled()  # turned back on after the run
+
+
+def test_skip_train_and_eval_iters(base_config) -> None:
+    split = {"data": {"train_eval_split": [0.75, 0.25]}}
+    full = merge(base_config, skip_train=True, **split)
+    result = train(full)
+    assert result.state.step == 0
+    (line,) = metrics(full)
+    assert set(line) == {"iter", "epoch", "eval_loss", "eval_perplexity", "time"}
+    capped = merge(full, eval_iters=1, logger={"output_dir": full["logger"]["output_dir"] + "-capped"})
+    train(capped)
+    (capped_line,) = metrics(capped)
+    assert capped_line["eval_loss"] != pytest.approx(line["eval_loss"], abs=1e-6)  # one batch of four
+
+
+def test_eval_interval_end_and_cap_while_training(base_config) -> None:
+    config = merge(
+        base_config, data={"train_eval_split": [0.75, 0.25]}, eval_interval=4, eval_iters=2, train_iters=6
+    )
+    train(config)
+    evals = [line["iter"] for line in metrics(config) if "eval_loss" in line]
+    assert evals == [4, 6]  # every 4 steps, then once at the end

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,24 @@ def test_loss_falls_metrics_and_checkpoint(base_config: dict, tmp_path: Path) ->
     )
     result = train(config)
     lines = metrics(config)
+    final_eval = lines.pop()  # eval_at_end: one more evaluation after the last step
+    assert set(final_eval) == {"iter", "epoch", "eval_loss", "eval_perplexity", "time"}
+    assert final_eval["iter"] == 42 and final_eval["eval_perplexity"] == pytest.approx(
+        math.exp(final_eval["eval_loss"])
+    )
     assert len(lines) == 42 == result.state.step  # 56 training rows / 4 per step = 14 steps x 3 epochs
-    for key in ("iter", "epoch", "loss", "lr", "grad_norm", "tokens", "step_time", "tokens_per_second"):
+    keys = (
+        "iter",
+        "epoch",
+        "loss",
+        "perplexity",
+        "lr",
+        "grad_norm",
+        "tokens",
+        "step_time",
+        "tokens_per_second",
+    )
+    for key in keys:
         assert key in lines[0], key
     assert [line["iter"] for line in lines] == list(range(1, 43))
     assert [line["epoch"] for line in lines[::14]] == [0, 1, 2]

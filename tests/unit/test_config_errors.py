@@ -160,8 +160,15 @@ def test_cross_field_errors(tmp_path: Path) -> None:
     assert "pack_samples=true needs micro_batch_size: 1 (got 4)" in error.render()
     error = errors_of(GOOD + "eval_interval: 10\n", tmp_path)
     assert "eval_interval" in error.render() and "needs eval data" in error.render()
-    error = errors_of(GOOD.replace("train.jsonl", "train.jsonl\n  train_eval_split: [0.9, 0.1]"), tmp_path)
-    assert "eval_interval must be > 0" in error.render()
+    split = GOOD.replace("train.jsonl", "train.jsonl\n  train_eval_split: [0.9, 0.1]")
+    error = errors_of(split + "eval_at_end: false\n", tmp_path)
+    assert "eval data is configured but never used" in error.render()
+    error = errors_of(GOOD + "skip_train: true\nmanual_gc_interval: 5\n", tmp_path)
+    assert "skip_train: evaluates only" in error.render() and "only used with manual_gc" in error.render()
+    error = errors_of(GOOD + "total_train_batch_size: 8\nmicro_batch_size: 2\n", tmp_path)
+    assert "derived from total_train_batch_size" in error.render()
+    error = errors_of(GOOD + "max_per_device_train_batch_size: 2\n", tmp_path)
+    assert "only used with total_train_batch_size" in error.render()
 
 
 def test_overrides_validated_like_the_file(tmp_path: Path) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+from typing import Literal
+
 from pydantic import Field
 
 from posttrain.config.base import BaseConfig
-from posttrain.config.human import HumanFloat
+from posttrain.config.human import HumanFloat, HumanInt
 
 
 class OptimizerConfig(BaseConfig):
@@ -27,3 +30,23 @@ class OptimizerConfig(BaseConfig):
     lora_plus_scale: HumanFloat = Field(default=1.0, gt=0.0)
     """LoRA+: the learning rate of the LoRA B matrices is ``lr`` times this (ERNIEKit's ``lora_plus_scale``;
     the LoRA+ paper suggests 16). 1: off."""
+
+    layerwise_lr_decay_bound: HumanFloat = Field(default=1.0, gt=0.0, le=1.0)
+    """Layer-wise LR decay (ERNIEKit's ``layerwise_lr_decay_bound``): the embeddings train at ``lr`` times
+    this, the decoder layers at ratios rising linearly to 1 at the top (final norm and LM head). 1: off."""
+
+    lr_multiplier: HumanFloat = Field(default=1.0, gt=0.0)
+    """Multiply ``lr`` by this (SiloGen's ``overrides.lr_multiplier``)."""
+
+    lr_batch_size_scaling: Literal["none", "sqrt", "linear"] = "none"
+    """Scale ``lr`` with the global batch size (SiloGen's ``overrides.lr_batch_size_scaling``): ``sqrt``
+    multiplies it by sqrt(global batch / ``lr_reference_batch_size``), ``linear`` by that ratio."""
+
+    lr_reference_batch_size: HumanInt = Field(default=1, ge=1)
+    """The global batch size ``lr`` was tuned for (1, as in SiloGen, scales by the batch size itself)."""
+
+    def effective_lr(self, global_batch_size: int) -> float:
+        """``lr`` after the multiplier and the batch-size scaling."""
+        ratio = global_batch_size / self.lr_reference_batch_size
+        scale = {"none": 1.0, "sqrt": math.sqrt(ratio), "linear": ratio}[self.lr_batch_size_scaling]
+        return self.lr * self.lr_multiplier * scale

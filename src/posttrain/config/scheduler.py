@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from posttrain.config.base import BaseConfig, Problem
-from posttrain.config.human import HumanFloat
+from posttrain.config.human import HumanFloat, HumanInt
 
 
 class SchedulerConfig(BaseConfig):
@@ -48,3 +48,79 @@ class HFSchedulerConfig(SchedulerConfig):
     def problems(self) -> Iterator[Problem]:
         if self.name == "reduce_lr_on_plateau":
             yield Problem("name", "'reduce_lr_on_plateau' needs a metric each step and is not supported yet")
+
+
+class MegatronSchedulerConfig(SchedulerConfig):
+    """Megatron-Bridge's schedule family: warmup from ``lr_warmup_init`` to the peak LR, then a decay to
+    ``min_lr``; optionally a weight-decay schedule. Counted in optimizer steps."""
+
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD", "polynomial"] = (
+        "linear"
+    )
+    """Decay after warmup: constant, linear, cosine, inverse-square-root, WSD (warmup-stable-decay) or
+    polynomial (``power``, ``lr_end``)."""
+
+    lr_decay_iters: HumanInt | None = Field(default=None, ge=1)
+    """Steps from the start of training to the end of the decay (warmup included). Null: all steps."""
+
+    lr_warmup_iters: HumanInt = Field(default=0, ge=0)
+    """Steps of linear warmup from ``lr_warmup_init`` to the peak LR (exclusive with ``lr_warmup_fraction``)."""
+
+    lr_warmup_fraction: HumanFloat | None = Field(default=None, ge=0.0, le=1.0)
+    """Warmup length as a fraction of ``lr_decay_iters`` (exclusive with ``lr_warmup_iters``)."""
+
+    lr_warmup_init: HumanFloat = Field(default=0.0, ge=0.0)
+    """The learning rate warmup starts from."""
+
+    min_lr: HumanFloat = Field(default=0.0, ge=0.0)
+    """The floor of every decay style; the LR after the decay ends."""
+
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "exponential"
+    """WSD: shape of the final anneal (linear, cosine, exponential, minus_sqrt)."""
+
+    lr_wsd_decay_iters: HumanInt | None = Field(default=None, ge=1)
+    """WSD: length of the final anneal in steps (required for WSD); the LR is flat at its peak before it."""
+
+    power: HumanFloat = Field(default=1.0, gt=0.0)
+    """Polynomial: the exponent of the decay (ERNIEKit's ``power``)."""
+
+    lr_end: HumanFloat | None = Field(default=None, ge=0.0)
+    """Polynomial: the LR the decay ends at (ERNIEKit's ``lr_end``). Null: ``min_lr``."""
+
+    start_weight_decay: HumanFloat | None = Field(default=None, ge=0.0)
+    """Weight decay at step 0. Null: ``optimizer.weight_decay`` (with ``end_weight_decay``: both null)."""
+
+    end_weight_decay: HumanFloat | None = Field(default=None, ge=0.0)
+    """Weight decay at the last step. Null: ``optimizer.weight_decay``."""
+
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
+    """How weight decay moves from ``start_weight_decay`` to ``end_weight_decay`` over the run
+    (only on parameters that take weight decay at all)."""
+
+    def problems(self) -> Iterator[Problem]:
+        if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
+            yield Problem("lr_warmup_fraction", "set lr_warmup_iters or lr_warmup_fraction, not both")
+        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
+            yield Problem(
+                "lr_wsd_decay_iters", "lr_decay_style WSD needs the anneal length lr_wsd_decay_iters"
+            )
+        if self.lr_decay_style != "WSD" and self.lr_wsd_decay_iters is not None:
+            yield Problem(
+                "lr_wsd_decay_iters", f"only used with lr_decay_style WSD (is {self.lr_decay_style})"
+            )
+        both = self.start_weight_decay is not None and self.end_weight_decay is not None
+        if self.weight_decay_incr_style != "constant" and not both:
+            yield Problem(
+                "weight_decay_incr_style",
+                f"{self.weight_decay_incr_style!r} needs start_weight_decay and end_weight_decay",
+            )
+        if (
+            self.weight_decay_incr_style == "constant"
+            and both
+            and self.start_weight_decay != self.end_weight_decay
+        ):
+            yield Problem(
+                "end_weight_decay",
+                "differs from start_weight_decay but weight_decay_incr_style is constant; "
+                "set weight_decay_incr_style: linear or cosine",
+            )

@@ -78,6 +78,20 @@ class TrainerConfig(BaseConfig):
     micro_batch_size: HumanInt = Field(default=1, ge=1)
     """Samples (or packed sequences) per micro-batch per rank."""
 
+    total_train_batch_size: HumanInt | None = Field(default=None, ge=1)
+    """The global batch in samples (SiloGen's batch-size config). When set, ``micro_batch_size`` and
+    ``gradient_accumulation_steps`` are derived from it and the world size at the start of the run (the
+    fewest accumulation steps whose micro-batch fits ``max_per_device_train_batch_size``); it must be a
+    multiple of the world size."""
+
+    max_per_device_train_batch_size: HumanInt | None = Field(default=None, ge=1)
+    """With ``total_train_batch_size``: the largest micro-batch one device holds. Null: no limit."""
+
+    rampup_batch_size: tuple[HumanInt, HumanInt, HumanInt] | None = None
+    """Megatron's batch-size ramp-up ``[start, increment, samples]``: the global batch starts at ``start``
+    and grows by ``increment`` at even intervals over the first ``samples`` samples until it reaches the
+    configured global batch (by taking fewer micro-batches per step). Null: off."""
+
     sequence_parallel_size: int = Field(default=1, ge=1)
     """Sequence-parallel degree. Not supported yet (must stay 1)."""
 
@@ -114,11 +128,35 @@ class TrainerConfig(BaseConfig):
     eval_log_iter_interval: HumanInt = Field(default=1, ge=0)
     """Print every N-th evaluation's metrics line (0: never print; the metrics file still gets them)."""
 
+    eval_iters: HumanInt = Field(default=0, ge=0, alias="max_evaluate_steps")
+    """Most eval micro-batches per rank in one evaluation (Megatron's ``eval_iters``, ERNIEKit's
+    ``max_evaluate_steps``). 0: the whole eval set."""
+
+    eval_at_end: bool = True
+    """Evaluate once more after the last training step (when eval data is configured)."""
+
+    skip_train: bool = False
+    """Evaluate the model once and exit without training (Megatron's ``skip_train``); needs eval data."""
+
     exit_iteration: int = Field(default=0, ge=0)
     """Stop at this optimizer step even if data and epochs remain (0: off). Schedules are not resized."""
 
     exit_iteration_this_run: int = Field(default=0, ge=0)
     """Stop after this many optimizer steps of this process's run (0: off), counted from where it started."""
+
+    exit_interval: HumanInt | None = Field(default=None, ge=1)
+    """Stop (saving as for the kill switch) at the first optimizer step divisible by this (Megatron's
+    ``exit_interval``). Null: off."""
+
+    manual_gc: bool = False
+    """Turn off Python's automatic garbage collector and collect at fixed points instead, so every rank
+    pauses at the same step (Megatron's ``manual_gc``)."""
+
+    manual_gc_interval: HumanInt = Field(default=0, ge=0)
+    """With ``manual_gc``: collect every N optimizer steps (0: only around evaluations)."""
+
+    manual_gc_eval: bool = True
+    """With ``manual_gc``: collect before and after every evaluation."""
 
     min_iterations: HumanInt = Field(default=0, ge=0)
     """Repeat the training data until it is enough for at least this many optimizer steps."""
@@ -153,6 +191,31 @@ class TrainerConfig(BaseConfig):
     def _listify(cls, value: Any) -> Any:
         return value if isinstance(value, list) else [value]
 
+    def _batch_problems(self) -> Iterator[Problem]:
+        explicit = self.model_fields_set
+        packed = getattr(self.data, "pack_samples", False)
+        if self.total_train_batch_size is not None:
+            for key in ("micro_batch_size", "gradient_accumulation_steps"):
+                if key in explicit:
+                    yield Problem(key, "is derived from total_train_batch_size; set one or the other")
+            if packed and self.max_per_device_train_batch_size != 1:
+                yield Problem(
+                    "max_per_device_train_batch_size",
+                    "data.pack_samples=true needs 1 (a packed sequence already holds many samples)",
+                )
+        elif self.max_per_device_train_batch_size is not None:
+            yield Problem("max_per_device_train_batch_size", "only used with total_train_batch_size")
+        elif packed and self.micro_batch_size != 1:
+            yield Problem(
+                "micro_batch_size",
+                f"data.pack_samples=true needs micro_batch_size: 1 (got {self.micro_batch_size}); "
+                "a packed sequence already holds many samples",
+            )
+        if self.rampup_batch_size is not None:
+            start, increment, samples = self.rampup_batch_size
+            if start < 1 or increment < 1 or samples < 1:
+                yield Problem("rampup_batch_size", f"{list(self.rampup_batch_size)}: all three must be >= 1")
+
     def problems(self) -> Iterator[Problem]:
         yield from unsupported(
             "sequence_parallel_size", self.sequence_parallel_size, 1, "sequence parallelism"
@@ -178,21 +241,25 @@ class TrainerConfig(BaseConfig):
         yield from unsupported(
             "mem_profiler", self.mem_profiler, None, "the memory profiler arrives with issue #6"
         )
-        if self.data.has_eval and self.eval_interval == 0:
-            yield Problem("eval_interval", "eval data is configured, so eval_interval must be > 0")
+        if self.data.has_eval and self.eval_interval == 0 and not (self.eval_at_end or self.skip_train):
+            yield Problem(
+                "eval_interval",
+                "eval data is configured but never used: set eval_interval > 0 or eval_at_end: true",
+            )
         if self.eval_interval > 0 and not self.data.has_eval:
             yield Problem(
                 "eval_interval",
                 f"{self.eval_interval} needs eval data: set data.eval_sources or data.train_eval_split",
             )
+        if self.skip_train and not self.data.has_eval:
+            yield Problem(
+                "skip_train", "evaluates only, so it needs data.eval_sources or data.train_eval_split"
+            )
+        if self.manual_gc_interval and not self.manual_gc:
+            yield Problem("manual_gc_interval", "only used with manual_gc: true")
+        yield from self._batch_problems()
         if sum(c.auto_resume for c in self.checkpoint) > 1:
             yield Problem("checkpoint", "at most one checkpoint engine may set auto_resume: true")
-        if getattr(self.data, "pack_samples", False) and self.micro_batch_size != 1:
-            yield Problem(
-                "micro_batch_size",
-                f"data.pack_samples=true needs micro_batch_size: 1 (got {self.micro_batch_size}); "
-                "a packed sequence already holds many samples",
-            )
         ds_batch = self.deepspeed.get("train_micro_batch_size_per_gpu")
         if ds_batch not in (None, "auto", self.micro_batch_size):
             yield Problem("deepspeed.train_micro_batch_size_per_gpu", "set micro_batch_size instead")

@@ -201,6 +201,7 @@ TRAINERS.add(
         collator=PairCollator,
         prepare=prepare_reference,
         description="DPO-family preference tuning",
+        perplexity=False,
     ),
     config=DPOTrainerConfig,
 )

@@ -2,41 +2,81 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from posttrain.config.optimizer import OptimizerConfig
 from posttrain.context import RunContext
 from posttrain.registry import OPTIMIZERS
 
+_LAYER = re.compile(r"\.layers?\.(\d+)\.|\.h\.(\d+)\.|\.blocks?\.(\d+)\.")
+
+
+def layer_ratio(name: str, num_layers: int, bound: float) -> float:
+    """Layer-wise LR ratio: ``bound`` for the embeddings, rising linearly over the decoder layers to 1 for
+    everything above them (final norm, LM head). Depth 0 is the embeddings, depth ``num_layers + 1`` the top."""
+    if bound >= 1.0 or num_layers == 0:
+        return 1.0
+    match = _LAYER.search(name)
+    if match:
+        depth = int(next(g for g in match.groups() if g is not None)) + 1
+    elif "embed" in name or ".wte." in name or ".wpe." in name:
+        depth = 0
+    else:
+        depth = num_layers + 1
+    return bound + (1.0 - bound) * depth / (num_layers + 1)
+
+
+def _num_layers(model: torch.nn.Module) -> int:
+    found = {
+        int(next(g for g in m.groups() if g is not None))
+        for n, _ in model.named_parameters()
+        if (m := _LAYER.search(n))
+    }
+    return max(found) + 1 if found else 0
+
 
 def param_groups(
-    model: torch.nn.Module, weight_decay: float, lr: float, lora_plus_scale: float = 1.0
+    model: torch.nn.Module,
+    weight_decay: float,
+    lr: float,
+    lora_plus_scale: float = 1.0,
+    layerwise_lr_decay_bound: float = 1.0,
 ) -> list[dict]:
     """Decay matrices; never biases, norm weights or other 1-D parameters. Frozen parameters are left out.
-    With LoRA+ (``lora_plus_scale`` != 1) the LoRA B matrices get ``lr * lora_plus_scale``."""
-    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    Each group's LR is ``lr`` times its ratio: LoRA+ (``lora_plus_scale``) for the LoRA B matrices, and the
+    layer-wise decay ratio. ``use_weight_decay`` tells weight-decay schedules which groups to change."""
+    num_layers = _num_layers(model) if layerwise_lr_decay_bound < 1.0 else 0
+    groups: dict[tuple[bool, float], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         decay = not (param.ndim < 2 or name.endswith(".bias"))
-        lora_b = lora_plus_scale != 1.0 and ".lora_B." in name
-        groups.setdefault((decay, lora_b), []).append(param)
+        ratio = lora_plus_scale if lora_plus_scale != 1.0 and ".lora_B." in name else 1.0
+        ratio *= layer_ratio(name, num_layers, layerwise_lr_decay_bound)
+        groups.setdefault((decay, ratio), []).append(param)
     return [
         {
             "params": params,
             "weight_decay": weight_decay if decay else 0.0,
-            "lr": lr * (lora_plus_scale if lora_b else 1.0),
+            "use_weight_decay": decay,
+            "lr": lr * ratio,
         }
-        for (decay, lora_b), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))
+        for (decay, ratio), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))
     ]
 
 
 @OPTIMIZERS.register("adamw", config=OptimizerConfig)
 def build_adamw(config: OptimizerConfig, model: torch.nn.Module, ctx: RunContext) -> torch.optim.Optimizer:
+    """``config.lr`` is the effective LR (the run resolves multiplier and batch-size scaling into it)."""
     return torch.optim.AdamW(
-        param_groups(model, config.weight_decay, config.lr, config.lora_plus_scale),
+        param_groups(
+            model, config.weight_decay, config.lr, config.lora_plus_scale, config.layerwise_lr_decay_bound
+        ),
         lr=config.lr,
         betas=config.betas,
         eps=config.eps,
+        weight_decay=config.weight_decay,
         foreach=True,
     )

@@ -1,0 +1,116 @@
+"""The run's arithmetic, as pure functions: batch sizes from a total, the effective learning rate, and how
+many micro-batches each optimizer step takes (batch-size ramp-up included)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from posttrain.config.trainer import TrainerConfig
+from posttrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
+
+
+def batch_sizes(config: TrainerConfig, world_size: int) -> BatchSizes:
+    """``micro_batch_size`` and ``gradient_accumulation_steps`` as set, or derived from
+    ``total_train_batch_size``: the fewest accumulation steps whose micro-batch fits
+    ``max_per_device_train_batch_size``."""
+    total = config.total_train_batch_size
+    if total is None:
+        return BatchSizes(config.micro_batch_size, config.gradient_accumulation_steps, world_size)
+    if total % world_size:
+        raise UserError(
+            f"total_train_batch_size={total} cannot be split over {world_size} processes; "
+            f"use a multiple of {world_size} (e.g. {math.ceil(total / world_size) * world_size})"
+        )
+    per_rank = total // world_size
+    cap = config.max_per_device_train_batch_size or per_rank
+    gas = next(g for g in range(1, per_rank + 1) if per_rank % g == 0 and per_rank // g <= cap)
+    return BatchSizes(per_rank // gas, gas, world_size)
+
+
+def resolve(config: TrainerConfig, world_size: int) -> tuple[TrainerConfig, BatchSizes, float]:
+    """The config with batch sizes and the effective LR filled in for this world size."""
+    sizes = batch_sizes(config, world_size)
+    lr = config.optimizer.effective_lr(sizes.global_batch_size)
+    resolved = config.model_copy(
+        update={
+            "micro_batch_size": sizes.micro_batch_size,
+            "gradient_accumulation_steps": sizes.gradient_accumulation_steps,
+            "optimizer": config.optimizer.model_copy(update={"lr": lr}),
+        }
+    )
+    return resolved, sizes, lr
+
+
+def lr_explanation(config: TrainerConfig, sizes: BatchSizes, lr: float) -> str:
+    optimizer = config.optimizer
+    parts = [f"{optimizer.lr:g}"]
+    if optimizer.lr_multiplier != 1.0:
+        parts.append(f"x {optimizer.lr_multiplier:g} (lr_multiplier)")
+    if optimizer.lr_batch_size_scaling != "none":
+        ratio = f"{sizes.global_batch_size}/{optimizer.lr_reference_batch_size}"
+        factor = f"sqrt({ratio})" if optimizer.lr_batch_size_scaling == "sqrt" else ratio
+        parts.append(f"x {factor} ({optimizer.lr_batch_size_scaling} batch-size scaling)")
+    return f"learning rate {lr:g}" + (f" = {' '.join(parts)}" if len(parts) > 1 else "")
+
+
+def step_plan(
+    micro_batches_per_epoch: int, epochs: int, sizes: BatchSizes, rampup: tuple[int, int, int] | None
+) -> list[list[int]]:
+    """Micro-batches per optimizer step, for each epoch. Without ramp-up every step takes
+    ``gradient_accumulation_steps`` (the last of an epoch may take fewer). With ``rampup_batch_size``
+    ``[start, increment, samples]`` the global batch starts at ``start`` and grows by ``increment`` after
+    every ``samples / intervals`` consumed samples until it reaches the configured global batch."""
+    per_micro = sizes.micro_batch_size * sizes.world_size
+    target = sizes.global_batch_size
+    consumed = 0
+    plan = []
+    for _ in range(max(epochs, 1)):
+        left, steps = micro_batches_per_epoch, []
+        while left > 0:
+            batch = target if rampup is None else ramped_batch(rampup, target, consumed)
+            take = min(batch // per_micro, left)
+            steps.append(take)
+            left -= take
+            consumed += take * per_micro
+        plan.append(steps)
+    return plan
+
+
+def ramped_batch(rampup: tuple[int, int, int], target: int, consumed: int) -> int:
+    start, increment, samples = rampup
+    intervals = (target - start) // increment
+    if intervals <= 0:
+        return target
+    per_interval = samples / intervals
+    return min(target, start + increment * int(consumed // per_interval))
+
+
+def check_rampup(rampup: tuple[int, int, int] | None, sizes: BatchSizes) -> None:
+    if rampup is None:
+        return
+    start, increment, _ = rampup
+    unit = sizes.micro_batch_size * sizes.world_size
+    target = sizes.global_batch_size
+    problems = []
+    if start % unit or increment % unit:
+        problems.append(f"start and increment must be multiples of micro_batch_size x world size = {unit}")
+    if start > target:
+        problems.append(f"start {start} is above the global batch size {target}")
+    elif (target - start) % increment:
+        problems.append(
+            f"global batch {target} - start {start} is not a multiple of the increment {increment}"
+        )
+    if problems:
+        raise UserError(f"rampup_batch_size={list(rampup)}: " + "; ".join(problems))

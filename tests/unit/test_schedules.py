@@ -1,0 +1,159 @@
+"""Megatron-Bridge schedules, weight-decay increment, layer-wise LR and the run's batch arithmetic, each
+against values computed by hand."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from posttrain.config import load_config
+from posttrain.errors import UserError
+from posttrain.optim.adamw import layer_ratio, param_groups
+from posttrain.optim.megatron import LRSchedule, WeightDecaySchedule, build_megatron_scheduler
+from posttrain.plan import BatchSizes, batch_sizes, check_rampup, resolve, step_plan
+
+
+def schedule(style: str, **kw) -> LRSchedule:
+    base = dict(peak=1.0, min_lr=0.1, warmup_init=0.0, warmup_steps=2, decay_steps=10, style=style)
+    return LRSchedule(**{**base, **kw})
+
+
+def test_linear_and_cosine_with_warmup() -> None:
+    linear = schedule("linear")
+    assert [linear(s) for s in (0, 1, 2, 6, 10, 12)] == pytest.approx([0.0, 0.5, 1.0, 0.55, 0.1, 0.1])
+    cosine = schedule("cosine")
+    assert cosine(6) == pytest.approx(0.55)
+    assert cosine(4) == pytest.approx(0.1 + 0.9 * 0.5 * (math.sqrt(0.5) + 1))  # 0.868198
+    assert schedule("constant")(7) == 1.0
+    assert schedule("linear", warmup_init=0.2, warmup_steps=4)(1) == pytest.approx(0.4)
+
+
+def test_inverse_square_root_has_the_min_lr_floor() -> None:
+    inv = schedule("inverse-square-root", warmup_steps=4, min_lr=0.0)
+    assert [inv(4), inv(9), inv(16)] == pytest.approx([1.0, 2 / 3, 0.5])
+    assert schedule("inverse-square-root", warmup_steps=4, min_lr=0.6)(16) == 0.6
+
+
+@pytest.mark.parametrize(
+    ("shape", "midway"),
+    [("linear", 0.5), ("cosine", 0.5), ("exponential", 2 * 0.5**0.5 - 1), ("minus_sqrt", 1 - 0.5**0.5)],
+)
+def test_wsd_is_flat_then_anneals(shape: str, midway: float) -> None:
+    wsd = schedule("WSD", min_lr=0.0, warmup_steps=0, wsd_style=shape, wsd_steps=4)
+    assert wsd(3) == 1.0 and wsd(6) == 1.0
+    assert wsd(8) == pytest.approx(midway)
+    assert wsd(10) == 0.0
+
+
+def test_polynomial_ends_at_lr_end_and_respects_min_lr() -> None:
+    poly = schedule("polynomial", warmup_steps=0, min_lr=0.0, power=2.0, lr_end=0.2)
+    assert [poly(5), poly(10)] == pytest.approx([0.4, 0.2])  # 0.2 + 0.8 * 0.5**2
+    floored = schedule("polynomial", warmup_steps=0, min_lr=0.3, power=2.0, lr_end=0.2)
+    assert [floored(5), floored(10)] == pytest.approx([0.4, 0.3])
+
+
+def test_weight_decay_increment() -> None:
+    assert WeightDecaySchedule(0.0, 0.1, 10, "linear")(5) == pytest.approx(0.05)
+    cosine = WeightDecaySchedule(0.0, 0.1, 10, "cosine")
+    assert cosine(5) == pytest.approx(0.05)
+    assert cosine(2) == pytest.approx(0.1 * 0.5 * (math.cos(0.8 * math.pi) + 1))  # 0.0095492
+    assert cosine(10) == pytest.approx(0.1)
+    assert WeightDecaySchedule(0.03, 0.03, 10)(7) == 0.03
+
+
+def _config(tmp_path, **extra):
+    data = {"model": {"name_or_path": "m"}, "data": {"sources": ["d.jsonl"]}, **extra}
+    return load_config(data=data, base_dir=tmp_path)
+
+
+def test_megatron_scheduler_drives_groups_in_proportion(tmp_path) -> None:
+    cfg = _config(
+        tmp_path,
+        scheduler={
+            "type": "megatron",
+            "lr_decay_style": "linear",
+            "lr_warmup_fraction": 0.2,
+            "start_weight_decay": 0.0,
+            "end_weight_decay": 0.1,
+            "weight_decay_incr_style": "linear",
+        },
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    groups = param_groups(model, 0.05, 1.0)
+    groups[0]["lr"] = 4.0  # a group with 4x the base LR (as LoRA+ makes)
+    optimizer = torch.optim.AdamW(groups, lr=1.0, weight_decay=0.05)
+    scheduler = build_megatron_scheduler(cfg.scheduler, optimizer, 10, None)  # type: ignore[arg-type]
+    seen = []
+    for _ in range(6):
+        seen.append(
+            [g["lr"] for g in optimizer.param_groups] + [g["weight_decay"] for g in optimizer.param_groups]
+        )
+        optimizer.step()
+        scheduler.step()
+    # warmup 2 steps (0.2 x 10), then linear to 0 at step 10; step 5 -> 5/8
+    assert seen[1][:2] == pytest.approx([2.0, 0.5])
+    assert seen[5][:2] == pytest.approx([4 * 5 / 8, 5 / 8])
+    assert seen[5][2:] == pytest.approx([0.05, 0.0])  # decay only where weight decay applies at all
+    buffer = io.BytesIO()
+    torch.save(scheduler.state_dict(), buffer)  # checkpoints pickle it
+    assert "schedule" not in scheduler.state_dict()
+
+
+def test_megatron_config_errors(tmp_path) -> None:
+    from posttrain.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _config(
+            tmp_path,
+            scheduler={
+                "type": "megatron",
+                "lr_decay_style": "WSD",
+                "lr_warmup_iters": 5,
+                "lr_warmup_fraction": 0.1,
+            },
+        )
+    text = info.value.render()
+    assert "lr_wsd_decay_iters" in text and "not both" in text
+    with pytest.raises(ConfigError) as info:
+        _config(tmp_path, scheduler={"type": "megatron", "lr_decay_style": "exp"})
+    assert "scheduler.lr_decay_style" in info.value.render()
+
+
+def test_layerwise_lr_ratios() -> None:
+    assert layer_ratio("model.embed_tokens.weight", 2, 0.5) == 0.5
+    assert layer_ratio("model.layers.0.mlp.up_proj.weight", 2, 0.5) == pytest.approx(0.5 + 0.5 / 3)
+    assert layer_ratio("model.layers.1.mlp.up_proj.weight", 2, 0.5) == pytest.approx(0.5 + 0.5 * 2 / 3)
+    assert layer_ratio("lm_head.weight", 2, 0.5) == 1.0
+    assert layer_ratio("model.layers.1.mlp.up_proj.weight", 2, 1.0) == 1.0
+
+
+def test_batch_sizes_from_a_total(tmp_path) -> None:
+    cfg = _config(tmp_path, total_train_batch_size=12, max_per_device_train_batch_size=4)
+    assert batch_sizes(cfg, 2) == BatchSizes(3, 2, 2)
+    assert batch_sizes(cfg, 1) == BatchSizes(4, 3, 1)
+    assert batch_sizes(_config(tmp_path, total_train_batch_size=8), 1) == BatchSizes(8, 1, 1)
+    with pytest.raises(UserError, match="cannot be split over 5 processes"):
+        batch_sizes(cfg, 5)
+
+
+def test_effective_lr(tmp_path) -> None:
+    common = {"lr": 1e-4, "lr_multiplier": 2.0, "lr_reference_batch_size": 4}
+    sqrt = _config(tmp_path, total_train_batch_size=16, optimizer={**common, "lr_batch_size_scaling": "sqrt"})
+    assert resolve(sqrt, 2)[2] == pytest.approx(4e-4)
+    linear = _config(
+        tmp_path, total_train_batch_size=16, optimizer={**common, "lr_batch_size_scaling": "linear"}
+    )
+    resolved, _, lr = resolve(linear, 2)
+    assert lr == pytest.approx(8e-4) and resolved.optimizer.lr == lr and resolved.micro_batch_size == 8
+
+
+def test_step_plan_with_and_without_rampup() -> None:
+    sizes = BatchSizes(1, 4, 1)
+    assert step_plan(10, 2, sizes, None) == [[4, 4, 2], [4, 4, 2]]
+    # start 1, +1 every 2 samples (3 intervals over 6 samples) up to 4
+    assert step_plan(12, 1, sizes, (1, 1, 6)) == [[1, 1, 2, 3, 4, 1]]
+    with pytest.raises(UserError, match="not a multiple of the increment"):
+        check_rampup((1, 2, 6), sizes)
