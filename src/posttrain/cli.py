@@ -51,6 +51,29 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("overrides", nargs="*")
     validate.add_argument("--json", action="store_true", help="print JSON instead of YAML")
 
+    preprocess = sub.add_parser(
+        "preprocess",
+        help="build and cache the data only, and print the pre-flight report (no model is loaded)",
+    )
+    preprocess.add_argument("config", type=Path)
+    preprocess.add_argument("overrides", nargs="*")
+    preprocess.add_argument(
+        "--world-size", type=int, default=None, help="processes the run will use (default: --nproc 1)"
+    )
+    preprocess.add_argument("--color", action="store_true", help="highlight trained tokens with colour")
+
+    plot_lr = sub.add_parser(
+        "plot-lr", help="draw the run's learning-rate (and weight-decay) schedule to a PNG"
+    )
+    plot_lr.add_argument("config", type=Path)
+    plot_lr.add_argument("overrides", nargs="*")
+    plot_lr.add_argument(
+        "--out", type=Path, default=None, help="PNG path (default <output_dir>/lr-schedule.png)"
+    )
+    plot_lr.add_argument(
+        "--world-size", type=int, default=None, help="processes the run will use (default 1)"
+    )
+
     tiny = sub.add_parser("tiny-model", help="write a tiny random LLaMA model and BPE tokenizer (no network)")
     tiny.add_argument("out_dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
@@ -59,7 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--vocab-size", type=int, default=2048)
     tiny.add_argument("--heads", type=int, default=4)
 
-    sub.add_parser("schema", help="print the JSON schema of the config file")
+    schema = sub.add_parser(
+        "schema", help="print the JSON schema of the config file (every registered component's config)"
+    )
+    schema.add_argument(
+        "--markdown", action="store_true", help="print the config reference (docs/reference.md)"
+    )
     return parser
 
 
@@ -140,6 +168,35 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _world_size(value: int | None) -> int:
+    if value is not None and value < 1:
+        raise SystemExit("--world-size must be >= 1")
+    return value or int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    config = _load(args.config, args.overrides)
+    from posttrain.logs import setup_logging
+    from posttrain.preflight import preflight, report_text
+
+    setup_logging(config.logger, 0)
+    flight = preflight(config, _world_size(args.world_size))
+    print(report_text(flight, config, color=args.color))
+    return 0
+
+
+def cmd_plot_lr(args: argparse.Namespace) -> int:
+    config = _load(args.config, args.overrides)
+    from posttrain.logs import setup_logging
+    from posttrain.preflight import plot_lr, preflight
+
+    setup_logging(config.logger, 0)
+    flight = preflight(config, _world_size(args.world_size))
+    out = plot_lr(flight, args.out or Path(config.logger.output_dir) / "lr-schedule.png")
+    print(f"wrote {out} ({flight.total_steps} steps)")
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from posttrain.testing.tiny import write_tiny_model
 
@@ -156,13 +213,25 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from posttrain.config.trainer import TrainerConfig
+    if args.markdown:
+        from posttrain.config.reference import reference_markdown
 
-    print(json.dumps(TrainerConfig.model_json_schema(), indent=2))
+        print(reference_markdown(), end="")
+        return 0
+    from posttrain.config.schema import config_schema
+
+    print(json.dumps(config_schema(), indent=2))
     return 0
 
 
-COMMANDS = {"train": cmd_train, "validate": cmd_validate, "tiny-model": cmd_tiny_model, "schema": cmd_schema}
+COMMANDS = {
+    "train": cmd_train,
+    "validate": cmd_validate,
+    "preprocess": cmd_preprocess,
+    "plot-lr": cmd_plot_lr,
+    "tiny-model": cmd_tiny_model,
+    "schema": cmd_schema,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,8 +136,7 @@ def evaluate(ctx: RunContext, inputs: LoopInputs) -> dict[str, float]:
         gc.collect()
     sums: dict[str, torch.Tensor] = {}
     units = 0
-    batches = itertools.islice(inputs.eval_loader, ctx.config.eval_iters or None)
-    for micro in batches:
+    for micro in inputs.eval_loader:
         loss, metrics = inputs.loss_fn(engine, to_device(micro, engine.device))
         _sum_tensors({"loss": loss, **metrics}, sums)
         units += micro["num_loss_units"]
@@ -216,6 +215,7 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopSta
         inputs.set_epoch(state.epoch)
         for micro_batches in _epoch_steps(ctx, inputs, state):
             started = time.perf_counter()
+            lr = inputs.engine.lr()  # the LR this step uses (the scheduler moves it on after the step)
             totals = train_step(ctx, inputs, micro_batches)
             state.step += 1
             state.run_steps += 1
@@ -234,7 +234,7 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopSta
                 "loss": per_unit[0],
                 **({"perplexity": perplexity(per_unit[0])} if inputs.perplexity else {}),
                 **dict(zip(names, per_unit[1:], strict=True)),
-                "lr": inputs.engine.lr(),
+                "lr": lr,
                 "grad_norm": inputs.engine.grad_norm(),
                 "tokens": totals.target_tokens,
                 "step_time": elapsed,

@@ -15,8 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from posttrain.config.deepspeed import build_deepspeed_config
 from posttrain.config.trainer import TrainerConfig
 from posttrain.context import RunContext
-from posttrain.data.build import Datasets, build_datasets
-from posttrain.data.cache import cache_key, cached
+from posttrain.data.build import Datasets
 from posttrain.data.collate import Collator
 from posttrain.data.sft import IGNORE_INDEX
 from posttrain.dist import barrier, init_distributed, seed_everything
@@ -25,6 +24,7 @@ from posttrain.errors import UserError
 from posttrain.logs import get_logger, say, setup_logging
 from posttrain.loop import LoopInputs, LoopState, final_evaluation, train_loop
 from posttrain.plan import check_rampup, lr_explanation, resolve, step_plan
+from posttrain.preflight import load_datasets, max_length_for
 from posttrain.registry import (
     CHECKPOINT_ENGINES,
     MODEL_FACTORIES,
@@ -34,6 +34,7 @@ from posttrain.registry import (
     TRAINERS,
 )
 from posttrain.stops import StopSignals
+from posttrain.tokenizers.padding import input_pad_id
 from posttrain.tracking.metrics import MetricsFile
 
 #: where model configs keep their hidden size, first found wins (ZeRO bucket sizes scale with it)
@@ -58,7 +59,7 @@ def _fact(model_config: Any, *names: str) -> int | None:
     return None
 
 
-def _pretrained_config(config: TrainerConfig) -> Any:
+def pretrained_config(config: TrainerConfig) -> Any:
     """The model's HF config, read before the model is built (None when it is not an HF checkpoint)."""
     try:
         from transformers import AutoConfig
@@ -97,7 +98,11 @@ def _loaders(
     )
     evaluation = None
     if data.eval:
-        shard = _eval_shard(data.eval, ctx.dist.rank, ctx.dist.world_size)
+        samples = data.eval
+        if config.eval_iters:  # Megatron: eval_iters global batches, whatever the world size
+            global_batch = config.micro_batch_size * config.gradient_accumulation_steps * ctx.dist.world_size
+            samples = samples[: config.eval_iters * global_batch]
+        shard = _eval_shard(samples, ctx.dist.rank, ctx.dist.world_size)
         evaluation = DataLoader(shard, batch_size=config.micro_batch_size, collate_fn=collate)  # type: ignore[arg-type]
     return train, sampler, evaluation
 
@@ -113,16 +118,6 @@ def _replicate_for_min_iterations(config: TrainerConfig, data: Datasets, world: 
         say(f"min_iterations={config.min_iterations}: training data repeated {copies}x")
 
 
-def _datasets(ctx: RunContext, tokenizer: Any, max_length: int) -> Datasets:
-    if not ctx.config.data.cache_enabled:
-        return build_datasets(ctx, tokenizer, max_length)
-    key = cache_key(ctx, tokenizer, max_length)
-    data, hit = cached(ctx, key, lambda: build_datasets(ctx, tokenizer, max_length))
-    if hit:
-        say(f"processed data loaded from the cache ({Path(ctx.config.data.cache_dir) / key}.pkl)")
-    return data
-
-
 def _zero3_init(ds_config: dict[str, Any]) -> Any:
     """Under ZeRO-3, register the DeepSpeed config with transformers so ``from_pretrained`` creates the
     model already partitioned (``deepspeed.zero.Init``). The returned object must live until the engine exists."""
@@ -131,6 +126,21 @@ def _zero3_init(ds_config: dict[str, Any]) -> Any:
     from transformers.integrations import HfDeepSpeedConfig
 
     return HfDeepSpeedConfig(ds_config)
+
+
+def _fit_embeddings(model: torch.nn.Module, tokenizer: Any) -> None:
+    """Grow the model's token embeddings when the tokenizer gained tokens (chat-template presets)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    size = getattr(embeddings, "num_embeddings", None)
+    if size is None or len(tokenizer) <= size:
+        return
+    model.resize_token_embeddings(len(tokenizer))
+    say(f"token embeddings resized from {size} to {len(tokenizer)} for the added special tokens")
+    if getattr(model, "peft_config", None):
+        get_logger().warning(
+            "the added tokens' embeddings are not trained by the adapter; add embed_tokens and lm_head to "
+            "peft_config modules_to_save to train them"
+        )
 
 
 def run(config: TrainerConfig) -> RunResult:
@@ -147,7 +157,7 @@ def run(config: TrainerConfig) -> RunResult:
     seed_everything(config.seed)
     spec = TRAINERS.get(config.type).obj
 
-    pretrained = _pretrained_config(config)
+    pretrained = pretrained_config(config)
     hidden = _fact(pretrained, *HIDDEN_SIZE_KEYS)
     ds_config = (
         build_deepspeed_config(config, world_size=dist.world_size, hidden_size=hidden) if hidden else None
@@ -155,6 +165,7 @@ def run(config: TrainerConfig) -> RunResult:
     zero3 = _zero3_init(ds_config) if ds_config else None
     tokenizer = TOKENIZER_FACTORIES.get(config.tokenizer.type).obj(config.tokenizer, ctx)
     model = MODEL_FACTORIES.get(config.model.type).obj(config.model, ctx)
+    _fit_embeddings(model, tokenizer)
     if ds_config is None:
         hidden = _fact(getattr(model, "config", None), *HIDDEN_SIZE_KEYS)
         if hidden is None:
@@ -163,18 +174,20 @@ def run(config: TrainerConfig) -> RunResult:
             )
         ds_config = build_deepspeed_config(config, world_size=dist.world_size, hidden_size=hidden)
 
-    max_length = config.data.max_length
-    if "max_length" not in config.data.model_fields_set:
-        max_length = (
-            _fact(pretrained or getattr(model, "config", None), "max_position_embeddings") or max_length
-        )
-        get_logger().info("data.max_length not set: using the model's max_position_embeddings=%d", max_length)
-    data = _datasets(ctx, tokenizer, max_length)
+    max_length = max_length_for(config, pretrained or getattr(model, "config", None))
+    data = load_datasets(ctx, tokenizer, max_length)
     say(data.train_report.summary("train data"))
     if data.eval:
         say(data.eval_report.summary("eval data"))
+    if data.train_report.leaked:
+        get_logger().warning(
+            "%d eval rows are identical to training rows: the eval loss will look better than it is",
+            data.train_report.leaked,
+        )
     _replicate_for_min_iterations(config, data, dist.world_size)
-    collator = (spec.collator or Collator)(tokenizer.pad_token_id)
+    collator = (spec.collator or Collator)(
+        input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
+    )
     train_loader, sampler, eval_loader = _loaders(ctx, data, collator)
     plan = step_plan(len(train_loader), config.epochs, sizes, config.rampup_batch_size)
     steps_per_epoch = len(plan[0])

@@ -214,6 +214,43 @@ def test_validate_is_pure_and_prints_defaults(tmp_path: Path, capsys: pytest.Cap
     data = json.loads(capsys.readouterr().out)
     assert data["optimizer"]["lr"] == 5e-4 and data["data"]["max_length"] == 8192
     assert data["scheduler"]["warmup_ratio"] == 0.1
+    # issue #5's options are shown with their defaults
+    assert data["tokenizer"]["chat_template"] == "keep-original"
+    assert data["tokenizer"]["missing_pad_token_strategy"] == "bos-repurpose"
+    assert (data["data"]["mix"], data["data"]["mix_seed"], data["data"]["split_seed"]) == (
+        "concatenate",
+        19851243,
+        None,
+    )
+    assert data["data"]["sources"][0]["sampling_weight"] == 1.0 and data["data"]["check_end_of_turn"] is True
+    assert (
+        data["optimizer"]["lr_batch_size_scaling"] == "none"
+        and data["optimizer"]["layerwise_lr_decay_bound"] == 1.0
+    )
+    for key in (
+        "total_train_batch_size",
+        "rampup_batch_size",
+        "eval_iters",
+        "exit_interval",
+        "manual_gc",
+        "skip_train",
+    ):
+        assert key in data, key
+
+
+def test_megatron_scheduler_validates_and_documents_its_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "run.yaml").write_text(
+        GOOD + "scheduler:\n  type: megatron\n  lr_decay_style: WSD\n  lr_wsd_decay_iters: 10\n"
+    )
+    assert main(["validate", str(tmp_path / "run.yaml"), "--json"]) == 0
+    scheduler = json.loads(capsys.readouterr().out)["scheduler"]
+    assert scheduler["lr_wsd_decay_style"] == "exponential" and scheduler["min_lr"] == 0.0
+    assert main(["schema"]) == 0
+    schema = capsys.readouterr().out
+    for text in ("inverse-square-root", "sampling_weight", "missing_pad_token_strategy", "rampup_batch_size"):
+        assert text in schema, text
 
 
 def test_cli_exit_code_2_without_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

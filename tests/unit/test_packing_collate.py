@@ -42,3 +42,31 @@ def test_collate_packed_passes_positions_without_mask() -> None:
     assert "attention_mask" not in batch
     assert torch.equal(batch["position_ids"], torch.tensor([[0, 1, 0, 1]]))
     assert batch["num_target_tokens"] == 2
+
+
+def test_best_fit_keeps_every_sample_whole_and_fills_sequences() -> None:
+    import random
+
+    from posttrain.data.packing import pack_best_fit, packing_efficiency
+
+    rng = random.Random(0)
+    samples = []
+    for index in range(300):
+        n = rng.randint(3, 60)
+        samples.append({"input_ids": [index] * n, "labels": [index] * n})
+    packed = pack_best_fit(samples, max_length=128)
+    sequential = pack_sequential(samples, max_length=128)
+    assert all(len(s["input_ids"]) <= 128 for s in packed)
+    # every sample appears exactly once, contiguous, with positions 0..n-1 and its first label ignored
+    seen = {}
+    for sequence in packed:
+        ids, positions, labels = sequence["input_ids"], sequence["position_ids"], sequence["labels"]
+        for start in (i for i, p in enumerate(positions) if p == 0):
+            n = len(samples[ids[start]]["input_ids"])
+            assert ids[start : start + n] == [ids[start]] * n and positions[start : start + n] == list(
+                range(n)
+            )
+            assert labels[start] == IGNORE_INDEX and labels[start + 1 : start + n] == [ids[start]] * (n - 1)
+            seen[ids[start]] = seen.get(ids[start], 0) + 1
+    assert seen == dict.fromkeys(range(300), 1)
+    assert packing_efficiency(packed, 128) >= 0.97 > packing_efficiency(sequential, 128)

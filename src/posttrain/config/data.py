@@ -33,6 +33,10 @@ class DataSourceConfig(BaseConfig):
     sample_seed: int = 42
     """Seed of the row sampling (only used with ``sample_ratio`` or ``sample_count``)."""
 
+    sampling_weight: HumanFloat = 1.0
+    """With ``data.mix: weighted``: this source's share of the draws (SiloGen's ``sampling_weight``).
+    0 drops the source; negative weights are an error."""
+
     process: bool = True
     """Run the trainer's formatter on the rows (render and tokenize). ``false``: rows already hold
     ``input_ids`` and ``labels``."""
@@ -40,6 +44,11 @@ class DataSourceConfig(BaseConfig):
     def problems(self) -> Iterator[Problem]:
         if self.sample_ratio is not None and self.sample_count is not None:
             yield Problem("sample_count", "set sample_ratio or sample_count, not both")
+        if self.sampling_weight < 0:
+            yield Problem(
+                "sampling_weight",
+                f"{self.sampling_weight} is negative; use a weight >= 0 (0 drops the source)",
+            )
 
 
 class LocalSourceConfig(DataSourceConfig):
@@ -74,7 +83,24 @@ class DataConfig(BaseConfig):
     """Evaluation data sources (instead of, or besides, ``train_eval_split``)."""
 
     train_eval_split: tuple[HumanFloat, HumanFloat] = (1.0, 0.0)
-    """Fractions of the training rows kept for training and held out for evaluation; they must sum to 1."""
+    """Fractions of the training rows kept for training and held out for evaluation; they must sum to 1.
+    The split is taken from each source before any mixing or oversampling, so no training row is in the
+    eval set."""
+
+    split_seed: int | None = None
+    """Seed of the train/eval split (SiloGen's auto-split ``seed``). Null: ``seed``."""
+
+    mix: Literal["concatenate", "weighted"] = "concatenate"
+    """How training sources are combined: ``concatenate`` them in order, or a ``weighted`` mix (SiloGen's
+    precomputed weighted mix): draw a source by ``sampling_weight`` with ``mix_seed`` and take its next row,
+    until every source has been used up at least once (small, heavily weighted sources are oversampled)."""
+
+    mix_seed: int = 19851243
+    """Seed of the weighted-mix draws."""
+
+    check_end_of_turn: bool = True
+    """Refuse data where an assistant turn's end-of-turn token (EOS, ``<|im_end|>``, ``<|eot_id|>``...) is not
+    trained, naming the file and row: such a model never learns to stop. ``false`` turns the check off."""
 
     max_length: HumanInt = Field(default=8192, ge=2)
     """Longest sequence in tokens. When not set, the run takes the model's ``max_position_embeddings``."""
@@ -112,6 +138,12 @@ class DataConfig(BaseConfig):
             yield Problem(
                 "train_eval_split", f"{[train, held_out]} must be two non-negative fractions summing to 1"
             )
+        if self.mix == "concatenate":
+            for index, source in enumerate(self.sources):
+                if source.sampling_weight != 1.0:
+                    yield Problem(f"sources[{index}].sampling_weight", "only used with data.mix: weighted")
+        elif not any(source.sampling_weight > 0 for source in self.sources):
+            yield Problem("sources", "data.mix: weighted needs at least one source with sampling_weight > 0")
         if self.cache_processed_data is not None and self.use_data_cache is not None:
             yield Problem(
                 "cache_processed_data", "deprecated alias of use_data_cache; set only use_data_cache"
@@ -135,6 +167,10 @@ class SFTDataConfig(DataConfig):
     pack_samples: bool = False
     """Pack several samples into each ``max_length`` sequence; position ids restart per sample and no token
     attends across samples. Needs ``micro_batch_size: 1``."""
+
+    packing: Literal["best-fit", "sequential"] = "best-fit"
+    """With ``pack_samples``: ``best-fit`` (longest first, each into the fullest sequence it fits; like
+    ERNIEKit's ``greedy_intokens``) or ``sequential`` (in shuffled order, a new sequence when one is full)."""
 
     mask_inputs: bool = True
     """Train only on assistant tokens (each assistant turn's closing end-of-turn token included). ``false``
@@ -160,3 +196,6 @@ class CausalDataConfig(DataConfig):
     """``false``: concatenate all documents and cut the stream into ``max_length`` blocks (attention crosses
     document boundaries inside a block). ``true``: pack whole documents with per-document ``position_ids``
     and no attention across documents (needs ``micro_batch_size: 1``)."""
+
+    packing: Literal["best-fit", "sequential"] = "best-fit"
+    """With ``pack_samples``: ``best-fit`` or ``sequential`` (see the SFT data config)."""

@@ -129,8 +129,9 @@ class TrainerConfig(BaseConfig):
     """Print every N-th evaluation's metrics line (0: never print; the metrics file still gets them)."""
 
     eval_iters: HumanInt = Field(default=0, ge=0, alias="max_evaluate_steps")
-    """Most eval micro-batches per rank in one evaluation (Megatron's ``eval_iters``, ERNIEKit's
-    ``max_evaluate_steps``). 0: the whole eval set."""
+    """Evaluate on at most this many global batches: the first ``eval_iters x global batch size`` eval
+    samples, whatever the world size (Megatron's ``eval_iters``, ERNIEKit's ``max_evaluate_steps``).
+    0: the whole eval set."""
 
     eval_at_end: bool = True
     """Evaluate once more after the last training step (when eval data is configured)."""

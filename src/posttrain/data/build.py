@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import random
@@ -12,7 +13,7 @@ from typing import Any
 
 from posttrain.config.data import DataConfig
 from posttrain.context import RunContext
-from posttrain.data.packing import pack_sequential
+from posttrain.data.packing import pack as pack_samples
 from posttrain.data.sft import IGNORE_INDEX, RowError
 from posttrain.data.sources import Row, load_source
 from posttrain.errors import DataError
@@ -34,6 +35,10 @@ class DataReport:
     truncated: int = 0
     tokens: int = 0
     target_tokens: int = 0
+    max_length: int = 0
+    packed: bool = False
+    sources: list[str] = field(default_factory=list)
+    leaked: int = 0
 
     def summary(self, name: str) -> str:
         parts = [f"{name}: {self.rows} rows -> {self.samples} samples"]
@@ -117,30 +122,29 @@ def assemble_samples(
     report.samples = len(samples)
     if pack:
         random.Random(config.seed).shuffle(samples)
-        samples = pack_sequential(samples, max_length)
+        samples = pack_samples(samples, max_length, getattr(config, "packing", "best-fit"))
     return samples
 
 
 @dataclass(frozen=True)
 class DataFactory:
     """A training method's data stages: ``format`` turns a row into token ids and labels (pure, per row);
-    ``assemble`` turns the formatted samples into training sequences (length policy, packing, blocks)."""
+    ``assemble`` turns the formatted samples into training sequences (length policy, packing, blocks);
+    ``chat``: rows are conversations (the end-of-turn check applies)."""
 
     format: Formatter
     assemble: Callable[[list[Sample], int, DataConfig, DataReport, bool], list[Sample]] = assemble_samples
+    chat: bool = True
 
 
 def process(
-    rows: list[Row], processed: list[bool], ctx: RunContext, tokenizer: Any, max_length: int, pack: bool
+    rows: list[Row], ctx: RunContext, tokenizer: Any, max_length: int, pack: bool
 ) -> tuple[list[Sample], DataReport]:
     config = ctx.config.data
-    report = DataReport(rows=len(rows))
+    report = DataReport(rows=len(rows), max_length=max_length, packed=pack)
     factory: DataFactory = DATA_FACTORIES.get(config.type).obj
-    to_format = [row for row, flag in zip(rows, processed, strict=True) if flag]
-    formatted = iter(_format_rows(to_format, factory.format, tokenizer, config))
-    samples = [
-        next(formatted) if flag else _preprocessed(row) for row, flag in zip(rows, processed, strict=True)
-    ]
+    formatted = iter(_format_rows([row for row in rows if row.process], factory.format, tokenizer, config))
+    samples = [next(formatted) if row.process else _preprocessed(row) for row in rows]
     samples = factory.assemble(samples, max_length, config, report, pack)
     report.sequences = len(samples)
     report.tokens = sum(len(v) for s in samples for k, v in s.items() if k.endswith("input_ids"))
@@ -153,33 +157,82 @@ def process(
     return samples, report
 
 
-def _read(sources: list[Any], ctx: RunContext) -> tuple[list[Row], list[bool]]:
-    rows: list[Row] = []
-    flags: list[bool] = []
-    for source in sources:
-        loaded = load_source(source, ctx)
-        rows.extend(loaded)
-        flags.extend([source.process] * len(loaded))
-    return rows, flags
+def weighted_mix(parts: list[list[Any]], weights: list[float], seed: int) -> list[Any]:
+    """SiloGen's precomputed weighted mix: draw a part with probability proportional to its weight and take
+    its next item (cycling), until every part with a positive weight has been used up at least once.
+    Weight 0 drops a part."""
+    rng = random.Random(seed)
+    active = [i for i, (part, weight) in enumerate(zip(parts, weights, strict=True)) if weight > 0 and part]
+    chosen_weights = [weights[i] for i in active]
+    taken = dict.fromkeys(active, 0)
+    unfinished = set(active)
+    mixed = []
+    while unfinished:
+        index = rng.choices(active, weights=chosen_weights)[0]
+        part = parts[index]
+        mixed.append(part[taken[index] % len(part)])
+        taken[index] += 1
+        if taken[index] >= len(part):
+            unfinished.discard(index)
+    return mixed
+
+
+def split_rows(rows: list[Any], held_out: float, seed: int) -> tuple[list[Any], list[Any]]:
+    """(train, eval): a seeded random ``held_out`` share of the rows (at least one) for evaluation, both in
+    their original order."""
+    if held_out <= 0 or not rows:
+        return rows, []
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, round(len(rows) * held_out))
+    held = set(order[:n_eval])
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def _content(row: Row) -> str:
+    return json.dumps(row.data, sort_keys=True, default=str)
+
+
+def _read(config: DataConfig, ctx: RunContext, report: DataReport) -> tuple[list[Row], list[Row]]:
+    """Training and eval rows: each source is read and sampled, its eval share split off, and only then
+    are the training shares concatenated or mixed (so oversampling never copies a row into both sets)."""
+    split_seed = config.seed if config.split_seed is None else config.split_seed
+    parts, weights, held = [], [], []
+    for source in config.sources:
+        rows = [Row(r.data, r.origin, source.process) for r in load_source(source, ctx)]
+        train, evaluation = split_rows(rows, config.train_eval_split[1], split_seed)
+        parts.append(train)
+        weights.append(source.sampling_weight)
+        held.extend(evaluation)
+        share = f", weight {source.sampling_weight:g}" if config.mix == "weighted" else ""
+        report.sources.append(
+            f"{source.name_or_path}: {len(rows)} rows read, {len(train)} for training, "
+            f"{len(evaluation)} held out{share}"
+        )
+    if config.mix == "weighted":
+        train = weighted_mix(parts, weights, config.mix_seed)
+        distinct = sum(len(p) for p, w in zip(parts, weights, strict=True) if w > 0)
+        report.sources.append(f"weighted mix: {len(train)} training rows drawn from {distinct} distinct rows")
+    else:
+        train = [row for part in parts for row in part]
+    for source in config.eval_sources:
+        rows = [Row(r.data, r.origin, source.process) for r in load_source(source, ctx)]
+        held.extend(rows)
+        report.sources.append(f"{source.name_or_path}: {len(rows)} rows read for evaluation")
+    seen = {_content(row) for row in train}
+    report.leaked = sum(1 for row in held if _content(row) in seen)
+    return train, held
 
 
 def build_datasets(ctx: RunContext, tokenizer: Any, max_length: int) -> Datasets:
     """Train and eval samples for this run (every rank builds the same lists)."""
     config = ctx.config.data
-    rows, flags = _read(config.sources, ctx)
-    eval_rows, eval_flags = _read(config.eval_sources, ctx)
-    held_out = config.train_eval_split[1]
-    if held_out > 0:
-        order = list(range(len(rows)))
-        random.Random(config.seed).shuffle(order)
-        n_eval = max(1, round(len(rows) * held_out))
-        eval_ids, train_ids = sorted(order[:n_eval]), sorted(order[n_eval:])
-        eval_rows += [rows[i] for i in eval_ids]
-        eval_flags += [flags[i] for i in eval_ids]
-        rows, flags = [rows[i] for i in train_ids], [flags[i] for i in train_ids]
+    read = DataReport()
+    rows, eval_rows = _read(config, ctx, read)
     pack = bool(getattr(config, "pack_samples", False))
-    train, train_report = process(rows, flags, ctx, tokenizer, max_length, pack)
-    evaluation, eval_report = process(eval_rows, eval_flags, ctx, tokenizer, max_length, pack=False)
+    train, train_report = process(rows, ctx, tokenizer, max_length, pack)
+    evaluation, eval_report = process(eval_rows, ctx, tokenizer, max_length, pack=False)
+    train_report.sources, train_report.leaked = read.sources, read.leaked
     if not train:
         raise DataError(f"no training samples left: {train_report.summary('train')}")
     return Datasets(train, evaluation, train_report, eval_report)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from posttrain.data.packing import pack_sequential
+from posttrain.data.packing import pack as pack_samples
 from posttrain.data.sft import RowError
 
 Sample = dict[str, list[int]]
@@ -49,9 +49,11 @@ def split_documents(documents: list[Sample], max_length: int) -> list[Sample]:
     return chunks
 
 
-def assemble_documents(documents: list[Sample], max_length: int, seed: int, pack: bool) -> list[Sample]:
+def assemble_documents(
+    documents: list[Sample], max_length: int, seed: int, pack: bool, method: str = "best-fit"
+) -> list[Sample]:
     if not pack:
         return concat_blocks(documents, max_length)
     chunks = split_documents(documents, max_length)
     random.Random(seed).shuffle(chunks)
-    return pack_sequential(chunks, max_length)
+    return pack_samples(chunks, max_length, method)

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.data.sft import IGNORE_INDEX, RowError, _render_ids, assistant_mask, check_messages
+from posttrain.data.sft import (
+    IGNORE_INDEX,
+    RowError,
+    _render_ids,
+    assistant_mask,
+    check_messages,
+    check_turn_ends,
+)
 
 Sample = dict[str, list[int]]
 
@@ -32,7 +39,9 @@ def _messages(value: Any, role: str, name: str) -> list[dict[str, str]]:
     return value
 
 
-def _answer(tokenizer: Any, prompt: list[dict[str, str]], answer: list[dict[str, str]], name: str) -> Sample:
+def _answer(
+    tokenizer: Any, prompt: list[dict[str, str]], answer: list[dict[str, str]], name: str, check_end: bool
+) -> Sample:
     try:
         conversation = check_messages({"messages": prompt + answer})
     except RowError as exc:
@@ -41,6 +50,11 @@ def _answer(tokenizer: Any, prompt: list[dict[str, str]], answer: list[dict[str,
     prompt_len = len(_render_ids(tokenizer, prompt)) if prompt else 0
     if ids[:prompt_len] != _render_ids(tokenizer, prompt):
         raise RowError("the chat template does not render the prompt as a token prefix of prompt + answer")
+    if check_end:
+        try:
+            check_turn_ends(tokenizer, ids, mask, start=prompt_len)
+        except RowError as exc:
+            raise RowError(f"{name}: {exc}") from None
     labels = [
         tok if keep and i >= prompt_len else IGNORE_INDEX
         for i, (tok, keep) in enumerate(zip(ids, mask, strict=True))
@@ -64,13 +78,18 @@ def _cut_prompt(sample: Sample, max_prompt_length: int, truncation: str) -> Samp
 
 
 def format_pair(
-    row: dict[str, Any], tokenizer: Any, max_prompt_length: int = 0, truncation: str = "keep_end"
+    row: dict[str, Any],
+    tokenizer: Any,
+    max_prompt_length: int = 0,
+    truncation: str = "keep_end",
+    check_end_of_turn: bool = True,
 ) -> Sample:
     prompt = _messages(_field(row, "prompt"), "user", "prompt")
     out: Sample = {}
     for name in ("chosen", "rejected"):
         answer = _messages(_field(row, name), "assistant", name)
-        sample = _cut_prompt(_answer(tokenizer, prompt, answer, name), max_prompt_length, truncation)
+        full = _answer(tokenizer, prompt, answer, name, check_end_of_turn)
+        sample = _cut_prompt(full, max_prompt_length, truncation)
         out[f"{name}_input_ids"] = sample["input_ids"]
         out[f"{name}_labels"] = sample["labels"]
     return out

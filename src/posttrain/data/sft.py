@@ -80,9 +80,42 @@ def assistant_mask(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list
     return ids, mask
 
 
-def format_sft(row: dict[str, Any], tokenizer: Any, mask_inputs: bool = True) -> dict[str, list[int]]:
+_END_OF_TURN: dict[int, frozenset[int]] = {}
+
+
+def check_turn_ends(tokenizer: Any, ids: list[int], mask: list[int], start: int = 0) -> None:
+    """Every assistant turn (a run of mask 1) that ends at or after ``start`` must end with an end-of-turn
+    token (EOS, ``<|im_end|>``, ``<|eot_id|>``...; whitespace after it is allowed), or the model never
+    learns to stop."""
+    from posttrain.tokenizers.chat_templates import end_of_turn_ids
+
+    if id(tokenizer) not in _END_OF_TURN:
+        _END_OF_TURN[id(tokenizer)] = end_of_turn_ids(tokenizer)
+    allowed = _END_OF_TURN[id(tokenizer)]
+    turn = 0
+    for end, keep in enumerate(mask):
+        if not keep or (end + 1 < len(mask) and mask[end + 1]):
+            continue
+        turn += 1
+        position = end  # the prefix method also trains whitespace after the end-of-turn token
+        while position > 0 and mask[position - 1] and not tokenizer.decode([ids[position]]).strip():
+            position -= 1
+        if end >= start and ids[position] not in allowed:
+            shown = tokenizer.convert_ids_to_tokens(ids[position])
+            raise RowError(
+                f"assistant turn {turn} ends with {shown!r} (id {ids[position]}), not an end-of-turn token, so "
+                "the model would never learn to stop; put the end-of-turn token inside the template's "
+                "{% generation %} block (or set data.check_end_of_turn: false)"
+            )
+
+
+def format_sft(
+    row: dict[str, Any], tokenizer: Any, mask_inputs: bool = True, check_end_of_turn: bool = True
+) -> dict[str, list[int]]:
     messages = check_messages(row)
     ids, mask = assistant_mask(tokenizer, messages)
+    if check_end_of_turn:
+        check_turn_ends(tokenizer, ids, mask)
     if mask_inputs:
         labels = [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask, strict=True)]
     else:

@@ -16,10 +16,12 @@ from posttrain.registry import DATA_SOURCES
 
 @dataclass(frozen=True)
 class Row:
-    """One input row; ``origin`` reads like ``data/train.jsonl row 17`` in error messages."""
+    """One input row; ``origin`` reads like ``data/train.jsonl row 17`` in error messages; ``process``:
+    run the trainer's formatter on it (false: it already holds token ids and labels)."""
 
     data: dict[str, Any]
     origin: str
+    process: bool = True
 
 
 def _read_jsonl(path: Path) -> list[Row]:

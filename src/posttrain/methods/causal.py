@@ -21,11 +21,13 @@ def assemble_causal(
     samples: list[dict[str, list[int]]], max_length: int, config: DataConfig, report: DataReport, pack: bool
 ) -> list[dict[str, list[int]]]:
     report.samples = len(samples)
-    return assemble_documents(samples, max_length, config.seed, pack)
+    return assemble_documents(samples, max_length, config.seed, pack, getattr(config, "packing", "best-fit"))
 
 
 DATA_FACTORIES.add(
-    "causal", DataFactory(format=format_causal_row, assemble=assemble_causal), config=CausalDataConfig
+    "causal",
+    DataFactory(format=format_causal_row, assemble=assemble_causal, chat=False),
+    config=CausalDataConfig,
 )
 
 TRAINERS.add(

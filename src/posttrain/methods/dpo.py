@@ -34,7 +34,9 @@ SIDES = ("chosen", "rejected")
 
 def format_dpo_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) -> Pair:
     assert isinstance(config, DPODataConfig)
-    return format_pair(row, tokenizer, config.max_prompt_length, config.prompt_truncation)
+    return format_pair(
+        row, tokenizer, config.max_prompt_length, config.prompt_truncation, config.check_end_of_turn
+    )
 
 
 def assemble_pairs(

@@ -37,7 +37,7 @@ def sft_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tenso
 
 
 def format_sft_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) -> dict[str, list[int]]:
-    return format_sft(row, tokenizer, mask_inputs=getattr(config, "mask_inputs", True))
+    return format_sft(row, tokenizer, getattr(config, "mask_inputs", True), config.check_end_of_turn)
 
 
 DATA_FACTORIES.add("sft", DataFactory(format=format_sft_row), config=SFTDataConfig)

@@ -1,4 +1,5 @@
-"""Tokenizer factory ``huggingface``: ``AutoTokenizer`` from the tokenizer (or model) path."""
+"""Tokenizer factory ``huggingface``: ``AutoTokenizer`` from the tokenizer (or model) path, with the chosen
+chat template and a pad token."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ from typing import Any
 
 from posttrain.config.tokenizer import TokenizerConfig
 from posttrain.context import RunContext
-from posttrain.errors import UserError
+from posttrain.logs import say
 from posttrain.registry import TOKENIZER_FACTORIES
+from posttrain.tokenizers.chat_templates import apply_chat_template
+from posttrain.tokenizers.padding import ensure_pad_token
 
 
 @TOKENIZER_FACTORIES.register("huggingface", config=TokenizerConfig)
@@ -15,9 +18,10 @@ def build_huggingface_tokenizer(config: TokenizerConfig, ctx: RunContext) -> Any
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(config.name_or_path or ctx.config.model.name_or_path)
-    if tokenizer.pad_token_id is None:
-        raise UserError(
-            f"tokenizer {config.name_or_path!r} has no pad token; add one to the tokenizer "
-            "(pad-token strategies arrive with issue #5)"
-        )
+    added = apply_chat_template(tokenizer, config.chat_template)
+    if added:
+        say(f"chat template {config.chat_template}: added special tokens {', '.join(added)}")
+    padding = ensure_pad_token(tokenizer, config.missing_pad_token_strategy)
+    if padding:
+        say(padding)
     return tokenizer

@@ -1,0 +1,117 @@
+"""Chat-template presets and how a tokenizer gets its template.
+
+Every preset marks what the assistant says with ``{% generation %}`` (its end-of-turn token included), so
+labels come from the template's own assistant mask. The presets are posttrain's own renderings of the
+formats they are named after. Templates are written as single-line expression chains because HF's Jinja
+environment trims the newline after a block tag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from posttrain.errors import UserError
+
+
+@dataclass(frozen=True)
+class Preset:
+    template: str
+    special_tokens: tuple[str, ...]  # must be single tokens; added to the tokenizer when missing
+    end_of_turn: str | None  # None: the tokenizer's EOS
+
+
+_CHATML = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_LLAMA3 = (
+    "{{ '<|begin_of_text|>' }}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|eot_id|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|eot_id|>' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+# Mistral's [INST] format with a system message folded into the next user turn.
+_MISTRAL_WITH_SYSTEM = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\\n\\n' %}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{% generation %}{{ ' ' + message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ '[INST] ' + ns.system + message['content'] + ' [/INST]' }}{% set ns.system = '' %}"
+    "{% endif %}{% endfor %}"
+)
+
+_LLAMA3_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+
+PRESETS: dict[str, Preset] = {
+    "chatml": Preset(_CHATML, ("<|im_start|>", "<|im_end|>"), "<|im_end|>"),
+    "llama3": Preset(_LLAMA3, _LLAMA3_TOKENS, "<|eot_id|>"),
+    # Llama 3.1's turn format without its date header and tool calls: the same rendering as llama3.
+    "simplified-llama31": Preset(_LLAMA3, _LLAMA3_TOKENS, "<|eot_id|>"),
+    "mistral-with-system": Preset(_MISTRAL_WITH_SYSTEM, (), None),
+}
+ALIASES = {"chat-ml": "chatml"}
+KEEP_ORIGINAL = "keep-original"
+CHOICES = (KEEP_ORIGINAL, *PRESETS, *ALIASES)
+
+#: end-of-turn tokens recognised in any tokenizer (besides its EOS)
+KNOWN_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
+
+
+def check_choice(value: str) -> str:
+    """Config-time check (no file is opened): a preset name or a path ending in ``.jinja``."""
+    if value in CHOICES or value.endswith(".jinja"):
+        return value
+    raise ValueError(
+        f"unknown chat template {value!r}; allowed: {', '.join(CHOICES)}, or a path to a .jinja file"
+    )
+
+
+def apply_chat_template(tokenizer: Any, choice: str) -> list[str]:
+    """Give ``tokenizer`` the chosen template; returns the special tokens that had to be added (the model's
+    embeddings must then be resized)."""
+    choice = ALIASES.get(choice, choice)
+    if choice == KEEP_ORIGINAL:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError(
+                "the tokenizer has no chat template; set tokenizer.chat_template to a preset "
+                f"({', '.join(PRESETS)}) or a .jinja file"
+            )
+        return []
+    if choice.endswith(".jinja"):
+        path = Path(choice).expanduser()
+        if not path.is_file():
+            raise UserError(f"tokenizer.chat_template: no such file {choice!r}")
+        tokenizer.chat_template = path.read_text(encoding="utf-8")
+        return []
+    preset = PRESETS[choice]
+    vocab = tokenizer.get_vocab()
+    missing = [token for token in preset.special_tokens if token not in vocab]
+    if missing:
+        tokenizer.add_special_tokens(
+            {"additional_special_tokens": missing}, replace_extra_special_tokens=False
+        )
+    tokenizer.chat_template = preset.template
+    return missing
+
+
+def end_of_turn_ids(tokenizer: Any) -> frozenset[int]:
+    """Token ids that may close an assistant turn: EOS and the known end-of-turn tokens in the vocabulary."""
+    vocab = tokenizer.get_vocab()
+    ids = {vocab[token] for token in KNOWN_END_OF_TURN if token in vocab}
+    eos = tokenizer.eos_token_id
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return frozenset(ids)
