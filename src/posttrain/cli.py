@@ -74,6 +74,22 @@ def _parser() -> argparse.ArgumentParser:
         "--world-size", type=int, default=None, help="processes the run will use (default 1)"
     )
 
+    init = sub.add_parser(
+        "init", help="write a commented starter config that runs as is on a tiny local model"
+    )
+    init.add_argument("kind", nargs="?", default="sft", choices=("sft", "dpo", "causal", "lora"))
+    init.add_argument(
+        "-o", "--out", type=Path, default=Path("run.yaml"), help="config path (default run.yaml)"
+    )
+
+    plot = sub.add_parser("plot", help="draw loss, LR and throughput curves of one or more runs to a PNG")
+    plot.add_argument(
+        "metrics", type=Path, nargs="+", help="train-log-metrics.jsonl files (several: overlaid)"
+    )
+    plot.add_argument(
+        "-o", "--out", type=Path, default=Path("curves.png"), help="PNG path (default curves.png)"
+    )
+
     tiny = sub.add_parser("tiny-model", help="write a tiny random LLaMA model and BPE tokenizer (no network)")
     tiny.add_argument("out_dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
@@ -100,8 +116,10 @@ def _load(config: Path, overrides: list[str]):  # -> TrainerConfig
 def cmd_validate(args: argparse.Namespace) -> int:
     import yaml
 
+    from posttrain.config.provenance import redact
+
     config = _load(args.config, args.overrides)
-    data = config.model_dump(mode="json")
+    data = redact(config.model_dump(mode="json"))
     print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False), end="")
     return 0
 
@@ -197,6 +215,23 @@ def cmd_plot_lr(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_init(args: argparse.Namespace) -> int:
+    from posttrain.starters import write_starter
+
+    written = write_starter(args.kind, args.out)
+    for path in written:
+        print(f"wrote {path}")
+    print(f"next: posttrain preprocess {args.out}  then  posttrain train {args.out}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from posttrain.tracking.plot import plot_metrics
+
+    print(f"wrote {plot_metrics(args.metrics, args.out)}")
+    return 0
+
+
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from posttrain.testing.tiny import write_tiny_model
 
@@ -229,6 +264,8 @@ COMMANDS = {
     "validate": cmd_validate,
     "preprocess": cmd_preprocess,
     "plot-lr": cmd_plot_lr,
+    "plot": cmd_plot,
+    "init": cmd_init,
     "tiny-model": cmd_tiny_model,
     "schema": cmd_schema,
 }

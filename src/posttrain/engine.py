@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -44,14 +45,19 @@ class Engine:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.ds(*args, **kwargs)
 
-    def micro_step(self, loss: torch.Tensor, last: bool) -> None:
-        """Backward one micro-batch; on the last one of the step, reduce gradients, clip and step."""
-        self.ds.set_gradient_accumulation_boundary(last)
-        self.ds.backward(loss, scale_wrt_gas=False)  # at the boundary this also averages gradients over ranks
-        if last and self._own_norm:
-            grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
-            self._norm = torch.nn.utils.get_total_norm(grads) if grads else None
-        self.ds.step()
+    def micro_step(self, loss: torch.Tensor, last: bool, timers: Any = None) -> None:
+        """Backward one micro-batch; on the last one of the step, reduce gradients, clip and step.
+        ``timers`` (optional, ``tracking.system.Timers``) gets the ``backward`` and ``optimizer`` time."""
+        backward = timers.section("backward") if timers is not None else nullcontext()
+        with backward:
+            self.ds.set_gradient_accumulation_boundary(last)
+            self.ds.backward(loss, scale_wrt_gas=False)  # at the boundary this also averages over ranks
+        optimizer = timers.section("optimizer") if timers is not None and last else nullcontext()
+        with optimizer:
+            if last and self._own_norm:
+                grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
+                self._norm = torch.nn.utils.get_total_norm(grads) if grads else None
+            self.ds.step()
 
     def grad_norm(self) -> float:
         """Global gradient norm of the last optimizer step, before clipping."""

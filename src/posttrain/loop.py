@@ -16,17 +16,18 @@ import torch
 from posttrain.context import RunContext
 from posttrain.dist import all_reduce_sum
 from posttrain.engine import Engine
-from posttrain.logs import say
 from posttrain.stops import StopSignals
-from posttrain.tracking.metrics import MetricsFile, format_line
+from posttrain.tracking.outputs import RunOutputs
+from posttrain.tracking.system import StepMeter
 
 LossFn = Callable[[Any, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
 
 @dataclass
 class LoopState:
-    """Where training is. ``step``, ``epoch``, ``epoch_step`` and ``evals`` are saved in resumable
-    checkpoints; ``epoch_step`` (optimizer steps done in the current epoch) is the position in the data."""
+    """Where training is. ``step``, ``epoch``, ``epoch_step``, ``evals`` and the trackers' run ids are saved
+    in resumable checkpoints; ``epoch_step`` (optimizer steps done in the current epoch) is the position in
+    the data."""
 
     step: int = 0
     epoch: int = 0
@@ -35,9 +36,16 @@ class LoopState:
     run_steps: int = 0
     stop_reason: str = ""
     history: list[dict[str, Any]] = field(default_factory=list)
+    tracker_ids: dict[str, str] = field(default_factory=dict)
 
-    def resumable(self) -> dict[str, int]:
-        return {"step": self.step, "epoch": self.epoch, "epoch_step": self.epoch_step, "evals": self.evals}
+    def resumable(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "epoch_step": self.epoch_step,
+            "evals": self.evals,
+            "tracker_ids": dict(self.tracker_ids),
+        }
 
 
 @dataclass
@@ -48,10 +56,12 @@ class LoopInputs:
     set_epoch: Callable[[int], None]
     eval_loader: Iterable[dict[str, Any]] | None
     checkpoints: list[Any]
-    metrics: MetricsFile
+    outputs: RunOutputs
     total_steps: int
     step_plan: list[list[int]]
     stops: StopSignals
+    meter: StepMeter
+    observers: list[Any] = field(default_factory=list)  # profilers: step_started(step) / step_finished(step)
     perplexity: bool = True
 
 
@@ -95,6 +105,7 @@ class StepTotals:
     units: int
     target_tokens: int
     input_tokens: int
+    samples: int
 
 
 def _sum_tensors(values: dict[str, torch.Tensor], into: dict[str, torch.Tensor]) -> None:
@@ -105,23 +116,25 @@ def _sum_tensors(values: dict[str, torch.Tensor], into: dict[str, torch.Tensor])
 def train_step(ctx: RunContext, inputs: LoopInputs, micro_batches: list[dict[str, Any]]) -> StepTotals:
     """One optimizer step; the loss is divided by the loss units (target tokens, or pairs) of the whole step."""
     engine = inputs.engine
-    keys = ("num_loss_units", "num_target_tokens", "num_input_tokens")
+    keys = ("num_loss_units", "num_target_tokens", "num_input_tokens", "num_samples")
     counts = [sum(m[key] for m in micro_batches) for key in keys]
-    units, target_tokens, input_tokens = (int(x) for x in all_reduce_sum(counts, ctx.dist))
+    units, target_tokens, input_tokens, samples = (int(x) for x in all_reduce_sum(counts, ctx.dist))
     # DeepSpeed averages gradients over ranks; multiply back so the result is sum / global units.
     scale = ctx.dist.world_size / max(units, 1)
     loss_sum = torch.zeros((), device=engine.device, dtype=torch.float64)
     metric_sums: dict[str, torch.Tensor] = {}
+    timers = inputs.meter.timers
     for index, micro in enumerate(micro_batches):
-        batch = to_device(micro, engine.device)
-        loss, metrics = inputs.loss_fn(engine, batch)
-        engine.micro_step(loss * scale, last=index == len(micro_batches) - 1)
+        with timers.section("forward"):
+            batch = to_device(micro, engine.device)
+            loss, metrics = inputs.loss_fn(engine, batch)
+        engine.micro_step(loss * scale, last=index == len(micro_batches) - 1, timers=timers)
         loss_sum += loss.detach().double()
         _sum_tensors(metrics, metric_sums)
     names = sorted(metric_sums)
     values = torch.stack([loss_sum, *(metric_sums[n] for n in names)]).tolist()  # one host transfer
     return StepTotals(
-        values[0], dict(zip(names, values[1:], strict=True)), units, target_tokens, input_tokens
+        values[0], dict(zip(names, values[1:], strict=True)), units, target_tokens, input_tokens, samples
     )
 
 
@@ -171,7 +184,6 @@ def _after_step(ctx: RunContext, inputs: LoopInputs, state: LoopState, record: d
     if config.eval_interval and state.step % config.eval_interval == 0 and inputs.eval_loader is not None:
         record.update(evaluate(ctx, inputs))
         state.evals += 1
-    inputs.metrics.write(record)
     state.history.append(record)
     printed = config.loss_log_interval and state.step % config.loss_log_interval == 0
     eval_printed = (
@@ -179,11 +191,20 @@ def _after_step(ctx: RunContext, inputs: LoopInputs, state: LoopState, record: d
         and config.eval_log_iter_interval
         and state.evals % config.eval_log_iter_interval == 0
     )
-    if printed or eval_printed:
-        say(format_line(record, inputs.total_steps))
+    inputs.outputs.write(record, show=bool(printed or eval_printed))
     for checkpoint in inputs.checkpoints:
         if checkpoint.due(step=state.step):
             checkpoint.save(inputs.engine, state)
+
+
+def timed(steps: Iterator[list[dict[str, Any]]], meter: StepMeter) -> Iterator[list[dict[str, Any]]]:
+    """The steps' micro-batches, the wait for each counted as the step's ``data`` time."""
+    while True:
+        with meter.timers.section("data"):
+            micro_batches = next(steps, None)
+        if micro_batches is None:
+            return
+        yield micro_batches
 
 
 def _epoch_steps(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> Iterator[list[dict[str, Any]]]:
@@ -202,9 +223,8 @@ def final_evaluation(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> d
         return None
     record = {"iter": state.step, "epoch": state.epoch, **evaluate(ctx, inputs), "time": time.time()}
     state.evals += 1
-    inputs.metrics.write(record)
+    inputs.outputs.write(record, show=True)
     state.history.append(record)
-    say(format_line(record, inputs.total_steps))
     return record
 
 
@@ -213,10 +233,14 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopSta
     config = ctx.config
     while state.epoch < config.epochs and not state.stop_reason and state.step < inputs.total_steps:
         inputs.set_epoch(state.epoch)
-        for micro_batches in _epoch_steps(ctx, inputs, state):
+        for micro_batches in timed(_epoch_steps(ctx, inputs, state), inputs.meter):
             started = time.perf_counter()
             lr = inputs.engine.lr()  # the LR this step uses (the scheduler moves it on after the step)
+            for observer in inputs.observers:
+                observer.step_started(state.step + 1)
             totals = train_step(ctx, inputs, micro_batches)
+            for observer in inputs.observers:
+                observer.step_finished(state.step + 1)
             state.step += 1
             state.run_steps += 1
             state.epoch_step += 1
@@ -239,6 +263,7 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopSta
                 "tokens": totals.target_tokens,
                 "step_time": elapsed,
                 "tokens_per_second": totals.input_tokens / elapsed if elapsed > 0 else None,
+                **inputs.meter.measure(totals.samples, totals.input_tokens, elapsed),
                 "time": time.time(),
             }
             _after_step(ctx, inputs, state, record)

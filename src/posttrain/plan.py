@@ -50,6 +50,12 @@ def resolve(config: TrainerConfig, world_size: int) -> tuple[TrainerConfig, Batc
             "optimizer": config.optimizer.model_copy(update={"lr": lr}),
         }
     )
+    derived = set(config._derived)
+    if config.total_train_batch_size is not None:
+        derived |= {("micro_batch_size",), ("gradient_accumulation_steps",)}
+    if lr != config.optimizer.lr:
+        derived.add(("optimizer", "lr"))
+    resolved._derived = derived
     return resolved, sizes, lr
 
 

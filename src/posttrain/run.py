@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from posttrain.config.deepspeed import build_deepspeed_config
+from posttrain.config.provenance import write_resolved_config
 from posttrain.config.trainer import TrainerConfig
 from posttrain.context import RunContext
 from posttrain.data.build import Datasets
@@ -25,6 +26,7 @@ from posttrain.logs import get_logger, say, setup_logging
 from posttrain.loop import LoopInputs, LoopState, final_evaluation, train_loop
 from posttrain.plan import check_rampup, lr_explanation, resolve, step_plan
 from posttrain.preflight import load_datasets, max_length_for
+from posttrain.profiling import observers as profiling_observers
 from posttrain.registry import (
     CHECKPOINT_ENGINES,
     MODEL_FACTORIES,
@@ -35,7 +37,7 @@ from posttrain.registry import (
 )
 from posttrain.stops import StopSignals
 from posttrain.tokenizers.padding import input_pad_id
-from posttrain.tracking.metrics import MetricsFile
+from posttrain.tracking.setup import build_meter, export_dirs, open_outputs
 
 #: where model configs keep their hidden size, first found wins (ZeRO bucket sizes scale with it)
 HIDDEN_SIZE_KEYS = ("hidden_size", "hidden_sizes", "d_model", "n_embd")
@@ -152,6 +154,7 @@ def run(config: TrainerConfig) -> RunResult:
     ctx = RunContext(config=config, dist=dist)
     if dist.is_main:
         ctx.output_dir.mkdir(parents=True, exist_ok=True)
+        write_resolved_config(config, ctx.output_dir, dist.world_size)
     barrier(dist)
     setup_logging(config.logger, dist.rank)
     seed_everything(config.seed)
@@ -211,9 +214,7 @@ def run(config: TrainerConfig) -> RunResult:
             f"resumed from {resumed_from} (step {state.step}, epoch {state.epoch}, step {state.epoch_step} of it)"
         )
 
-    metrics = MetricsFile(
-        config.train_log_metrics_path, enabled=dist.is_main and config.train_log_iter_interval == 1
-    )
+    outputs = open_outputs(ctx, state.tracker_ids, total_steps, state.step)
     say(
         f"training {config.type}: {len(data.train)} sequences, {steps_per_epoch} steps/epoch, "
         f"{total_steps} steps, world size {dist.world_size}, global batch {sizes.global_batch_size} "
@@ -229,10 +230,12 @@ def run(config: TrainerConfig) -> RunResult:
         set_epoch=sampler.set_epoch,
         eval_loader=eval_loader,
         checkpoints=checkpoints,
-        metrics=metrics,
+        outputs=outputs,
         total_steps=total_steps,
         step_plan=plan,
         stops=stops,
+        meter=build_meter(ctx, engine.module, engine.device, getattr(torch, config.model.dtype)),
+        observers=profiling_observers(config, dist.rank, engine.device),
         perplexity=spec.perplexity,
     )
     stops.install()
@@ -251,7 +254,9 @@ def run(config: TrainerConfig) -> RunResult:
         barrier(dist)
     finally:
         stops.uninstall()
-        metrics.close()
+        for observer in inputs.observers:
+            observer.close()
+        outputs.close(export_dirs(ctx))
         if config.manual_gc:
             gc.enable()
     if state.stop_reason:

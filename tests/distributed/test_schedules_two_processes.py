@@ -1,4 +1,4 @@
-"""Issue #5's run options with two CPU processes: a weighted mix, a total batch size split over the world,
+"""Issues #5 and #6 with two CPU processes: a weighted mix, a total batch size split over the world,
 batch-size ramp-up, a Megatron schedule with LR scaling, and capped evaluation give the same run as one
 process."""
 
@@ -43,6 +43,9 @@ def config_for(base_config: dict, tmp_path: Path, name: str) -> dict:
         },
         deepspeed={"gradient_clipping": 0.0},
         logger={"output_dir": str(tmp_path / name)},
+        tensorboard={"enable": True},  # issue #6's outputs are rank-aware too
+        metrics={"timers": True},
+        mem_profiler="step",
         checkpoint=[{"output_dir": str(tmp_path / name / "export"), "save_end_of_training": True}],
     )
     del config["micro_batch_size"]
@@ -72,6 +75,12 @@ def test_two_processes_match_one(base_config: dict, tmp_path: Path) -> None:
                 assert b[key] == pytest.approx(a[key], abs=1e-5), key
     # warmup from 0 over one step to 0.05 x sqrt(16 / 4), then cosine to min_lr 0.01 at step 4
     assert [x["lr"] for x in one[:4]] == pytest.approx([0.0, 0.1, 0.01 + 0.09 * 0.75, 0.01 + 0.09 * 0.25])
+    # trackers write once (rank 0); the memory profile is per rank; both ranks' steps were timed
+    assert len(list((tmp_path / "two" / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    for rank in (0, 1):
+        timeline = (tmp_path / "two" / "mem-prof" / f"memory-rank{rank}.jsonl").read_text().splitlines()
+        assert len(timeline) == 4
+    assert all(x["time_forward"] > 0 for x in two if "loss" in x)
     expected = load_file(tmp_path / "one" / "export" / "final" / "model.safetensors")
     got = load_file(tmp_path / "two" / "export" / "final" / "model.safetensors")
     assert max(float((expected[k] - got[k]).abs().max()) for k in expected) < 1e-5

@@ -121,6 +121,7 @@ class DeepSpeedCheckpointEngine(CheckpointEngine):
             raise UserError(f"DeepSpeed could not load the checkpoint {path}")
         for key in ("step", "epoch", "epoch_step", "evals"):
             setattr(state, key, int(record[key]))
+        state.tracker_ids = dict(record.get("tracker_ids", {}))
         rng_file = path / f"rng_state_rank{self.ctx.dist.rank}.pt"
         set_rng_state(torch.load(rng_file, weights_only=False))
         self.last_saved_step = state.step

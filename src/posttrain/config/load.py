@@ -46,6 +46,7 @@ class RawConfig:
 
     data: dict[str, Any]
     origins: dict[Loc, str] = field(default_factory=dict)
+    derived: set[Loc] = field(default_factory=set)
     source: str = ""
     base_dir: Path = field(default_factory=Path.cwd)
     issues: list[ConfigIssue] = field(default_factory=list)
@@ -350,6 +351,15 @@ def _source_dict(value: Any) -> Any:
     return value
 
 
+def _note_source_shorthand(raw: RawConfig, item: Any, loc: Loc) -> None:
+    """Provenance of what ``_source_dict`` fills in: the path of a plain-string source comes from where the
+    string was written; an inferred ``type`` is derived."""
+    if isinstance(item, str) and loc in raw.origins:
+        raw.origins[(*loc, "name_or_path")] = raw.origins[loc]
+    if isinstance(item, str) or (isinstance(item, dict) and not item.get("type")):
+        raw.derived.add((*loc, "type"))
+
+
 def _resolve_sources(v: _Validator, data: dict[str, Any], loc: Loc, failed: set[str]) -> None:
     for key in ("sources", "eval_sources"):
         items = data.get(key)
@@ -358,8 +368,9 @@ def _resolve_sources(v: _Validator, data: dict[str, Any], loc: Loc, failed: set[
         items = items if isinstance(items, list) else [items]
         resolved = []
         for index, item in enumerate(items):
-            item = _source_dict(item)
             item_loc = (*loc, key, index)
+            _note_source_shorthand(v.raw, item, item_loc)
+            item = _source_dict(item)
             if not isinstance(item, dict):
                 v.add(
                     item_loc, f"{_short(item)}: a source is a path/name string or a mapping with name_or_path"
@@ -440,7 +451,9 @@ def resolve(raw: RawConfig, run_name: str | None = None) -> TrainerConfig:
         v.pydantic_errors(exc, config_cls, (), skip=failed)
         config = None
     if config is not None and not v.issues:
-        fill_derived(config, run_name or _run_name(raw))
+        derived = fill_derived(config, run_name or _run_name(raw))
+        config._origins = dict(raw.origins)
+        config._derived = derived | raw.derived
         for path, message in config.all_problems():
             loc = tuple(
                 int(p) if p.isdigit() else p for p in path.replace("[", ".").replace("]", "").split(".")
@@ -464,18 +477,30 @@ def _run_name(raw: RawConfig) -> str:
     return Path(raw.source).stem if raw.source and not raw.source.startswith("<") else "run"
 
 
-def fill_derived(config: TrainerConfig, run_name: str) -> None:
-    """Defaults derived from other values (pure string work: nothing is created or read)."""
+def fill_derived(config: TrainerConfig, run_name: str) -> set[Loc]:
+    """Defaults derived from other values (pure string work: nothing is created or read); returns the
+    locations it filled."""
     out = config.logger.output_dir or str(Path("runs") / run_name)
-    config.logger.output_dir = out
-    config.train_log_metrics_path = config.train_log_metrics_path or str(
-        Path(out) / "train-log-metrics.jsonl"
-    )
-    config.kill_switch_path = config.kill_switch_path or str(Path(out) / "kill-switch")
-    config.mem_profiler_dir = config.mem_profiler_dir or str(Path(out) / "mem-prof")
-    config.data.cache_dir = config.data.cache_dir or str(Path(out) / "data-cache")
-    if not config.tokenizer.name_or_path:
-        config.tokenizer.name_or_path = config.model.name_or_path
+    filled: set[Loc] = set()
+    targets: list[tuple[Loc, Any, str, str]] = [
+        (("logger", "output_dir"), config.logger, "output_dir", out),
+        (
+            ("train_log_metrics_path",),
+            config,
+            "train_log_metrics_path",
+            str(Path(out) / "train-log-metrics.jsonl"),
+        ),
+        (("kill_switch_path",), config, "kill_switch_path", str(Path(out) / "kill-switch")),
+        (("mem_profiler_dir",), config, "mem_profiler_dir", str(Path(out) / "mem-prof")),
+        (("data", "cache_dir"), config.data, "cache_dir", str(Path(out) / "data-cache")),
+        (("tokenizer", "name_or_path"), config.tokenizer, "name_or_path", config.model.name_or_path),
+        (("tensorboard", "log_dir"), config.tensorboard, "log_dir", str(Path(out) / "tensorboard")),
+    ]
+    for loc, owner, name, value in targets:
+        if not getattr(owner, name):
+            setattr(owner, name, value)
+            filled.add(loc)
+    return filled
 
 
 def load_config(

@@ -26,6 +26,10 @@ class LoggerConfig(BaseConfig):
     file_output_ranks: Literal["*"] | list[int] = "*"
     """Ranks that write a log file (``<output_dir>/logs/rank-N.log``): a list of ranks or ``"*"``."""
 
+    progress_bar: bool = True
+    """A progress bar (step/total, loss, LR, tokens/s, ETA) on rank 0 when standard output is a terminal;
+    otherwise, or when false, a metrics line every ``loss_log_interval`` steps."""
+
     @field_validator("level", mode="before")
     @classmethod
     def _level(cls, value: object) -> object:

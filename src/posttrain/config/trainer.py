@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from pydantic import Field, SerializeAsAny, field_validator
+from pydantic import Field, PrivateAttr, SerializeAsAny, field_validator
 
 from posttrain.config.base import BaseConfig, Problem, unsupported
 from posttrain.config.checkpoint import CheckpointConfig
@@ -16,6 +16,7 @@ from posttrain.config.model import ModelConfig
 from posttrain.config.optimizer import OptimizerConfig
 from posttrain.config.scheduler import SchedulerConfig
 from posttrain.config.tokenizer import TokenizerConfig
+from posttrain.config.tracking import MetricsConfig, MLflowTrackingConfig, ProfilingConfig, TensorBoardConfig
 from posttrain.config.wandb import WandBConfig
 
 #: the sub-config slots whose class depends on a ``type:`` name
@@ -23,6 +24,8 @@ TYPED_SLOTS = ("model", "tokenizer", "data", "optimizer", "scheduler")
 
 
 class TrainerConfig(BaseConfig):
+    _origins: dict[tuple[Any, ...], str] = PrivateAttr(default_factory=dict)
+    _derived: set[tuple[Any, ...]] = PrivateAttr(default_factory=set)
     type: str = "sft"
     """Trainer (training method) type."""
 
@@ -47,6 +50,18 @@ class TrainerConfig(BaseConfig):
 
     wandb: WandBConfig = Field(default_factory=lambda: WandBConfig())
     """Weights & Biases configuration."""
+
+    tracking: MLflowTrackingConfig | None = None
+    """MLflow tracking (SiloGen's ``tracking``). Null: off."""
+
+    tensorboard: TensorBoardConfig = Field(default_factory=lambda: TensorBoardConfig())
+    """TensorBoard event files."""
+
+    metrics: MetricsConfig = Field(default_factory=lambda: MetricsConfig())
+    """What is measured besides loss and LR (timers, MFU's peak TFLOPS)."""
+
+    profiling: ProfilingConfig = Field(default_factory=lambda: ProfilingConfig())
+    """PyTorch profiler over a step range, and a Python profile of the main rank."""
 
     scheduler: SerializeAsAny[SchedulerConfig] = Field(default_factory=lambda: SchedulerConfig())
     """Learning-rate scheduler configuration."""
@@ -166,7 +181,9 @@ class TrainerConfig(BaseConfig):
     """Train on repetitions of the first batch only (a quick check that the model can learn)."""
 
     mem_profiler: Literal[None, "step", "e2e"] = None
-    """Memory profiling. Not supported yet."""
+    """Memory profiling. ``step``: one snapshot per optimizer step; ``e2e``: one for the whole run. On GPU,
+    PyTorch's CUDA memory history (open the ``.pickle`` files at https://pytorch.org/memory_viz); on CPU, a
+    memory timeline (process RSS per step) in ``memory-rank<N>.jsonl``. Written to ``mem_profiler_dir``."""
 
     mem_profiler_dir: str = ""
     """Where memory profiles go. Empty: ``<logger.output_dir>/mem-prof``."""
@@ -239,9 +256,6 @@ class TrainerConfig(BaseConfig):
             "activation offload",
         )
         yield from unsupported("tiled_mlp_compute", self.tiled_mlp_compute, False, "tiled MLP")
-        yield from unsupported(
-            "mem_profiler", self.mem_profiler, None, "the memory profiler arrives with issue #6"
-        )
         if self.data.has_eval and self.eval_interval == 0 and not (self.eval_at_end or self.skip_train):
             yield Problem(
                 "eval_interval",

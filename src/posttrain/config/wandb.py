@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import Literal
 
-from posttrain.config.base import BaseConfig, Problem, unsupported
+from posttrain.config.base import BaseConfig
 
 
 class WandBConfig(BaseConfig):
     enable: bool = False
-    """Log metrics to Weights & Biases. Not supported yet."""
+    """Log metrics to Weights & Biases (rank 0). The run id is saved in resumable checkpoints, so a resumed
+    run continues the same W&B run."""
 
     entity: str | None = None
     """W&B entity (user or team)."""
@@ -20,5 +21,6 @@ class WandBConfig(BaseConfig):
     name: str | None = None
     """W&B run name."""
 
-    def problems(self) -> Iterator[Problem]:
-        yield from unsupported("enable", self.enable, False, "trackers arrive with issue #6")
+    mode: Literal["online", "offline"] = "online"
+    """``offline`` writes the run under ``<logger.output_dir>/wandb`` for a later ``wandb sync`` (no network).
+    The API key comes from the environment (``WANDB_API_KEY``) or ``wandb login``, never from the config."""

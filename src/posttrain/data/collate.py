@@ -47,4 +47,5 @@ class Collator:
         batch["num_target_tokens"] = int((labels[:, 1:] != IGNORE_INDEX).sum())
         batch["num_loss_units"] = batch["num_target_tokens"]  # the loss is normalised per target token
         batch["num_input_tokens"] = sum(len(s["input_ids"]) for s in samples)
+        batch["num_samples"] = len(samples)
         return batch

@@ -87,6 +87,7 @@ class PairCollator:
             "num_loss_units": int(sum(weights)),
             "num_target_tokens": int((labels[:, 1:] != IGNORE_INDEX).sum()),
             "num_input_tokens": sum(len(ids) for ids, _ in rows),
+            "num_samples": len(pairs),
         }
 
 

@@ -40,3 +40,13 @@ def text_rows(n: int, seed: int = 0) -> list[dict]:
         start = rng.randint(0, 50)
         rows.append({"text": " ".join(str(i) for i in range(start, start + rng.randint(3, 20)))})
     return rows
+
+
+def preference_rows(n: int, seed: int = 0) -> list[dict]:
+    """Preference pairs: the reversed digits are chosen, the digits unchanged are rejected."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 8)))
+        rows.append({"prompt": f"reverse {digits}", "chosen": digits[::-1], "rejected": digits})
+    return rows

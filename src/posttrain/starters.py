@@ -1,0 +1,138 @@
+"""``posttrain init``: commented starter configs that run as they are on the tiny local model.
+
+Each starter is a YAML text with ``{model}`` and ``{data}`` placeholders; ``write_starter`` fills them with
+paths beside the config and creates the tiny model and a small dataset there when they are missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from posttrain.testing.data import chat_rows, preference_rows, text_rows, write_jsonl
+from posttrain.utils.fs import atomic_write_text
+
+_COMMON_TAIL = """\
+micro_batch_size: 8
+epochs: 1
+optimizer:
+  lr: {lr}                 # peak learning rate (alias: learning_rate)
+  weight_decay: 0.01
+scheduler:
+  type: huggingface        # or megatron (WSD, inverse-square-root, ...); see docs/reference.md
+  name: cosine
+  warmup_ratio: 0.05
+logger:
+  output_dir: {output}     # metrics, logs, resolved config, kill switch
+checkpoint:
+  - type: huggingface      # a Hugging Face export (adapter + optional merged model with LoRA)
+    output_dir: {output}/export
+    save_end_of_training: true
+  - type: deepspeed        # resumable training state
+    output_dir: {output}/state
+    save_every_n_steps: 50
+    auto_resume: true
+"""
+
+_HEADER = """\
+# posttrain starter: {kind}. Runs as is on the tiny local model written beside it:
+#   posttrain preprocess {name}    # pre-flight report (data, tokens, steps), no model loaded
+#   posttrain train {name}
+# Every key and its default: posttrain validate {name}; reference: docs/reference.md.
+# Editors: `posttrain schema > posttrain.schema.json` and add this first line for YAML language servers:
+# # yaml-language-server: $schema=posttrain.schema.json
+"""
+
+STARTERS = {
+    "sft": """\
+type: sft                  # supervised fine-tuning on chat data
+model:
+  name_or_path: {model}    # a Hugging Face model directory or hub name
+  dtype: float32           # bfloat16 on GPUs
+  disable_activation_checkpoint: true   # false on large models: recompute activations to save memory
+tokenizer:
+  chat_template: keep-original   # or chatml, llama3, mistral-with-system, simplified-llama31, a .jinja file
+data:
+  sources:
+    - {data}               # {{"messages": [{{"role": ..., "content": ...}}, ...]}} per line
+  train_eval_split: [0.9, 0.1]
+  max_length: 128
+  pack_samples: false      # true: several samples per sequence (micro_batch_size: 1)
+eval_interval: 20
+""",
+    "lora": """\
+type: sft                  # supervised fine-tuning of a LoRA adapter
+model:
+  name_or_path: {model}
+  dtype: float32
+  disable_activation_checkpoint: true
+  peft_config:
+    peft_type: LORA
+    r: 16
+    lora_alpha: 32
+    lora_dropout: 0.0
+    target_modules: all-linear
+data:
+  sources: [{data}]
+  train_eval_split: [0.9, 0.1]
+  max_length: 128
+eval_interval: 20
+""",
+    "dpo": """\
+type: dpo                  # preference tuning (DPO family)
+beta: 0.1
+loss_type: sigmoid         # sigmoid | ipo | hinge | simpo | orpo
+model:
+  name_or_path: {model}
+  dtype: float32
+  disable_activation_checkpoint: true
+data:
+  sources: [{data}]        # {{"prompt": ..., "chosen": ..., "rejected": ...}} per line
+  train_eval_split: [0.9, 0.1]
+  max_length: 64
+eval_interval: 20
+""",
+    "causal": """\
+type: causal               # continued pretraining on raw text
+model:
+  name_or_path: {model}
+  dtype: float32
+  disable_activation_checkpoint: true
+data:
+  sources: [{data}]        # {{"text": ...}} per line
+  max_length: 64
+  pack_samples: false      # false: concatenate and cut blocks; true: pack documents apart
+""",
+}
+LEARNING_RATES = {"sft": "3e-3", "lora": "1e-2", "dpo": "5e-4", "causal": "1e-3"}
+
+
+def _dataset(kind: str, path: Path) -> None:
+    rows = {"dpo": preference_rows(200), "causal": text_rows(300)}.get(kind) or chat_rows(300)
+    write_jsonl(path, rows)
+
+
+def write_starter(kind: str, out: Path) -> list[Path]:
+    """Write the starter config to ``out`` (refusing to overwrite) and whatever it needs beside it."""
+    from posttrain.errors import UserError
+
+    if kind not in STARTERS:
+        raise UserError(f"unknown starter {kind!r}; choose one of {', '.join(STARTERS)}")
+    if out.exists():
+        raise UserError(f"{out} exists; choose another path with -o (nothing was changed)")
+    base = out.parent
+    model = base / "tiny-model"
+    data = (
+        base / "data" / f"{'preferences' if kind == 'dpo' else 'text' if kind == 'causal' else 'chat'}.jsonl"
+    )
+    written = []
+    if not (model / "config.json").is_file():
+        from posttrain.testing.tiny import write_tiny_model
+
+        written.append(write_tiny_model(model))
+    if not data.is_file():
+        _dataset(kind, data)
+        written.append(data)
+    text = _HEADER.format(kind=kind, name=out.name) + STARTERS[kind].format(model=model, data=data)
+    text += _COMMON_TAIL.format(lr=LEARNING_RATES[kind], output=base / "runs" / out.stem)
+    atomic_write_text(out, text)
+    return [out, *written]

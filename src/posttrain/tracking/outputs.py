@@ -1,0 +1,90 @@
+"""Where each metrics record goes: the metrics file, the trackers, and the console (a progress bar on a
+terminal, plain lines otherwise). Only rank 0 writes; every rank calls the same methods."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from posttrain.logs import say
+from posttrain.tracking.metrics import MetricsFile, format_line
+from posttrain.tracking.trackers import Tracker
+
+
+class ProgressBar:
+    """A rich progress bar: step/total, loss, LR, tokens/s and ETA."""
+
+    def __init__(self, total: int, done: int = 0, console: Any = None) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+        )
+        self.task = self.progress.add_task("train", total=total, completed=done, stats="")
+        self.progress.start()
+
+    def update(self, record: dict[str, Any]) -> None:
+        stats = []
+        for key, fmt in (("loss", ".4f"), ("eval_loss", ".4f"), ("lr", ".2e")):
+            if record.get(key) is not None:
+                stats.append(f"{key} {record[key]:{fmt}}")
+        if record.get("tokens_per_second") is not None:
+            stats.append(f"{record['tokens_per_second']:.0f} tok/s")
+        fields: dict[str, Any] = {"stats": " | ".join(stats)} if stats else {}
+        if "loss" in record:
+            self.progress.update(self.task, completed=record["iter"], **fields)
+        elif fields:
+            self.progress.update(self.task, **fields)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+class RunOutputs:
+    """Fan-out of metrics records. ``step`` records are training steps; ``eval`` records evaluations."""
+
+    def __init__(
+        self,
+        metrics: MetricsFile,
+        trackers: list[Tracker],
+        total_steps: int,
+        progress: ProgressBar | None = None,
+    ) -> None:
+        self.metrics, self.trackers, self.total_steps, self.progress = (
+            metrics,
+            trackers,
+            total_steps,
+            progress,
+        )
+
+    def write(self, record: dict[str, Any], show: bool) -> None:
+        self.metrics.write(record)
+        for tracker in self.trackers:
+            tracker.log(record, step=int(record["iter"]))
+        if self.progress is not None:
+            self.progress.update(record)
+            if "loss" not in record:  # evaluations also get a line above the bar
+                say(format_line(record, self.total_steps))
+        elif show:
+            say(format_line(record, self.total_steps))
+
+    def close(self, artifacts: list[Path] | None = None) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+        for tracker in self.trackers:
+            tracker.finish(artifacts or [])
+        self.trackers = []
+        self.metrics.close()
+
+
+def wants_progress_bar(enabled: bool, is_main: bool) -> bool:
+    return enabled and is_main and sys.stdout.isatty()

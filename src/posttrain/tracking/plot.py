@@ -1,0 +1,72 @@
+"""``posttrain plot``: loss (train and eval), learning rate and throughput against steps, several runs
+overlaid, from metrics JSON-lines files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from posttrain.errors import UserError
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise UserError(f"{path}: no such metrics file")
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise UserError(f"{path} line {number}: not JSON (is this a metrics file?)") from None
+    return records
+
+
+def _label(path: Path, paths: list[Path]) -> str:
+    names = [p.parent.name for p in paths]
+    return path.parent.name if names.count(path.parent.name) == 1 else str(path)
+
+
+def plot_metrics(paths: list[Path], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (loss_axis, lr_axis, speed_axis) = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
+    for index, path in enumerate(paths):
+        records = read_metrics(path)
+        color = f"C{index}"
+        label = _label(path, paths)
+        train = [r for r in records if r.get("loss") is not None]
+        evals = [r for r in records if r.get("eval_loss") is not None]
+        loss_axis.plot(
+            [r["iter"] for r in train], [r["loss"] for r in train], color=color, label=f"{label} train"
+        )
+        if evals:
+            loss_axis.plot(
+                [r["iter"] for r in evals],
+                [r["eval_loss"] for r in evals],
+                "o--",
+                color=color,
+                label=f"{label} eval",
+            )
+        lr_axis.plot(
+            [r["iter"] for r in train if "lr" in r], [r["lr"] for r in train if "lr" in r], color=color
+        )
+        speed = [r for r in train if r.get("tokens_per_second") is not None]
+        speed_axis.plot([r["iter"] for r in speed], [r["tokens_per_second"] for r in speed], color=color)
+    loss_axis.set_ylabel("loss")
+    loss_axis.legend(fontsize="small")
+    lr_axis.set_ylabel("learning rate")
+    speed_axis.set_ylabel("tokens / s")
+    speed_axis.set_xlabel("optimizer step")
+    figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    figure.savefig(tmp, dpi=100)
+    plt.close(figure)
+    tmp.replace(out)
+    return out

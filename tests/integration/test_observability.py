@@ -1,0 +1,185 @@
+"""Issue #6: trackers read back offline, step metrics, profilers, the resolved config with provenance,
+plots, starters and the progress bar."""
+
+from __future__ import annotations
+
+import io
+import json
+import pstats
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain.cli import main
+from tests.integration.helpers import merge, metrics, train
+from tests.wandb_records import history
+
+pytestmark = pytest.mark.integration
+
+
+def test_trackers_write_what_the_run_logged_and_resume_the_same_runs(
+    base_config: dict, tmp_path: Path, monkeypatch
+) -> None:
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    config = merge(
+        base_config,
+        train_iters=4,
+        wandb={"enable": True, "mode": "offline", "name": "tiny"},
+        tracking={
+            "mlflow_server_uri": str(tmp_path / "mlflow"),
+            "experiment_name": "exp",
+            "hf_mlflow_log_artifacts": True,
+        },
+        tensorboard={"enable": True, "log_params_norm": True},
+        metrics={"timers": True},
+        checkpoint=[
+            {
+                "type": "deepspeed",
+                "output_dir": str(out / "state"),
+                "save_every_n_steps": 2,
+                "auto_resume": True,
+            },
+            {"type": "huggingface", "output_dir": str(out / "export"), "save_end_of_training": True},
+        ],
+    )
+    first = train(config)
+    lines = metrics(config)
+    ids = first.state.tracker_ids
+    assert set(ids) == {"wandb", "mlflow"}
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([x["loss"] for x in lines], rel=1e-6)
+    for tag in ("lr", "grad_norm", "tokens_per_second", "memory_rss_gib", "time_forward", "params_norm"):
+        assert tag in events.Tags()["scalars"], tag
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow' / 'mlflow.db'}")
+    logged = client.get_metric_history(ids["mlflow"], "loss")
+    assert [m.step for m in logged] == [1, 2, 3, 4]
+    run = client.get_run(ids["mlflow"])
+    assert run.data.params["optimizer.lr"] == "0.001" and run.info.status == "FINISHED"
+    assert "export" in [a.path for a in client.list_artifacts(ids["mlflow"])]
+
+    (offline,) = (out / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb")
+    rows = history(offline)
+    assert [row["_step"] for row in rows] == [1, 2, 3, 4]
+    assert [row["loss"] for row in rows] == pytest.approx([x["loss"] for x in lines])
+
+    resumed = train(merge(config, train_iters=6))
+    assert resumed.resumed_from is not None and resumed.state.tracker_ids == ids  # the same runs continue
+    assert [m.step for m in client.get_metric_history(ids["mlflow"], "loss")] == [1, 2, 3, 4, 5, 6]
+    assert len(list((out / "wandb").glob(f"offline-run-*-{ids['wandb']}"))) == 2
+
+
+def test_step_metrics(base_config: dict) -> None:
+    config = merge(base_config, train_iters=3, metrics={"timers": True, "peak_tflops": 2.0})
+    train(config)
+    for line in metrics(config):
+        assert line["mfu"] == pytest.approx(line["tflops"] / 2.0)
+        assert line["samples_per_second"] == pytest.approx(4 / line["step_time"], rel=1e-6)
+        assert line["memory_rss_gib"] > 0.1
+        split = sum(line[f"time_{name}"] for name in ("data", "forward", "backward", "optimizer"))
+        assert 0 < split - line["time_data"] <= line["step_time"]
+
+
+def test_profilers(base_config: dict, tmp_path: Path) -> None:
+    out = Path(base_config["logger"]["output_dir"])
+    config = merge(
+        base_config,
+        train_iters=4,
+        mem_profiler="step",
+        profiling={
+            "use_pytorch_profiler": True,
+            "profile_step_start": 2,
+            "profile_step_end": 3,
+            "python_profile": True,
+        },
+    )
+    train(config)
+    trace = json.loads((out / "profile" / "trace-rank0.json").read_text())
+    assert trace["traceEvents"]
+    stats = pstats.Stats(str(out / "profile" / "python-rank0.prof"))
+    assert any("train_step" in key[2] for key in stats.stats)  # type: ignore[attr-defined]
+    timeline = [json.loads(x) for x in (out / "mem-prof" / "memory-rank0.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in timeline] == [1, 2, 3, 4] and all(x["memory_rss_gib"] > 0 for x in timeline)
+    assert not list(out.rglob(".*.tmp"))
+
+
+def test_resolved_config_names_every_origin(base_config: dict, tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**base_config, "train_iters": 2}))
+    assert main(["train", str(path), "optimizer.weight_decay=0.05"]) == 0
+    text = (Path(base_config["logger"]["output_dir"]) / "resolved-config.yaml").read_text()
+    resolved = yaml.safe_load(text)
+    assert resolved["optimizer"]["weight_decay"] == 0.05 and resolved["train_iters"] == 2
+    lines = {line.split(":")[0].strip(): line for line in text.splitlines() if "#" in line and ":" in line}
+    assert lines["weight_decay"].endswith("# command line")
+    assert lines["train_iters"].endswith(f"# {path}:{text and _line_of(path, 'train_iters')}")
+    assert lines["seed"].endswith("# default")
+    assert lines["kill_switch_path"].endswith("# derived")
+
+
+def _line_of(path: Path, key: str) -> int:
+    return next(
+        i for i, line in enumerate(path.read_text().splitlines(), start=1) if line.startswith(f"{key}:")
+    )
+
+
+def test_secrets_are_never_printed(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model: {name_or_path: m}\n"
+        "data:\n  sources:\n    - {type: huggingface, name_or_path: org/ds, kwargs: {token: hf_SECRET1}}\n"
+        "tracking: {mlflow_server_uri: 'https://bob:hunter2@mlflow.example.com', experiment_name: e}\n"
+    )
+    assert main(["validate", str(path)]) == 0
+    shown = capsys.readouterr().out
+    assert "hf_SECRET1" not in shown and "hunter2" not in shown
+    assert "token: '***'" in shown and "https://bob:***@mlflow.example.com" in shown
+
+
+def test_plot_overlays_runs(base_config: dict, tmp_path: Path, capsys) -> None:
+    first = merge(base_config, train_iters=3, data={"train_eval_split": [0.75, 0.25]})
+    second = merge(first, optimizer={"lr": 1e-2}, logger={"output_dir": str(tmp_path / "other")})
+    train(first)
+    train(second)
+    out = tmp_path / "curves.png"
+    files = [str(Path(c["logger"]["output_dir"]) / "train-log-metrics.jsonl") for c in (first, second)]
+    assert main(["plot", *files, "-o", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    assert main(["plot", str(tmp_path / "missing.jsonl")]) == 2
+    assert "no such metrics file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["sft", "lora", "dpo", "causal"])
+def test_starter_configs_run_as_they_are(kind: str, tmp_path_factory, monkeypatch, capsys) -> None:
+    directory = tmp_path_factory.getbasetemp() / "starters"  # one tiny model for all four
+    directory.mkdir(exist_ok=True)
+    monkeypatch.chdir(directory)
+    assert main(["init", kind, "-o", f"{kind}.yaml"]) == 0
+    text = Path(f"{kind}.yaml").read_text()
+    assert text.startswith("# posttrain starter") and "yaml-language-server" in text
+    assert main(["train", f"{kind}.yaml", "train_iters=2"]) == 0
+    assert Path(f"runs/{kind}/export/final").is_dir()
+    assert main(["init", kind, "-o", f"{kind}.yaml"]) == 2  # never overwrites
+    assert "exists" in capsys.readouterr().err
+
+
+def test_progress_bar_renders_step_loss_lr_and_eta() -> None:
+    from rich.console import Console
+
+    from posttrain.tracking.outputs import ProgressBar
+
+    sink = io.StringIO()
+    bar = ProgressBar(10, console=Console(file=sink, force_terminal=True, width=120))
+    bar.update({"iter": 3, "loss": 1.25, "lr": 1e-3, "tokens_per_second": 1234.0})
+    bar.close()
+    shown = sink.getvalue()
+    for text in ("3/10", "loss 1.2500", "lr 1.00e-03", "1234 tok/s", "ETA"):
+        assert text in shown, text
