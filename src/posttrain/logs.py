@@ -11,6 +11,19 @@ from posttrain.config.logger import LoggerConfig
 LOGGER_NAME = "posttrain"
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is when a line is emitted, so lines land above a progress bar that
+    redirects standard output while it is shown."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
 def _selected(ranks: str | list[int], rank: int) -> bool:
     return ranks == "*" or rank in ranks
 
@@ -22,7 +35,7 @@ def setup_logging(config: LoggerConfig, rank: int) -> logging.Logger:
     logger.propagate = False
     fmt = logging.Formatter(f"[%(asctime)s] [rank {rank}] %(message)s", "%H:%M:%S")
     if _selected(config.print_output_ranks, rank):
-        stream = logging.StreamHandler(sys.stdout)
+        stream = _StdoutHandler()
         stream.setFormatter(fmt)
         stream.setLevel(logging.INFO)  # progress and metrics are INFO; `level` gates the rest, see below
         stream.addFilter(

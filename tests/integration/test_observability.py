@@ -179,7 +179,8 @@ def test_progress_bar_renders_step_loss_lr_and_eta() -> None:
     sink = io.StringIO()
     bar = ProgressBar(10, console=Console(file=sink, force_terminal=True, width=120))
     bar.update({"iter": 3, "loss": 1.25, "lr": 1e-3, "tokens_per_second": 1234.0})
+    bar.update({"iter": 3, "eval_loss": 1.5})
     bar.close()
     shown = sink.getvalue()
-    for text in ("3/10", "loss 1.2500", "lr 1.00e-03", "1234 tok/s", "ETA"):
+    for text in ("3/10", "loss 1.2500 | eval_loss 1.5000 | lr 1.00e-03 | 1234 tok/s", "ETA"):
         assert text in shown, text

@@ -29,20 +29,22 @@ class ProgressBar:
             transient=False,
         )
         self.task = self.progress.add_task("train", total=total, completed=done, stats="")
+        self.stats: dict[str, str] = {}
         self.progress.start()
 
     def update(self, record: dict[str, Any]) -> None:
-        stats = []
-        for key, fmt in (("loss", ".4f"), ("eval_loss", ".4f"), ("lr", ".2e")):
+        """Show the newest value of each field (an evaluation adds its loss to the last step's)."""
+        for key, fmt in (("loss", "loss {:.4f}"), ("eval_loss", "eval_loss {:.4f}"), ("lr", "lr {:.2e}")):
             if record.get(key) is not None:
-                stats.append(f"{key} {record[key]:{fmt}}")
+                self.stats[key] = fmt.format(record[key])
         if record.get("tokens_per_second") is not None:
-            stats.append(f"{record['tokens_per_second']:.0f} tok/s")
-        fields: dict[str, Any] = {"stats": " | ".join(stats)} if stats else {}
+            self.stats["speed"] = f"{record['tokens_per_second']:.0f} tok/s"
+        order = ("loss", "eval_loss", "lr", "speed")
+        stats = " | ".join(self.stats[k] for k in order if k in self.stats)
         if "loss" in record:
-            self.progress.update(self.task, completed=record["iter"], **fields)
-        elif fields:
-            self.progress.update(self.task, **fields)
+            self.progress.update(self.task, completed=record["iter"], stats=stats)
+        else:
+            self.progress.update(self.task, stats=stats)
 
     def close(self) -> None:
         self.progress.stop()
