@@ -157,3 +157,34 @@ def test_step_plan_with_and_without_rampup() -> None:
     assert step_plan(12, 1, sizes, (1, 1, 6)) == [[1, 1, 2, 3, 4, 1]]
     with pytest.raises(UserError, match="not a multiple of the increment"):
         check_rampup((1, 2, 6), sizes)
+
+
+def test_megatron_scheduler_state_resumes_the_same_curve(tmp_path) -> None:
+    cfg = _config(tmp_path, scheduler={"type": "megatron", "lr_decay_style": "cosine", "lr_warmup_iters": 2})
+
+    def fresh():
+        optimizer = torch.optim.AdamW(param_groups(torch.nn.Linear(2, 2), 0.1, 1.0), lr=1.0)
+        return optimizer, build_megatron_scheduler(cfg.scheduler, optimizer, 10, None)  # type: ignore[arg-type]
+
+    optimizer, scheduler = fresh()
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    saved = io.BytesIO()
+    torch.save(scheduler.state_dict(), saved)
+    expected = [scheduler.get_last_lr()[0]]
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+        expected.append(scheduler.get_last_lr()[0])
+    optimizer, scheduler = fresh()
+    saved.seek(0)
+    scheduler.load_state_dict(torch.load(saved, weights_only=False))
+    optimizer.param_groups[0]["lr"] = scheduler.get_last_lr()[0]
+    resumed = [scheduler.get_last_lr()[0]]
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+        resumed.append(scheduler.get_last_lr()[0])
+    assert resumed == pytest.approx(expected)
+    assert expected[0] == pytest.approx(0.5 * (math.cos(math.pi * 2 / 8) + 1))  # step 4 of a 2 + 8 cosine
