@@ -126,3 +126,23 @@ def test_plot_lr_writes_a_png(base_config: dict, tmp_path: Path, capsys) -> None
     assert main(["plot-lr", str(_write(tmp_path, config)), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "40 steps" in capsys.readouterr().out
     assert not list(tmp_path.glob(".lr.png*"))
+
+
+def test_preset_with_new_tokens_grows_embeddings_and_exports_them(base_config: dict, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.run import run
+
+    export = tmp_path / "export"
+    config = {
+        **base_config,
+        "train_iters": 2,
+        "tokenizer": {"chat_template": "llama3"},
+        "checkpoint": [{"output_dir": str(export), "save_end_of_training": True}],
+    }
+    result = run(load_config(data=config))
+    tokenizer = AutoTokenizer.from_pretrained(export / "final")
+    assert "<|eot_id|>" in tokenizer.get_vocab() and "<|eot_id|>" in tokenizer.chat_template
+    model = AutoModelForCausalLM.from_pretrained(export / "final")
+    assert model.get_input_embeddings().num_embeddings == len(tokenizer) == 1024 + 3
+    assert result.model.get_input_embeddings().num_embeddings == len(tokenizer)
