@@ -25,6 +25,7 @@ from posttrain.dist import DistInfo
 from posttrain.logs import get_logger, say
 from posttrain.plan import BatchSizes, check_rampup, lr_explanation, resolve, step_plan
 from posttrain.registry import DATA_FACTORIES, TOKENIZER_FACTORIES
+from posttrain.utils.fs import atomic_write
 
 TRAINED_START, TRAINED_END = "[[", "]]"
 
@@ -212,9 +213,7 @@ def plot_lr(flight: Preflight, out: Path) -> Path:
         twin.plot(range(1, len(decays) + 1), decays, color="tab:orange")
         twin.set_ylabel("weight decay", color="tab:orange")
     figure.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    figure.savefig(tmp, dpi=100)
-    plt.close(figure)
-    tmp.replace(out)
-    return out
+    try:
+        return atomic_write(out, lambda tmp: figure.savefig(tmp, dpi=100))
+    finally:
+        plt.close(figure)

@@ -15,11 +15,7 @@ import torch
 from posttrain.config.trainer import TrainerConfig
 from posttrain.logs import say
 from posttrain.tracking.system import memory_metrics
-
-
-def _replace_into(tmp: Path, final: Path) -> Path:
-    tmp.replace(final)
-    return final
+from posttrain.utils.fs import atomic_write
 
 
 class TorchProfiler:
@@ -47,12 +43,10 @@ class TorchProfiler:
     def close(self) -> None:
         if self.profile is None:
             return
-        self.profile.__exit__(None, None, None)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        self.profile.export_chrome_trace(str(tmp))
-        self.profile = None
-        say(f"PyTorch profiler trace written to {_replace_into(tmp, self.path)}")
+        profile, self.profile = self.profile, None
+        profile.__exit__(None, None, None)
+        written = atomic_write(self.path, lambda tmp: profile.export_chrome_trace(str(tmp)))
+        say(f"PyTorch profiler trace written to {written}")
 
 
 class MemoryProfiler:
@@ -73,10 +67,7 @@ class MemoryProfiler:
             self.timeline = open(timeline, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (closed in close())
 
     def _snapshot(self, name: str) -> None:
-        final = self.directory / name
-        tmp = final.with_name(f".{final.name}.tmp")
-        torch.cuda.memory._dump_snapshot(str(tmp))
-        _replace_into(tmp, final)
+        atomic_write(self.directory / name, lambda tmp: torch.cuda.memory._dump_snapshot(str(tmp)))
 
     def step_started(self, step: int) -> None:
         return
@@ -118,12 +109,10 @@ class PythonProfiler:
     def close(self) -> None:
         if self.profile is None:
             return
-        self.profile.disable()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        self.profile.dump_stats(str(tmp))
-        self.profile = None
-        say(f"Python profile written to {_replace_into(tmp, self.path)} (python -m pstats {self.path})")
+        profile, self.profile = self.profile, None
+        profile.disable()
+        written = atomic_write(self.path, lambda tmp: profile.dump_stats(str(tmp)))
+        say(f"Python profile written to {written} (python -m pstats {written})")
 
 
 def observers(config: TrainerConfig, rank: int, device: torch.device) -> list[Any]:

@@ -108,7 +108,7 @@ def test_profilers(base_config: dict, tmp_path: Path) -> None:
     assert any("train_step" in key[2] for key in stats.stats)  # type: ignore[attr-defined]
     timeline = [json.loads(x) for x in (out / "mem-prof" / "memory-rank0.jsonl").read_text().splitlines()]
     assert [x["step"] for x in timeline] == [1, 2, 3, 4] and all(x["memory_rss_gib"] > 0 for x in timeline)
-    assert not list(out.rglob(".*.tmp"))
+    assert not list(out.rglob(".*.tmp-*"))  # no temporary files left by atomic_write
 
 
 def test_resolved_config_names_every_origin(base_config: dict, tmp_path: Path) -> None:

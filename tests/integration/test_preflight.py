@@ -125,7 +125,7 @@ def test_plot_lr_writes_a_png(base_config: dict, tmp_path: Path, capsys) -> None
     out = tmp_path / "lr.png"
     assert main(["plot-lr", str(_write(tmp_path, config)), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "40 steps" in capsys.readouterr().out
-    assert not list(tmp_path.glob(".lr.png*"))
+    assert not list(tmp_path.glob(".lr.tmp-*"))  # atomic_write's temporary file is gone
 
 
 def test_preset_with_new_tokens_grows_embeddings_and_exports_them(base_config: dict, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.errors import UserError
+from posttrain.utils.fs import atomic_write
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -64,9 +65,7 @@ def plot_metrics(paths: list[Path], out: Path) -> Path:
     speed_axis.set_ylabel("tokens / s")
     speed_axis.set_xlabel("optimizer step")
     figure.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    figure.savefig(tmp, dpi=100)
-    plt.close(figure)
-    tmp.replace(out)
-    return out
+    try:
+        return atomic_write(out, lambda tmp: figure.savefig(tmp, dpi=100))
+    finally:
+        plt.close(figure)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,16 +37,31 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
         raise
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write a text file through a temporary file and a rename."""
+def atomic_write(path: str | Path, write: Callable[[Path], object]) -> Path:
+    """Let ``write`` create a temporary sibling file (same suffix, so writers that infer the format from it
+    work), then rename it over ``path``. On error the temporary file is removed and ``path`` is untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.stem}.tmp-{uuid.uuid4().hex[:8]}{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write a text file through a temporary file and a rename."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    atomic_write(path, write)
 
 
 def _fsync_tree(root: Path) -> None:
