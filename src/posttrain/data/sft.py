@@ -80,18 +80,13 @@ def assistant_mask(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list
     return ids, mask
 
 
-_END_OF_TURN: dict[int, frozenset[int]] = {}
-
-
 def check_turn_ends(tokenizer: Any, ids: list[int], mask: list[int], start: int = 0) -> None:
     """Every assistant turn (a run of mask 1) that ends at or after ``start`` must end with an end-of-turn
     token (EOS, ``<|im_end|>``, ``<|eot_id|>``...; whitespace after it is allowed), or the model never
     learns to stop."""
     from posttrain.tokenizers.chat_templates import end_of_turn_ids
 
-    if id(tokenizer) not in _END_OF_TURN:
-        _END_OF_TURN[id(tokenizer)] = end_of_turn_ids(tokenizer)
-    allowed = _END_OF_TURN[id(tokenizer)]
+    allowed = end_of_turn_ids(tokenizer)
     turn = 0
     for end, keep in enumerate(mask):
         if not keep or (end + 1 < len(mask) and mask[end + 1]):

@@ -109,9 +109,11 @@ def apply_chat_template(tokenizer: Any, choice: str) -> list[str]:
 
 
 def end_of_turn_ids(tokenizer: Any) -> frozenset[int]:
-    """Token ids that may close an assistant turn: EOS and the known end-of-turn tokens in the vocabulary."""
-    vocab = tokenizer.get_vocab()
-    ids = {vocab[token] for token in KNOWN_END_OF_TURN if token in vocab}
+    """Token ids that may close an assistant turn: EOS and the known end-of-turn tokens in the vocabulary.
+    A few id lookups (no vocabulary copy), cheap enough to run for every row."""
+    found = tokenizer.convert_tokens_to_ids(list(KNOWN_END_OF_TURN))
+    unknown = tokenizer.unk_token_id  # what a missing token maps to when the tokenizer has an UNK token
+    ids = {i for i in found if i is not None and i != unknown}
     eos = tokenizer.eos_token_id
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return frozenset(ids)
