@@ -35,7 +35,6 @@ class DataReport:
     truncated: int = 0
     tokens: int = 0
     target_tokens: int = 0
-    max_length: int = 0
     packed: bool = False
     sources: list[str] = field(default_factory=list)
     leaked: int = 0
@@ -141,7 +140,7 @@ def process(
     rows: list[Row], ctx: RunContext, tokenizer: Any, max_length: int, pack: bool
 ) -> tuple[list[Sample], DataReport]:
     config = ctx.config.data
-    report = DataReport(rows=len(rows), max_length=max_length, packed=pack)
+    report = DataReport(rows=len(rows), packed=pack)
     factory: DataFactory = DATA_FACTORIES.get(config.type).obj
     formatted = iter(_format_rows([row for row in rows if row.process], factory.format, tokenizer, config))
     samples = [next(formatted) if row.process else _preprocessed(row) for row in rows]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -83,6 +82,3 @@ def build_meter(
 def export_dirs(ctx: RunContext) -> list[Path]:
     """What MLflow uploads with ``hf_mlflow_log_artifacts``: the Hugging Face exports."""
     return [Path(c.output_dir) for c in ctx.config.checkpoint if c.type == "huggingface"]
-
-
-__all__: list[Any] = ["build_meter", "export_dirs", "open_outputs"]
