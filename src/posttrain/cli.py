@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from posttrain.errors import UserError
+
 EXIT_USER_ERROR = 2
 
 
@@ -176,7 +178,7 @@ def _run_relaying_signals(command: list[str], kill_switch: str) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc < 1:
-        raise SystemExit("--nproc must be >= 1")
+        raise UserError(f"--nproc {args.nproc}: must be >= 1 (the number of processes on this machine)")
     config = _load(args.config, args.overrides)  # validate once before starting any process
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch(args, config.kill_switch_path)
@@ -188,7 +190,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _world_size(value: int | None) -> int:
     if value is not None and value < 1:
-        raise SystemExit("--world-size must be >= 1")
+        raise UserError(f"--world-size {value}: must be >= 1 (the number of processes the run will use)")
     return value or int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -275,7 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _quiet_environment()
     from posttrain.config.errors import ConfigError
-    from posttrain.errors import UserError
 
     try:
         return COMMANDS[args.command](args)

@@ -273,3 +273,13 @@ def test_peft_config_is_validated_by_peft(tmp_path: Path) -> None:
     assert "unknown peft_type 'LORAX'; did you mean 'LORA'?" in error.render()
     error = errors_of(GOOD, tmp_path, ["model.quantization_config={load_in_4bit: true}"])
     assert "add peft_config (QLoRA)" in error.render()
+
+
+def test_bad_process_counts_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "run.yaml").write_text(GOOD)
+    assert main(["train", str(tmp_path / "run.yaml"), "--nproc", "0"]) == 2
+    assert main(["preprocess", str(tmp_path / "run.yaml"), "--world-size", "0"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "--nproc 0: must be >= 1" in err and "--world-size 0: must be >= 1" in err and "Traceback" not in err
+    )
