@@ -184,3 +184,20 @@ def test_progress_bar_renders_step_loss_lr_and_eta() -> None:
     shown = sink.getvalue()
     for text in ("3/10", "loss 1.2500 | eval_loss 1.5000 | lr 1.00e-03 | 1234 tok/s", "ETA"):
         assert text in shown, text
+
+
+def test_a_tracker_that_cannot_start_is_a_clear_error(base_config: dict, tmp_path: Path, capsys) -> None:
+    config = {
+        **base_config,
+        "train_iters": 1,
+        "tracking": {
+            "mlflow_server_uri": str(tmp_path / "mlflow"),
+            "experiment_name": "e",
+            "run_id": "nosuchrun",
+        },
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "the mlflow tracker could not start" in err and "Traceback" not in err

@@ -47,6 +47,10 @@ def open_outputs(
                 f"the {tracker.name} tracker needs a package that is not installed ({exc.name}); "
                 "install posttrain's trackers with: pip install 'posttrain[trackers]'"
             ) from None
+        except Exception as exc:  # unreachable server, bad credentials, unknown run id: say which tracker
+            raise UserError(
+                f"the {tracker.name} tracker could not start: {type(exc).__name__}: {redact(str(exc))}"
+            ) from None
         if run_id:
             tracker_ids[tracker.name] = run_id
             say(f"{tracker.name}: logging to run {run_id}")
