@@ -29,7 +29,7 @@ import torch
 
 from posttrain.config import load_config
 from posttrain.context import RunContext
-from posttrain.data.build import build_datasets
+from posttrain.data.cache import load_datasets
 from posttrain.data.collate import Collator
 from posttrain.dist import init_distributed
 from posttrain.methods.sft import sft_loss
@@ -70,7 +70,7 @@ def bare_loop(config, steps: int) -> float:
 
     tokenizer = AutoTokenizer.from_pretrained(config.model.name_or_path)
     ctx = RunContext(config, init_distributed())
-    data = build_datasets(ctx, tokenizer, MAX_LENGTH)
+    data = load_datasets(ctx, tokenizer, MAX_LENGTH)
     sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True, seed=config.data.seed)
     loader = DataLoader(
         data.train, batch_size=MICRO_BATCH, sampler=sampler, collate_fn=Collator(tokenizer.pad_token_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 def register_builtins() -> None:
     import posttrain.checkpoint.deepspeed
     import posttrain.checkpoint.huggingface
+    import posttrain.data.megatron
     import posttrain.data.sources
     import posttrain.methods.causal
     import posttrain.methods.dpo

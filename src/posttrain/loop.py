@@ -20,14 +20,29 @@ from posttrain.stops import StopSignals
 from posttrain.tracking.outputs import RunOutputs
 from posttrain.tracking.system import StepMeter
 
+HISTORY_RECORDS = 1000
 LossFn = Callable[[Any, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
+
+
+class RecentRecords(list):
+    """A list that keeps at most the last ``limit`` to ``2 x limit`` records (trimmed in bulk)."""
+
+    def __init__(self, limit: int = HISTORY_RECORDS) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def append(self, record: dict[str, Any]) -> None:
+        super().append(record)
+        if len(self) > 2 * self.limit:
+            del self[: -self.limit]
 
 
 @dataclass
 class LoopState:
     """Where training is. ``step``, ``epoch``, ``epoch_step``, ``evals`` and the trackers' run ids are saved
     in resumable checkpoints; ``epoch_step`` (optimizer steps done in the current epoch) is the position in
-    the data."""
+    the data. ``history`` keeps the last ``HISTORY_RECORDS`` (up to twice that) step records (every record is in the metrics
+    file), so nothing grows with the length of the run."""
 
     step: int = 0
     epoch: int = 0
@@ -35,7 +50,7 @@ class LoopState:
     evals: int = 0
     run_steps: int = 0
     stop_reason: str = ""
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: RecentRecords = field(default_factory=lambda: RecentRecords())
     tracker_ids: dict[str, str] = field(default_factory=dict)
 
     def resumable(self) -> dict[str, Any]:

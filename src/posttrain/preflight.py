@@ -7,68 +7,43 @@ with the trained tokens marked, and the end-of-turn check. ``posttrain plot-lr``
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DistributedSampler
 
 from posttrain.config.trainer import TrainerConfig
 from posttrain.context import RunContext
-from posttrain.data.build import DataReport, Datasets, build_datasets
-from posttrain.data.cache import cache_key, cached
+from posttrain.data.build import DataReport
 from posttrain.data.packing import packing_efficiency
+from posttrain.data.sampler import shard_order
 from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.views import View
+from posttrain.dataplan import DataPlan, plan_data, pretrained_config
 from posttrain.dist import DistInfo
-from posttrain.logs import get_logger, say
-from posttrain.plan import BatchSizes, check_rampup, lr_explanation, resolve, step_plan
+from posttrain.plan import BatchSizes, check_rampup, lr_explanation, resolve
 from posttrain.registry import DATA_FACTORIES, TOKENIZER_FACTORIES
 from posttrain.utils.fs import atomic_write
 
 TRAINED_START, TRAINED_END = "[[", "]]"
 
 
-def load_datasets(ctx: RunContext, tokenizer: Any, max_length: int) -> Datasets:
-    """Build the data, or load it from the cache when nothing that changes it has changed."""
-    if not ctx.config.data.cache_enabled:
-        return build_datasets(ctx, tokenizer, max_length)
-    key = cache_key(ctx, tokenizer, max_length)
-    data, hit = cached(ctx, key, lambda: build_datasets(ctx, tokenizer, max_length))
-    if hit:
-        say(f"processed data loaded from the cache ({Path(ctx.config.data.cache_dir) / key}.pkl)")
-    return data
-
-
-def max_length_for(config: TrainerConfig, model_config: Any) -> int:
-    """``data.max_length`` as set, else the model's ``max_position_embeddings``."""
-    if "max_length" in config.data.model_fields_set:
-        return config.data.max_length
-    found = getattr(model_config, "max_position_embeddings", None)
-    if isinstance(found, int):
-        get_logger().info("data.max_length not set: using the model's max_position_embeddings=%d", found)
-        return found
-    return config.data.max_length
-
-
-def micro_batches_per_rank(samples: int, sizes: BatchSizes) -> int:
-    """What ``len(DataLoader)`` is on each rank (DistributedSampler pads every rank to the same count)."""
-    return math.ceil(math.ceil(samples / sizes.world_size) / sizes.micro_batch_size)
-
-
-def padding_efficiency(samples: list[dict[str, list[int]]], sizes: BatchSizes, seed: int) -> float:
+def padding_efficiency(view: View, sizes: BatchSizes, seed: int) -> float:
     """Real tokens / padded tokens over the first epoch's micro-batches, in the sampler's own order."""
-    keys = [k for k in samples[0] if k.endswith("input_ids")] if samples else []
     real = padded = 0
-    for rank in range(sizes.world_size):
-        order = list(DistributedSampler(range(len(samples)), sizes.world_size, rank, shuffle=True, seed=seed))
-        for start in range(0, len(order), sizes.micro_batch_size):
-            batch = [samples[i] for i in order[start : start + sizes.micro_batch_size]]
-            for key in keys:
-                lengths = [len(s[key]) for s in batch]
-                real += sum(lengths)
-                padded += max(lengths) * len(lengths)
+    for column in view.input_columns:
+        lengths = view.lengths(column)
+        for rank in range(sizes.world_size):
+            order = shard_order(len(lengths), sizes.world_size, rank, seed, epoch=0)
+            batched = lengths[order]
+            starts = np.arange(0, len(batched), sizes.micro_batch_size)
+            if len(starts) == 0:
+                continue
+            real += int(batched.sum())
+            longest = np.maximum.reduceat(batched, starts)
+            counts = np.diff(np.append(starts, len(batched)))
+            padded += int((longest * counts).sum())
     return real / padded if padded else 0.0
 
 
@@ -90,41 +65,25 @@ def render_trained(tokenizer: Any, ids: list[int], labels: list[int], color: boo
     return "".join(pieces)
 
 
-@dataclass
-class Preflight:
-    config: TrainerConfig
-    sizes: BatchSizes
-    lr: float
-    data: Datasets
-    tokenizer: Any
-    max_length: int
-    steps_per_epoch: int
-    total_steps: int
+Preflight = DataPlan
 
 
-def preflight(config: TrainerConfig, world_size: int) -> Preflight:
+def preflight(config: TrainerConfig, world_size: int) -> DataPlan:
     """Resolve the batch sizes and LR for ``world_size``, build the data, and count the steps: what
-    ``train`` would do before its first step, without a model or a process group."""
-    from posttrain.run import pretrained_config
-
+    ``train`` does before its first step (the same data plan), without a model or a process group."""
     resolved, sizes, lr = resolve(config, world_size)
     check_rampup(resolved.rampup_batch_size, sizes)
     ctx = RunContext(config=resolved, dist=DistInfo(0, 0, 1, torch.device("cpu")))
     Path(resolved.logger.output_dir).mkdir(parents=True, exist_ok=True)
     tokenizer = TOKENIZER_FACTORIES.get(resolved.tokenizer.type).obj(resolved.tokenizer, ctx)
-    max_length = max_length_for(resolved, pretrained_config(resolved))
-    data = load_datasets(ctx, tokenizer, max_length)
-    per_rank = micro_batches_per_rank(len(data.train), sizes)
-    plan = step_plan(per_rank, resolved.epochs, sizes, resolved.rampup_batch_size)
-    total = resolved.train_iters or sum(len(steps) for steps in plan[: resolved.epochs])
-    return Preflight(resolved, sizes, lr, data, tokenizer, max_length, len(plan[0]), total)
+    return plan_data(ctx, sizes, lr, tokenizer, pretrained_config(resolved))
 
 
 def _data_lines(report: DataReport, name: str) -> list[str]:
     return [*report.sources, report.summary(name)]
 
 
-def report_text(flight: Preflight, original: TrainerConfig, color: bool = False) -> str:
+def report_text(flight: DataPlan, original: TrainerConfig, color: bool = False) -> str:
     config, data, sizes = flight.config, flight.data, flight.sizes
     out = [f"pre-flight report: trainer {config.type}, world size {sizes.world_size}", "", "data"]
     out += [f"  {line}" for line in _data_lines(data.train_report, "train")]
@@ -161,17 +120,22 @@ def report_text(flight: Preflight, original: TrainerConfig, color: bool = False)
     limit = f" (train_iters={config.train_iters})" if config.train_iters else ""
     out.append(f"  steps: {flight.steps_per_epoch} per epoch, {flight.total_steps} in total{limit}")
     legend = "bold green" if color else f"{TRAINED_START}...{TRAINED_END}"
-    for index, sample in enumerate(data.train[:2], start=1):
+    for index, sample in enumerate((data.train[i] for i in range(min(2, len(data.train)))), start=1):
         out += ["", f"sample {index} (trained tokens in {legend})"]
         for key in (k for k in sample if k.endswith("input_ids")):
             prefix = key[: -len("input_ids")]
-            text = render_trained(flight.tokenizer, sample[key], sample[f"{prefix}labels"], color)
+            text = render_trained(
+                flight.tokenizer,
+                np.asarray(sample[key]).tolist(),
+                np.asarray(sample[f"{prefix}labels"]).tolist(),
+                color,
+            )
             out.append(f"--- {prefix.rstrip('_') or 'sequence'} ({len(sample[key])} tokens)")
             out.append(text)
     return "\n".join(out)
 
 
-def lr_curve(flight: Preflight) -> tuple[list[float], list[float]]:
+def lr_curve(flight: DataPlan) -> tuple[list[float], list[float]]:
     """LR and weight decay at every step of the run, from the configured scheduler on a stand-in model."""
     from posttrain.optim.adamw import param_groups
     from posttrain.registry import SCHEDULERS
@@ -193,7 +157,7 @@ def lr_curve(flight: Preflight) -> tuple[list[float], list[float]]:
     return lrs, decays
 
 
-def plot_lr(flight: Preflight, out: Path) -> Path:
+def plot_lr(flight: DataPlan, out: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")

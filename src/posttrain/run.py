@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import gc
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from posttrain.config.deepspeed import build_deepspeed_config
 from posttrain.config.provenance import write_resolved_config
@@ -18,14 +17,15 @@ from posttrain.config.trainer import TrainerConfig
 from posttrain.context import RunContext
 from posttrain.data.build import Datasets
 from posttrain.data.collate import Collator
-from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.sampler import ShardSampler
+from posttrain.data.views import EvalShard
+from posttrain.dataplan import plan_data, pretrained_config
 from posttrain.dist import barrier, init_distributed, seed_everything
 from posttrain.engine import Engine
 from posttrain.errors import UserError
 from posttrain.logs import get_logger, say, setup_logging
 from posttrain.loop import LoopInputs, LoopState, final_evaluation, train_loop
-from posttrain.plan import check_rampup, lr_explanation, resolve, step_plan
-from posttrain.preflight import load_datasets, max_length_for
+from posttrain.plan import check_rampup, lr_explanation, resolve
 from posttrain.profiling import observers as profiling_observers
 from posttrain.registry import (
     CHECKPOINT_ENGINES,
@@ -61,37 +61,14 @@ def _fact(model_config: Any, *names: str) -> int | None:
     return None
 
 
-def pretrained_config(config: TrainerConfig) -> Any:
-    """The model's HF config, read before the model is built (None when it is not an HF checkpoint)."""
-    try:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(config.model.name_or_path)
-    except (OSError, ValueError):
-        return None
-
-
-def _eval_shard(samples: list[dict[str, list[int]]], rank: int, world: int) -> list[dict[str, list[int]]]:
-    """Every rank gets the same number of eval samples (collectives stay in step); the padding samples
-    carry no labels, so the eval metrics are exact."""
-    shard = samples[rank::world]
-    per_rank = math.ceil(len(samples) / world) if samples else 0
-    if len(shard) < per_rank:
-        filler = {k: [IGNORE_INDEX] * len(v) if k.endswith("labels") else v for k, v in samples[0].items()}
-        shard = shard + [filler] * (per_rank - len(shard))
-    return shard
-
-
 def _loaders(
     ctx: RunContext, data: Datasets, collate: Any
-) -> tuple[DataLoader, DistributedSampler, DataLoader | None]:
+) -> tuple[DataLoader, ShardSampler, DataLoader | None]:
     config = ctx.config
-    sampler = DistributedSampler(
-        data.train, num_replicas=ctx.dist.world_size, rank=ctx.dist.rank, shuffle=True, seed=config.data.seed
-    )
+    sampler = ShardSampler(len(data.train), ctx.dist.world_size, ctx.dist.rank, seed=config.data.seed)
     workers = config.data.dl_num_workers
     train = DataLoader(
-        data.train,  # type: ignore[arg-type]
+        data.train,
         batch_size=config.micro_batch_size,
         sampler=sampler,
         collate_fn=collate,
@@ -99,25 +76,14 @@ def _loaders(
         persistent_workers=workers > 0,
     )
     evaluation = None
-    if data.eval:
-        samples = data.eval
+    if len(data.eval):
+        view = data.eval
         if config.eval_iters:  # Megatron: eval_iters global batches, whatever the world size
             global_batch = config.micro_batch_size * config.gradient_accumulation_steps * ctx.dist.world_size
-            samples = samples[: config.eval_iters * global_batch]
-        shard = _eval_shard(samples, ctx.dist.rank, ctx.dist.world_size)
-        evaluation = DataLoader(shard, batch_size=config.micro_batch_size, collate_fn=collate)  # type: ignore[arg-type]
+            view = view.head(config.eval_iters * global_batch)
+        shard = EvalShard(view, ctx.dist.rank, ctx.dist.world_size)
+        evaluation = DataLoader(shard, batch_size=config.micro_batch_size, collate_fn=collate)
     return train, sampler, evaluation
-
-
-def _replicate_for_min_iterations(config: TrainerConfig, data: Datasets, world: int) -> None:
-    if not config.min_iterations:
-        return
-    per_step = config.micro_batch_size * config.gradient_accumulation_steps * world
-    steps = max(1, config.epochs) * math.ceil(len(data.train) / per_step)
-    if steps < config.min_iterations:
-        copies = math.ceil(config.min_iterations / steps)
-        data.train = data.train * copies
-        say(f"min_iterations={config.min_iterations}: training data repeated {copies}x")
 
 
 def _zero3_init(ds_config: dict[str, Any]) -> Any:
@@ -177,8 +143,8 @@ def run(config: TrainerConfig) -> RunResult:
             )
         ds_config = build_deepspeed_config(config, world_size=dist.world_size, hidden_size=hidden)
 
-    max_length = max_length_for(config, pretrained or getattr(model, "config", None))
-    data = load_datasets(ctx, tokenizer, max_length)
+    data_plan = plan_data(ctx, sizes, lr, tokenizer, pretrained or getattr(model, "config", None))
+    data, plan, total_steps = data_plan.data, data_plan.step_plan, data_plan.total_steps
     say(data.train_report.summary("train data"))
     if data.eval:
         say(data.eval_report.summary("eval data"))
@@ -187,14 +153,11 @@ def run(config: TrainerConfig) -> RunResult:
             "%d eval rows are identical to training rows: the eval loss will look better than it is",
             data.train_report.leaked,
         )
-    _replicate_for_min_iterations(config, data, dist.world_size)
     collator = (spec.collator or Collator)(
         input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
     )
     train_loader, sampler, eval_loader = _loaders(ctx, data, collator)
-    plan = step_plan(len(train_loader), config.epochs, sizes, config.rampup_batch_size)
-    steps_per_epoch = len(plan[0])
-    total_steps = config.train_iters or sum(len(steps) for steps in plan[: config.epochs])
+    steps_per_epoch = data_plan.steps_per_epoch
     if total_steps == 0 and not config.skip_train:
         raise UserError("nothing to train: epochs is 0 and train_iters is 0")
 

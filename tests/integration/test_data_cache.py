@@ -49,7 +49,7 @@ def test_second_run_loads_the_cache(base_config: dict, tmp_path: Path, capsys) -
     train(config)
     assert "loaded from the cache" not in capsys.readouterr().out
     files = list((tmp_path / "cache").iterdir())
-    assert len(files) == 1 and files[0].suffix == ".pkl"
+    assert len(files) == 1 and (files[0] / "input_ids.bin").is_file() and (files[0] / "meta.json").is_file()
     train(config)
     assert "loaded from the cache" in capsys.readouterr().out
     train(merge(config, data={"use_data_cache": False}))

@@ -9,7 +9,7 @@ import pytest
 
 from posttrain.config import load_config
 from posttrain.context import RunContext
-from posttrain.data.build import build_datasets
+from posttrain.data.cache import load_datasets
 from posttrain.dist import DistInfo
 from posttrain.errors import DataError
 from posttrain.testing.data import chat_rows, write_jsonl
@@ -18,11 +18,17 @@ pytestmark = pytest.mark.integration
 
 
 def build(config: dict, tokenizer, tmp_path: Path):
+    """The data as a run builds it (the cache is off, so every call formats the rows again)."""
+    config = {**config, "data": {**config["data"], "use_data_cache": False}}
     cfg = load_config(data=config, base_dir=tmp_path)
     import torch
 
     ctx = RunContext(cfg, DistInfo(0, 0, 1, torch.device("cpu")))
-    return build_datasets(ctx, tokenizer, cfg.data.max_length)
+    return load_datasets(ctx, tokenizer, cfg.data.max_length)
+
+
+def items(view) -> list[dict]:
+    return [{key: list(value) for key, value in item.items()} for item in view]
 
 
 def data_config(sources: list, **data) -> dict:
@@ -47,14 +53,16 @@ def test_all_local_formats_and_hf_datasets(tiny_tokenizer, tmp_path: Path) -> No
     out = build(data_config([str(jsonl), str(tmp_path / "b.json"), str(tmp_path / "c.parquet"),
                              str(tmp_path / "saved"), str(tmp_path / "dir")]), tiny_tokenizer, tmp_path)  # fmt: skip
     assert len(out.train) == 50 and out.train_report.rows == 50
-    assert out.train[0] == out.train[10] == out.train[20] == out.train[30] == out.train[40]
+    samples = items(out.train)
+    assert samples[0] == samples[10] == samples[20] == samples[30] == samples[40]
 
     with pytest.raises(DataError, match=r"d\.csv row 2: missing 'messages'"):
         build(data_config([str(tmp_path / "d.csv")]), tiny_tokenizer, tmp_path)
 
 
 def test_sampling_and_eval_split(tiny_tokenizer, tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "a.jsonl", chat_rows(40, seed=2, max_digits=4))
+    distinct = list({json.dumps(row): row for row in chat_rows(60, seed=2, max_digits=4)}.values())[:40]
+    path = write_jsonl(tmp_path / "a.jsonl", distinct)
     out = build(data_config([{"name_or_path": str(path), "sample_count": 10}]), tiny_tokenizer, tmp_path)
     assert len(out.train) == 10
     out = build(data_config([{"name_or_path": str(path), "sample_ratio": "25%"}]), tiny_tokenizer, tmp_path)
@@ -65,6 +73,7 @@ def test_sampling_and_eval_split(tiny_tokenizer, tmp_path: Path) -> None:
     assert len(out.train) == 30 and len(out.eval) == 10
     train_ids = {tuple(s["input_ids"]) for s in out.train}
     assert not train_ids & {tuple(s["input_ids"]) for s in out.eval}
+    assert out.train_report.leaked == 0
 
 
 def test_overlong_rows_dropped_or_truncated(tiny_tokenizer, tmp_path: Path) -> None:
@@ -118,7 +127,7 @@ def test_parallel_formatting_matches_and_names_bad_rows(tiny_tokenizer, tmp_path
     serial = build(config, tiny_tokenizer, tmp_path)
     monkeypatch.setattr(build_module, "PARALLEL_MIN_ROWS", 10)
     parallel = build(config, tiny_tokenizer, tmp_path)
-    assert parallel.train == serial.train
+    assert items(parallel.train) == items(serial.train)
     rows = [*chat_rows(30, seed=4), {"messages": []}]
     bad = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(DataError, match=r"bad\.jsonl row 31: 'messages' must be a non-empty list"):

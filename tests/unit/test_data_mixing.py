@@ -8,7 +8,7 @@ import pytest
 
 from posttrain.config import load_config
 from posttrain.config.errors import ConfigError
-from posttrain.data.build import split_rows, weighted_mix
+from posttrain.data.mixing import split_rows, weighted_mix
 
 
 def test_weighted_mix_uses_every_row_and_oversamples_the_small_heavy_source() -> None:

@@ -72,6 +72,39 @@ class HFSourceConfig(DataSourceConfig):
     """Extra keyword arguments for ``datasets.load_dataset`` (e.g. ``data_files``, ``revision``)."""
 
 
+class MegatronSourceConfig(DataSourceConfig):
+    """A Megatron-LM indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``, as written by Megatron's
+    ``preprocess_data.py`` or megatron-core's ``IndexedDatasetBuilder``): one pre-tokenized row per document.
+    A Megatron-Bridge blend is several such sources with ``sampling_weight`` and ``data.mix: weighted``."""
+
+    process: bool = False
+    """Megatron data is already tokenized, so it is never formatted again (must stay false)."""
+
+    split_ratio: str = ""
+    """Megatron's document-level split weights, e.g. ``"969,30,1"`` (train, valid, test): contiguous ranges of
+    documents in these proportions; ``split`` picks which one to read. Empty: every document."""
+
+    def problems(self) -> Iterator[Problem]:
+        yield from super().problems()
+        if self.process:
+            yield Problem("process", "Megatron indexed datasets are already tokenized; remove process: true")
+        if self.split and self.split not in ("train", "valid", "test"):
+            yield Problem("split", f"{self.split!r} is not one of train, valid, test")
+        if self.split and not self.split_ratio:
+            yield Problem("split", 'set split_ratio (e.g. "969,30,1") to choose a document-level split')
+        if self.split_ratio:
+            parts = self.split_ratio.replace("/", ",").split(",")
+            try:
+                weights = [float(x) for x in parts]
+            except ValueError:
+                weights = []
+            if not weights or len(weights) > 3 or min(weights) < 0 or sum(weights) <= 0:
+                yield Problem(
+                    "split_ratio",
+                    f'{self.split_ratio!r}: use up to three non-negative weights, e.g. "969,30,1"',
+                )
+
+
 class DataConfig(BaseConfig):
     type: str = ""
     """Data factory type. Defaults to the trainer's first accepted data factory."""

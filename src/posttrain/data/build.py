@@ -1,32 +1,52 @@
-"""Compose the data stages: sources -> rows -> split -> format (render + mask) -> length policy -> pack."""
+"""Compose the data stages into an on-disk store and the views that train and evaluate from it.
+
+sources (read in bounded chunks; sampling and the train/eval split drawn on row numbers)
+-> the method's batch formatter and length policy, over ``data.num_proc`` processes, chunk by chunk
+-> the sample store (token ids written once, memory-mapped by every reader)
+-> the training mix (concatenated or weighted, on sample ids) -> the method's assembly (views: one sample
+per sequence, packed spans, or fixed blocks).
+
+Only per-row and per-sample numbers (ids, lengths, 8-byte row hashes for the eval-leak check) are held in
+memory while building; tokens go straight to disk.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
-import random
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from posttrain.config.data import DataConfig
 from posttrain.context import RunContext
-from posttrain.data.packing import pack as pack_samples
+from posttrain.data.mixing import held_out_mask, weighted_mix_ids
+from posttrain.data.packing import pack_bins
+from posttrain.data.progress import BuildProgress
 from posttrain.data.sft import IGNORE_INDEX, RowError
-from posttrain.data.sources import Row, load_source
+from posttrain.data.sources import CHUNK_ROWS, Row, open_source, sample_rows
+from posttrain.data.store import SampleStore, StoreWriter
+from posttrain.data.views import PackedView, SampleView, View
 from posttrain.errors import DataError
 from posttrain.registry import DATA_FACTORIES
 
-Sample = dict[str, list[int]]
-Formatter = Callable[[dict[str, Any], Any, DataConfig], Sample]
+Sample = dict[str, np.ndarray]
+BatchFormatter = Callable[[list[dict[str, Any]], Any, DataConfig], list["Sample | RowError"]]
+#: the length policy for one formatted sample: (the sample to keep or None, why it was dropped, truncated?)
+Fitter = Callable[[Sample, int, DataConfig], tuple["Sample | None", str, bool]]
+Assembler = Callable[[SampleStore, np.ndarray, int, DataConfig, bool], View]
 PARALLEL_MIN_ROWS = 5000
 
 
 @dataclass
 class DataReport:
-    """What happened to the rows, for the start-of-run summary."""
+    """What happened to the rows, for the start-of-run summary (saved with the store)."""
 
     rows: int = 0
     samples: int = 0
@@ -51,187 +71,333 @@ class DataReport:
         parts.append(f"{self.tokens} tokens, {share:.1%} trained")
         return ", ".join(parts)
 
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "dropped": dict(self.dropped)}
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> DataReport:
+        return cls(**{**value, "dropped": Counter(value["dropped"])})
+
 
 @dataclass
 class Datasets:
-    train: list[Sample]
-    eval: list[Sample]
+    train: View
+    eval: View
     train_report: DataReport
     eval_report: DataReport
 
 
-_WORKER_STATE: dict[str, Any] = {}
-
-
-def _format_one(item: tuple[dict[str, Any], str]) -> Sample | str:
-    row, origin = item
-    try:
-        return _WORKER_STATE["formatter"](row, _WORKER_STATE["tokenizer"], _WORKER_STATE["config"])
-    except RowError as exc:
-        return f"{origin}: {exc}"
-
-
-def _format_rows(rows: list[Row], formatter: Formatter, tokenizer: Any, config: DataConfig) -> list[Sample]:
-    _WORKER_STATE.update(formatter=formatter, tokenizer=tokenizer, config=config)
-    items = [(row.data, row.origin) for row in rows]
-    workers = min(config.num_proc, os.cpu_count() or 1)
-    if len(items) >= PARALLEL_MIN_ROWS and workers > 1:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            results = pool.map(_format_one, items, chunksize=256)
-    else:
-        results = [_format_one(item) for item in items]
-    for result in results:
-        if isinstance(result, str):
-            raise DataError(result)
-    return results  # type: ignore[return-value]
-
-
-def _preprocessed(row: Row) -> Sample:
-    try:
-        return {"input_ids": list(row.data["input_ids"]), "labels": list(row.data["labels"])}
-    except KeyError as exc:
-        raise DataError(
-            f"{row.origin}: process: false needs 'input_ids' and 'labels' (missing {exc})"
-        ) from None
-
-
-def apply_length_policy(
-    samples: list[Sample], max_length: int, policy: str, report: DataReport
-) -> list[Sample]:
-    kept = []
-    for sample in samples:
-        if len(sample["input_ids"]) > max_length:
-            if policy == "drop":
-                report.dropped[f"longer than max_length={max_length}"] += 1
-                continue
-            sample = {key: value[:max_length] for key, value in sample.items()}
-            report.truncated += 1
-        if all(label == IGNORE_INDEX for label in sample["labels"][1:]):
-            report.dropped["no trained tokens"] += 1
-            continue
-        kept.append(sample)
-    return kept
+def fit_sample(sample: Sample, max_length: int, config: DataConfig) -> tuple[Sample | None, str, bool]:
+    """Drop or truncate a sample longer than ``max_length``; drop one with nothing (left) to train."""
+    truncated = False
+    if len(sample["input_ids"]) > max_length:
+        if getattr(config, "overlong_samples", "drop") == "drop":
+            return None, f"longer than max_length={max_length}", False
+        sample = {key: value[:max_length] for key, value in sample.items()}
+        truncated = True
+    if not np.any(sample["labels"][1:] != IGNORE_INDEX):
+        return None, "no trained tokens", truncated
+    return sample, "", truncated
 
 
 def assemble_samples(
-    samples: list[Sample], max_length: int, config: DataConfig, report: DataReport, pack: bool
-) -> list[Sample]:
-    """One sample per sequence (over-long ones dropped or truncated), or packed several per sequence."""
-    samples = apply_length_policy(samples, max_length, getattr(config, "overlong_samples", "drop"), report)
-    report.samples = len(samples)
-    if pack:
-        random.Random(config.seed).shuffle(samples)
-        samples = pack_samples(samples, max_length, getattr(config, "packing", "best-fit"))
-    return samples
+    store: SampleStore, samples: np.ndarray, max_length: int, config: DataConfig, pack: bool
+) -> View:
+    """One sample per sequence, or (``pack``) shuffled with ``data.seed`` and packed per ``data.packing``."""
+    if not pack:
+        return SampleView(store, samples)
+    shuffled = samples[np.random.default_rng(config.seed).permutation(len(samples))]
+    lengths = store.lengths("input_ids")[shuffled]
+    offsets, members = pack_bins(lengths, max_length, getattr(config, "packing", "best-fit"))
+    return PackedView(store, (shuffled, np.zeros_like(shuffled), lengths), offsets, members)
+
+
+def loop_format(format_row: Callable[[dict[str, Any], Any, DataConfig], dict]) -> BatchFormatter:
+    """A batch formatter from a one-row formatter (rows that fail become their ``RowError``)."""
+
+    def format_batch(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig) -> list[Any]:
+        out: list[Any] = []
+        for row in rows:
+            try:
+                out.append(
+                    {k: np.asarray(v, dtype=np.int64) for k, v in format_row(row, tokenizer, config).items()}
+                )
+            except RowError as exc:
+                out.append(exc)
+        return out
+
+    return format_batch
 
 
 @dataclass(frozen=True)
 class DataFactory:
-    """A training method's data stages: ``format`` turns a row into token ids and labels (pure, per row);
-    ``assemble`` turns the formatted samples into training sequences (length policy, packing, blocks);
-    ``chat``: rows are conversations (the end-of-turn check applies)."""
+    """A training method's data stages: ``format_batch`` turns rows into samples (pure); ``fit`` applies the
+    length policy to one sample; ``assemble`` turns stored sample ids into training sequences; ``columns``
+    are the sample's token columns; ``chat``: rows are conversations (the end-of-turn check applies)."""
 
-    format: Formatter
-    assemble: Callable[[list[Sample], int, DataConfig, DataReport, bool], list[Sample]] = assemble_samples
+    format_batch: BatchFormatter
+    columns: tuple[str, ...] = ("input_ids", "labels")
+    fit: Fitter = fit_sample
+    assemble: Assembler = assemble_samples
     chat: bool = True
 
 
-def process(
-    rows: list[Row], ctx: RunContext, tokenizer: Any, max_length: int, pack: bool
-) -> tuple[list[Sample], DataReport]:
+# --------------------------------------------------------------------------------------- formatting workers
+
+_WORKER: dict[str, Any] = {}
+
+
+@dataclass
+class Chunk:
+    """One chunk's formatted output: concatenated columns and per-sample lengths of the kept samples."""
+
+    flat: dict[str, np.ndarray]
+    lengths: dict[str, np.ndarray]
+    held_out: np.ndarray  # per kept sample
+    row_hashes: np.ndarray  # per row read
+    row_held_out: np.ndarray  # per row read
+    dropped: Counter[str]
+    truncated: int
+    error: str = ""
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.ndarray):  # token arrays (Megatron documents): hash their bytes
+        return hashlib.blake2b(np.ascontiguousarray(value).tobytes(), digest_size=16).hexdigest()
+    return str(value)
+
+
+def row_hash(data: dict[str, Any]) -> int:
+    """An 8-byte content hash of a row (the eval-leak check compares these, not the rows)."""
+    text = json.dumps(data, sort_keys=True, default=_plain).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def _preprocessed(data: dict[str, Any], origin: str) -> Sample:
+    try:
+        return {
+            "input_ids": np.asarray(data["input_ids"], dtype=np.int64),
+            "labels": np.asarray(data["labels"], dtype=np.int64),
+        }
+    except KeyError as exc:
+        raise DataError(f"{origin}: process: false needs 'input_ids' and 'labels' (missing {exc})") from None
+
+
+def format_chunk(rows: list[Row], held_out: np.ndarray) -> Chunk:
+    factory: DataFactory = _WORKER["factory"]
+    config, tokenizer, max_length = _WORKER["config"], _WORKER["tokenizer"], _WORKER["max_length"]
+    hashes = np.array([row_hash(row.data) for row in rows], dtype=np.uint64)
+    processed = [row for row in rows if row.process]
+    formatted = iter(factory.format_batch([row.data for row in processed], tokenizer, config))
+    kept: list[Sample] = []
+    kept_held: list[bool] = []
+    dropped: Counter[str] = Counter()
+    truncated = 0
+    for row, held in zip(rows, held_out.tolist(), strict=True):
+        try:
+            sample = next(formatted) if row.process else _preprocessed(row.data, row.origin)
+        except DataError as exc:
+            return Chunk({}, {}, held_out, hashes, held_out, dropped, truncated, str(exc))
+        if isinstance(sample, RowError):
+            return Chunk({}, {}, held_out, hashes, held_out, dropped, truncated, f"{row.origin}: {sample}")
+        fitted, reason, cut = factory.fit(sample, max_length, config)
+        truncated += cut
+        if fitted is None:
+            dropped[reason] += 1
+            continue
+        kept.append(fitted)
+        kept_held.append(held)
+    flat = {
+        c: np.concatenate([s[c] for s in kept]) if kept else np.zeros(0, np.int64) for c in factory.columns
+    }
+    lengths = {c: np.array([len(s[c]) for s in kept], dtype=np.int64) for c in factory.columns}
+    return Chunk(flat, lengths, np.array(kept_held, dtype=bool), hashes, held_out, dropped, truncated)
+
+
+def _format_task(task: tuple[list[Row], np.ndarray]) -> Chunk:
+    return format_chunk(*task)
+
+
+class Formatter:
+    """Formats chunks in order, in this process or in a pool of ``workers`` forked processes, keeping at
+    most two chunks per worker in flight (memory stays bounded whatever the data size)."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
+
+    def map(self, tasks: Iterator[tuple[list[Row], np.ndarray]]) -> Iterator[Chunk]:
+        if self.pool is None:
+            yield from (_format_task(task) for task in tasks)
+            return
+        pending: list[Any] = []
+        for task in tasks:
+            pending.append(self.pool.apply_async(_format_task, (task,)))
+            if len(pending) >= 2 * self.workers:
+                yield pending.pop(0).get()
+        while pending:
+            yield pending.pop(0).get()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+
+
+# ------------------------------------------------------------------------------------------------ build
+
+
+@dataclass
+class _Planned:
+    """A source to read: its reader, the row numbers kept by sampling, and which of them are held out."""
+
+    name: str
+    reader: Any
+    wanted: np.ndarray | None
+    held_out: np.ndarray
+    process: bool
+    train_source: bool
+
+
+def _plan_sources(config: DataConfig, ctx: RunContext) -> list[_Planned]:
+    split_seed = config.seed if config.split_seed is None else config.split_seed
+    planned = []
+    for source in config.sources:
+        reader = open_source(source, ctx)
+        wanted = sample_rows(len(reader), source)
+        count = len(reader) if wanted is None else len(wanted)
+        held = held_out_mask(count, config.train_eval_split[1], split_seed)
+        planned.append(_Planned(source.name_or_path, reader, wanted, held, source.process, True))
+    for source in config.eval_sources:
+        reader = open_source(source, ctx)
+        wanted = sample_rows(len(reader), source)
+        count = len(reader) if wanted is None else len(wanted)
+        planned.append(
+            _Planned(source.name_or_path, reader, wanted, np.ones(count, bool), source.process, False)
+        )
+    return planned
+
+
+def _tasks(planned: _Planned, chunk_rows: int) -> Iterator[tuple[list[Row], np.ndarray]]:
+    rows: list[Row] = []
+    start = 0
+    for row in planned.reader.rows(planned.wanted):
+        rows.append(row if row.process == planned.process else Row(row.data, row.origin, planned.process))
+        if len(rows) == chunk_rows:
+            yield rows, planned.held_out[start : start + len(rows)]
+            start += len(rows)
+            rows = []
+    if rows:
+        yield rows, planned.held_out[start : start + len(rows)]
+
+
+def _workers(config: DataConfig, rows: int) -> int:
+    if rows < PARALLEL_MIN_ROWS:
+        return 1
+    return max(1, min(config.num_proc, os.cpu_count() or 1))
+
+
+def build_store(ctx: RunContext, tokenizer: Any, max_length: int, directory: Path, show: bool = True) -> None:
+    """Read, format and write every source's rows into a store at ``directory`` (written in place: the
+    caller builds in a temporary directory and renames it). The reports and the train/eval sample ids are
+    saved beside the tokens."""
     config = ctx.config.data
-    report = DataReport(rows=len(rows), packed=pack)
     factory: DataFactory = DATA_FACTORIES.get(config.type).obj
-    formatted = iter(_format_rows([row for row in rows if row.process], factory.format, tokenizer, config))
-    samples = [next(formatted) if row.process else _preprocessed(row) for row in rows]
-    samples = factory.assemble(samples, max_length, config, report, pack)
-    report.sequences = len(samples)
-    report.tokens = sum(len(v) for s in samples for k, v in s.items() if k.endswith("input_ids"))
-    report.target_tokens = sum(
-        sum(1 for x in v[1:] if x != IGNORE_INDEX)
-        for s in samples
-        for k, v in s.items()
-        if k.endswith("labels")
+    planned = _plan_sources(config, ctx)
+    total = sum(len(p.held_out) for p in planned)
+    workers = _workers(config, total)
+    chunk_rows = CHUNK_ROWS if workers == 1 else max(16, min(CHUNK_ROWS, -(-total // (workers * 8))))
+    _WORKER.update(factory=factory, config=config, tokenizer=tokenizer, max_length=max_length)
+    writer = StoreWriter(directory, factory.columns)
+    train_report, eval_report = DataReport(), DataReport()
+    parts: list[np.ndarray] = []
+    held: list[np.ndarray] = []
+    train_hashes: list[np.ndarray] = []
+    eval_hashes: list[np.ndarray] = []
+    progress = BuildProgress(total, enabled=show)
+    formatter = Formatter(workers)
+    try:
+        for source in planned:
+            ids_train, ids_held = [], []
+            for chunk in formatter.map(_tasks(source, chunk_rows)):
+                if chunk.error:
+                    raise DataError(chunk.error)
+                ids = writer.append(chunk.flat, chunk.lengths)
+                ids_train.append(ids[~chunk.held_out])
+                ids_held.append(ids[chunk.held_out])
+                train_hashes.append(chunk.row_hashes[~chunk.row_held_out])
+                eval_hashes.append(chunk.row_hashes[chunk.row_held_out])
+                report = train_report if source.train_source else eval_report
+                rows_train = int((~chunk.row_held_out).sum())
+                train_report.rows += rows_train
+                eval_report.rows += len(chunk.row_held_out) - rows_train
+                report.dropped.update(chunk.dropped)
+                report.truncated += chunk.truncated
+                progress.advance(len(chunk.row_hashes))
+            if source.train_source:
+                parts.append(_cat(ids_train))
+            held.append(_cat(ids_held))
+            _describe(source, config, train_report, eval_report)
+    finally:
+        formatter.close()
+        progress.close()
+        _WORKER.clear()
+    train_ids = _mix(config, parts, train_report)
+    eval_ids = _cat(held)
+    train_report.leaked = int(np.isin(_cat(eval_hashes), _cat(train_hashes)).sum())
+    writer.close({"train_report": train_report.to_json(), "eval_report": eval_report.to_json()})
+    np.save(directory / "train_samples.npy", train_ids)
+    np.save(directory / "eval_samples.npy", eval_ids)
+
+
+def _cat(parts: list[np.ndarray]) -> np.ndarray:
+    arrays = [p for p in parts if isinstance(p, np.ndarray)]
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+
+
+def _describe(source: _Planned, config: DataConfig, train: DataReport, evaluation: DataReport) -> None:
+    read = len(source.held_out)
+    if not source.train_source:
+        train.sources.append(f"{source.name}: {read} rows read for evaluation")
+        return
+    held = int(source.held_out.sum())
+    index = sum(1 for s in train.sources if not s.endswith("for evaluation"))
+    weight = config.sources[index].sampling_weight if index < len(config.sources) else 1.0
+    share = f", weight {weight:g}" if config.mix == "weighted" else ""
+    train.sources.append(
+        f"{source.name}: {read} rows read, {read - held} for training, {held} held out{share}"
     )
-    return samples, report
 
 
-def weighted_mix(parts: list[list[Any]], weights: list[float], seed: int) -> list[Any]:
-    """SiloGen's precomputed weighted mix: draw a part with probability proportional to its weight and take
-    its next item (cycling), until every part with a positive weight has been used up at least once.
-    Weight 0 drops a part."""
-    rng = random.Random(seed)
-    active = [i for i, (part, weight) in enumerate(zip(parts, weights, strict=True)) if weight > 0 and part]
-    chosen_weights = [weights[i] for i in active]
-    taken = dict.fromkeys(active, 0)
-    unfinished = set(active)
-    mixed = []
-    while unfinished:
-        index = rng.choices(active, weights=chosen_weights)[0]
-        part = parts[index]
-        mixed.append(part[taken[index] % len(part)])
-        taken[index] += 1
-        if taken[index] >= len(part):
-            unfinished.discard(index)
+def _mix(config: DataConfig, parts: list[np.ndarray], report: DataReport) -> np.ndarray:
+    if config.mix != "weighted":
+        return _cat(parts)
+    weights = [s.sampling_weight for s in config.sources]
+    mixed = weighted_mix_ids(parts, weights, config.mix_seed)
+    distinct = sum(len(p) for p, w in zip(parts, weights, strict=True) if w > 0)
+    report.sources.append(
+        f"weighted mix: {len(mixed)} training samples drawn from {distinct} distinct samples"
+    )
     return mixed
 
 
-def split_rows(rows: list[Any], held_out: float, seed: int) -> tuple[list[Any], list[Any]]:
-    """(train, eval): a seeded random ``held_out`` share of the rows (at least one) for evaluation, both in
-    their original order."""
-    if held_out <= 0 or not rows:
-        return rows, []
-    order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
-    n_eval = max(1, round(len(rows) * held_out))
-    held = set(order[:n_eval])
-    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
-
-
-def _content(row: Row) -> str:
-    return json.dumps(row.data, sort_keys=True, default=str)
-
-
-def _read(config: DataConfig, ctx: RunContext, report: DataReport) -> tuple[list[Row], list[Row]]:
-    """Training and eval rows: each source is read and sampled, its eval share split off, and only then
-    are the training shares concatenated or mixed (so oversampling never copies a row into both sets)."""
-    split_seed = config.seed if config.split_seed is None else config.split_seed
-    parts, weights, held = [], [], []
-    for source in config.sources:
-        rows = [Row(r.data, r.origin, source.process) for r in load_source(source, ctx)]
-        train, evaluation = split_rows(rows, config.train_eval_split[1], split_seed)
-        parts.append(train)
-        weights.append(source.sampling_weight)
-        held.extend(evaluation)
-        share = f", weight {source.sampling_weight:g}" if config.mix == "weighted" else ""
-        report.sources.append(
-            f"{source.name_or_path}: {len(rows)} rows read, {len(train)} for training, "
-            f"{len(evaluation)} held out{share}"
-        )
-    if config.mix == "weighted":
-        train = weighted_mix(parts, weights, config.mix_seed)
-        distinct = sum(len(p) for p, w in zip(parts, weights, strict=True) if w > 0)
-        report.sources.append(f"weighted mix: {len(train)} training rows drawn from {distinct} distinct rows")
-    else:
-        train = [row for part in parts for row in part]
-    for source in config.eval_sources:
-        rows = [Row(r.data, r.origin, source.process) for r in load_source(source, ctx)]
-        held.extend(rows)
-        report.sources.append(f"{source.name_or_path}: {len(rows)} rows read for evaluation")
-    seen = {_content(row) for row in train}
-    report.leaked = sum(1 for row in held if _content(row) in seen)
-    return train, held
-
-
-def build_datasets(ctx: RunContext, tokenizer: Any, max_length: int) -> Datasets:
-    """Train and eval samples for this run (every rank builds the same lists)."""
+def open_datasets(ctx: RunContext, directory: Path, max_length: int) -> Datasets:
+    """The train and eval views over a built store (a few small arrays are read; tokens stay on disk)."""
     config = ctx.config.data
-    read = DataReport()
-    rows, eval_rows = _read(config, ctx, read)
+    factory: DataFactory = DATA_FACTORIES.get(config.type).obj
+    store = SampleStore(directory)
+    train_ids = np.load(directory / "train_samples.npy", mmap_mode="r")
+    eval_ids = np.load(directory / "eval_samples.npy", mmap_mode="r")
     pack = bool(getattr(config, "pack_samples", False))
-    train, train_report = process(rows, ctx, tokenizer, max_length, pack)
-    evaluation, eval_report = process(eval_rows, ctx, tokenizer, max_length, pack=False)
-    train_report.sources, train_report.leaked = read.sources, read.leaked
-    if not train:
+    train = factory.assemble(store, np.asarray(train_ids), max_length, config, pack)
+    evaluation = factory.assemble(store, np.asarray(eval_ids), max_length, config, False)
+    train_report = DataReport.from_json(store.meta["train_report"])
+    eval_report = DataReport.from_json(store.meta["eval_report"])
+    for view, report, packed in ((train, train_report, pack), (evaluation, eval_report, False)):
+        report.packed = packed
+        report.samples = len(train_ids) if view is train else len(eval_ids)
+        report.sequences = len(view)
+        report.tokens = int(sum(view.lengths(c).sum() for c in view.input_columns)) if len(view) else 0
+        report.target_tokens = view.trained_tokens() if len(view) else 0
+    if len(train) == 0:
         raise DataError(f"no training samples left: {train_report.summary('train')}")
     return Datasets(train, evaluation, train_report, eval_report)

@@ -1,10 +1,12 @@
-"""The processed-data cache: one file per content key, built by one process while the others wait.
+"""The processed-data cache: one sample store (a directory) per content key, built by one process per node
+(or one in all, on a shared file system) while the others wait, then memory-mapped by every process.
 
 The key covers everything that changes the processed samples: the trainer type, the data options, the
 effective ``max_length``, every source's config and fingerprint (a local file's content hash; a
 ``save_to_disk`` directory's metadata and file sizes; a hub dataset's name, split and arguments), the
 tokenizer (its full serialisation, chat template and special tokens), the user's ``code:`` file and the
-posttrain version. Writes go to a temporary file that is renamed into place.
+posttrain version. A store is built in a temporary directory that is renamed into place, so a reader never
+sees half of one. With the cache off, the store is rebuilt on every run.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
+import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,10 @@ from typing import Any
 import posttrain
 from posttrain.config.data import DataSourceConfig
 from posttrain.context import RunContext
+from posttrain.data.build import Datasets, build_store, open_datasets
+from posttrain.data.store import META
 from posttrain.dist import barrier
+from posttrain.logs import say
 
 _NOT_CONTENT = {
     "cache_dir",
@@ -95,21 +101,29 @@ def _is_builder(ctx: RunContext) -> bool:
     return ctx.dist.local_rank == 0  # "local" and "auto": one builder per node
 
 
-def cached(ctx: RunContext, key: str, build: Any) -> tuple[Any, bool]:
-    """``(value, hit)``: the cached value for ``key``, built with ``build()`` by one process if missing."""
-    path = Path(ctx.config.data.cache_dir) / f"{key}.pkl"
-    hit = path.is_file()
+def load_datasets(ctx: RunContext, tokenizer: Any, max_length: int) -> Datasets:
+    """The run's train and eval data: the cached store for this content key, built first when missing (or
+    always, with the cache off) by one process while the others wait."""
+    config = ctx.config.data
+    key = cache_key(ctx, tokenizer, max_length)
+    root = Path(config.cache_dir)
+    directory = root / (key if config.cache_enabled else f"uncached-{key}")
+    hit = config.cache_enabled and (directory / META).is_file()
     if not hit and _is_builder(ctx):
-        value = build()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        with open(tmp, "wb") as handle:
-            pickle.dump(value, handle, protocol=pickle.HIGHEST_PROTOCOL)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    barrier(ctx.dist)  # the others wait here until the builder has written the file
-    if not hit and _is_builder(ctx):
-        return value, False
-    with open(path, "rb") as handle:
-        return pickle.load(handle), hit
+        root.mkdir(parents=True, exist_ok=True)
+        staging = root / f".building-{key}-{uuid.uuid4().hex[:8]}"
+        try:
+            build_store(ctx, tokenizer, max_length, staging, show=ctx.dist.is_main)
+            if directory.exists():
+                shutil.rmtree(directory)
+            os.replace(staging, directory)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    barrier(ctx.dist)  # the others wait here until the builder has renamed the store into place
+    started = time.perf_counter()
+    data = open_datasets(ctx, directory, max_length)
+    if hit:
+        say(
+            f"processed data loaded from the cache ({directory}, opened in {time.perf_counter() - started:.2f} s)"
+        )
+    return data

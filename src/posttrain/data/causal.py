@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
-from posttrain.data.packing import pack as pack_samples
+import numpy as np
+
+from posttrain.config.data import DataConfig
+from posttrain.data.packing import pack_bins
 from posttrain.data.sft import RowError
+from posttrain.data.store import SampleStore
+from posttrain.data.views import BlockView, PackedView, View
 
 Sample = dict[str, list[int]]
 
@@ -26,6 +30,31 @@ def format_document(
     if add_eos and tokenizer.eos_token_id is not None:
         ids = [*ids, tokenizer.eos_token_id]
     return {"input_ids": ids, "labels": list(ids)}
+
+
+def format_documents(
+    rows: list[dict[str, Any]], tokenizer: Any, text_column: str, add_bos: bool, add_eos: bool
+) -> list[dict[str, np.ndarray] | RowError]:
+    """Many documents at once: one call of the tokenizer for the batch; rows without text become errors."""
+    out: list[Any] = [None] * len(rows)
+    texts, where = [], []
+    for index, row in enumerate(rows):
+        text = row.get(text_column)
+        if isinstance(text, str):
+            texts.append(text)
+            where.append(index)
+        else:
+            present = ", ".join(map(str, row)) or "none"
+            out[index] = RowError(
+                f"needs a string column {text_column!r} (data.text_column); columns present: {present}"
+            )
+    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    head = [tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []
+    tail = [tokenizer.eos_token_id] if add_eos and tokenizer.eos_token_id is not None else []
+    for index, ids in zip(where, encoded, strict=True):
+        tokens = np.array(head + ids + tail, dtype=np.int64)
+        out[index] = {"input_ids": tokens, "labels": tokens.copy()}
+    return out
 
 
 def concat_blocks(documents: list[Sample], max_length: int) -> list[Sample]:
@@ -50,10 +79,22 @@ def split_documents(documents: list[Sample], max_length: int) -> list[Sample]:
 
 
 def assemble_documents(
-    documents: list[Sample], max_length: int, seed: int, pack: bool, method: str = "best-fit"
-) -> list[Sample]:
+    store: SampleStore, samples: np.ndarray, max_length: int, config: DataConfig, pack: bool
+) -> View:
+    """Without packing: ``max_length`` blocks of the concatenated documents. With packing: documents cut into
+    chunks of at most ``max_length`` tokens (chunks of one token dropped), shuffled with ``data.seed``, and
+    packed per ``data.packing`` with per-chunk positions."""
     if not pack:
-        return concat_blocks(documents, max_length)
-    chunks = split_documents(documents, max_length)
-    random.Random(seed).shuffle(chunks)
-    return pack_samples(chunks, max_length, method)
+        return BlockView(store, samples, max_length)
+    lengths = store.lengths("input_ids")[samples]
+    pieces = -(-lengths // max_length)
+    document = np.repeat(samples, pieces)
+    first_piece = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    start = (np.arange(len(document)) - first_piece) * max_length
+    length = np.minimum(max_length, np.repeat(lengths, pieces) - start)
+    keep = length >= 2
+    document, start, length = document[keep], start[keep], length[keep]
+    order = np.random.default_rng(config.seed).permutation(len(document))
+    spans = (document[order], start[order], length[order])
+    offsets, members = pack_bins(spans[2], max_length, getattr(config, "packing", "best-fit"))
+    return PackedView(store, spans, offsets, members)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
+
 IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant", "tool")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -80,23 +82,28 @@ def assistant_mask(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list
     return ids, mask
 
 
-def check_turn_ends(tokenizer: Any, ids: list[int], mask: list[int], start: int = 0) -> None:
+def turn_ends(mask: Any) -> np.ndarray:
+    """Positions where a run of mask 1 (an assistant turn) ends."""
+    mask = np.asarray(mask, dtype=bool)
+    if len(mask) == 0:
+        return np.zeros(0, dtype=np.int64)
+    following = np.append(mask[1:], False)
+    return np.flatnonzero(mask & ~following)
+
+
+def check_turn_ends(tokenizer: Any, ids: Any, mask: Any, start: int = 0) -> None:
     """Every assistant turn (a run of mask 1) that ends at or after ``start`` must end with an end-of-turn
     token (EOS, ``<|im_end|>``, ``<|eot_id|>``...; whitespace after it is allowed), or the model never
     learns to stop."""
     from posttrain.tokenizers.chat_templates import end_of_turn_ids
 
     allowed = end_of_turn_ids(tokenizer)
-    turn = 0
-    for end, keep in enumerate(mask):
-        if not keep or (end + 1 < len(mask) and mask[end + 1]):
-            continue
-        turn += 1
+    for turn, end in enumerate(turn_ends(mask).tolist(), start=1):
         position = end  # the prefix method also trains whitespace after the end-of-turn token
-        while position > 0 and mask[position - 1] and not tokenizer.decode([ids[position]]).strip():
+        while position > 0 and mask[position - 1] and not tokenizer.decode([int(ids[position])]).strip():
             position -= 1
-        if end >= start and ids[position] not in allowed:
-            shown = tokenizer.convert_ids_to_tokens(ids[position])
+        if end >= start and int(ids[position]) not in allowed:
+            shown = tokenizer.convert_ids_to_tokens(int(ids[position]))
             raise RowError(
                 f"assistant turn {turn} ends with {shown!r} (id {ids[position]}), not an end-of-turn token, so "
                 "the model would never learn to stop; put the end-of-turn token inside the template's "
@@ -104,15 +111,102 @@ def check_turn_ends(tokenizer: Any, ids: list[int], mask: list[int], start: int 
             )
 
 
+def _offsets_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """The assistant mask from character spans, token by token as ``apply_chat_template`` computes it: from
+    the token holding a span's first character through the token holding its last (to the end when that one
+    is missing); a span whose first character no token holds ends the marking."""
+    count = len(offsets)
+    mask = np.zeros(count, dtype=bool)
+    if count == 0:
+        return mask
+    starts, ends = offsets[:, 0], offsets[:, 1]
+
+    def token_at(char: int) -> int | None:
+        index = int(np.searchsorted(ends, char, side="right"))
+        return index if index < count and starts[index] <= char < ends[index] else None
+
+    for first_char, end_char in spans:
+        first = token_at(first_char)
+        if first is None:
+            break
+        last = token_at(end_char - 1)
+        mask[first : (last + 1 if last else count)] = True
+    return mask
+
+
+def render_with_spans(
+    tokenizer: Any, conversations: list[list[dict[str, str]]]
+) -> tuple[list[str], list[Any]]:
+    """Render conversations with the tokenizer's template through transformers' own renderer, with the
+    character spans of every ``{% generation %}`` block."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    return render_jinja_template(
+        conversations=conversations,
+        chat_template=tokenizer.get_chat_template(),
+        return_assistant_tokens_mask=True,
+        **tokenizer.special_tokens_map,
+    )
+
+
+def _labels(ids: np.ndarray, mask: np.ndarray, mask_inputs: bool) -> np.ndarray:
+    return np.where(mask, ids, IGNORE_INDEX) if mask_inputs else ids.copy()
+
+
+def format_sft_batch(
+    rows: list[dict[str, Any]], tokenizer: Any, mask_inputs: bool = True, check_end_of_turn: bool = True
+) -> list[dict[str, np.ndarray] | RowError]:
+    """Many chat rows at once: a sample (int64 ``input_ids`` and ``labels`` arrays) or the row's error.
+
+    With ``{% generation %}`` markers the rows are rendered, tokenized in one call of the fast tokenizer, and
+    labelled through the tokens' character offsets (the same tokens and mask as ``apply_chat_template``).
+    Other templates go row by row through token-exact prefix rendering."""
+    out: list[Any] = [None] * len(rows)
+    conversations, where = [], []
+    for index, row in enumerate(rows):
+        try:
+            conversations.append(check_messages(row))
+            where.append(index)
+        except RowError as exc:
+            out[index] = exc
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if conversations and backend is not None and has_generation_markers(tokenizer):
+        texts, spans = render_with_spans(tokenizer, conversations)
+        encodings = backend.encode_batch(texts, add_special_tokens=False)
+        pieces = [
+            (
+                np.array(e.ids, dtype=np.int64),
+                _offsets_mask(np.array(e.offsets, dtype=np.int64).reshape(-1, 2), s),
+            )
+            for e, s in zip(encodings, spans, strict=True)
+        ]
+    else:
+        pieces = []
+        for messages in conversations:
+            try:
+                ids, mask = assistant_mask(tokenizer, messages)
+                pieces.append((np.array(ids, dtype=np.int64), np.array(mask, dtype=bool)))
+            except RowError as exc:
+                pieces.append(exc)
+    for index, piece in zip(where, pieces, strict=True):
+        if isinstance(piece, RowError):
+            out[index] = piece
+            continue
+        ids, mask = piece
+        try:
+            if check_end_of_turn:
+                check_turn_ends(tokenizer, ids, mask)
+            out[index] = {"input_ids": ids, "labels": _labels(ids, mask, mask_inputs)}
+        except RowError as exc:
+            out[index] = exc
+    return out
+
+
 def format_sft(
     row: dict[str, Any], tokenizer: Any, mask_inputs: bool = True, check_end_of_turn: bool = True
 ) -> dict[str, list[int]]:
-    messages = check_messages(row)
-    ids, mask = assistant_mask(tokenizer, messages)
-    if check_end_of_turn:
-        check_turn_ends(tokenizer, ids, mask)
-    if mask_inputs:
-        labels = [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask, strict=True)]
-    else:
-        labels = list(ids)
-    return {"input_ids": ids, "labels": labels}
+    """One chat row -> ``input_ids`` and ``labels`` lists (see :func:`format_sft_batch`)."""
+    result = format_sft_batch([row], tokenizer, mask_inputs, check_end_of_turn)[0]
+    if isinstance(result, RowError):
+        raise result
+    return {key: value.tolist() for key, value in result.items()}

@@ -1,17 +1,27 @@
-"""Data sources: where rows come from. Each returns a list of ``Row`` (the dict plus where it came from)."""
+"""Data sources: where rows come from.
+
+A source returns a ``RowReader``: its row count, known before reading (so sampling and splits are drawn on
+row numbers), and one pass over the rows in order, reading the file in bounded chunks. Only the rows asked for
+are parsed. Each row carries where it came from (``data/train.jsonl row 17``) for error messages. A user
+source may also return a plain list of ``Row``.
+"""
 
 from __future__ import annotations
 
 import json
-import random
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from posttrain.config.data import DataSourceConfig, HFSourceConfig, LocalSourceConfig
 from posttrain.context import RunContext
 from posttrain.errors import DataError
 from posttrain.registry import DATA_SOURCES
+
+CHUNK_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -24,66 +34,186 @@ class Row:
     process: bool = True
 
 
-def _read_jsonl(path: Path) -> list[Row]:
-    rows = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
+class RowReader(Protocol):
+    def __len__(self) -> int: ...
+
+    def rows(self, wanted: np.ndarray | None = None) -> Iterator[Row]:
+        """The rows numbered in ``wanted`` (sorted, 0-based), or every row, in order."""
+        ...
+
+
+def _select(numbered: Iterable[tuple[int, Any]], wanted: np.ndarray | None) -> Iterator[tuple[int, Any]]:
+    """Pass through the items whose running number is in ``wanted`` (sorted), stopping after the last."""
+    if wanted is None:
+        yield from numbered
+        return
+    if len(wanted) == 0:
+        return
+    position, target = 0, int(wanted[0])
+    for number, item in numbered:
+        if number == target:
+            yield number, item
+            position += 1
+            if position == len(wanted):
+                return
+            target = int(wanted[position])
+
+
+class ListReader:
+    """Rows already in memory (user sources that return a list)."""
+
+    def __init__(self, rows: list[Row]) -> None:
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def rows(self, wanted: np.ndarray | None = None) -> Iterator[Row]:
+        for _, row in _select(enumerate(self._rows), wanted):
+            yield row
+
+
+class JsonlReader:
+    """One JSON object per line; blank lines are skipped (row numbers are line numbers)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._count: int | None = None
+
+    def _lines(self) -> Iterator[tuple[int, bytes]]:
+        with open(self.path, "rb") as handle:
+            for number, line in enumerate(handle, start=1):
+                if line.strip():
+                    yield number, line
+
+    def __len__(self) -> int:
+        if self._count is None:
+            self._count = sum(1 for _ in self._lines())
+        return self._count
+
+    def rows(self, wanted: np.ndarray | None = None) -> Iterator[Row]:
+        for _, (number, line) in _select(enumerate(self._lines()), wanted):
             try:
                 value = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(
-                    f"{path} row {number}: invalid JSON ({exc.msg} at column {exc.colno})"
-                ) from None
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else exc
+                raise DataError(f"{self.path} row {number}: invalid JSON ({detail})") from None
             if not isinstance(value, dict):
-                raise DataError(f"{path} row {number}: expected a JSON object, got {type(value).__name__}")
-            rows.append(Row(value, f"{path} row {number}"))
-    return rows
+                raise DataError(
+                    f"{self.path} row {number}: expected a JSON object, got {type(value).__name__}"
+                )
+            yield Row(value, f"{self.path} row {number}")
 
 
-def _read_json(path: Path) -> list[Row]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
-    if isinstance(value, dict) and isinstance(value.get("data"), list):
-        value = value["data"]
-    if not isinstance(value, list):
-        raise DataError(f"{path}: expected a JSON list of objects (or {{'data': [...]}})")
-    rows = []
-    for index, item in enumerate(value):
-        if not isinstance(item, dict):
-            raise DataError(f"{path} row {index}: expected a JSON object, got {type(item).__name__}")
-        rows.append(Row(item, f"{path} row {index}"))
-    return rows
+class JsonReader:
+    """A JSON list of objects (or ``{"data": [...]}``). A JSON document is parsed whole: use JSONL or
+    Parquet for large data."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._items: list[Any] | None = None
+
+    def _load(self) -> list[Any]:
+        if self._items is None:
+            try:
+                value = json.loads(self.path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{self.path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+            if isinstance(value, dict) and isinstance(value.get("data"), list):
+                value = value["data"]
+            if not isinstance(value, list):
+                raise DataError(f"{self.path}: expected a JSON list of objects (or {{'data': [...]}})")
+            self._items = value
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+    def rows(self, wanted: np.ndarray | None = None) -> Iterator[Row]:
+        for index, item in _select(enumerate(self._load()), wanted):
+            if not isinstance(item, dict):
+                raise DataError(f"{self.path} row {index}: expected a JSON object, got {type(item).__name__}")
+            yield Row(item, f"{self.path} row {index}")
 
 
-def _read_table(path: Path) -> list[Row]:
-    if path.suffix == ".parquet":
+class ParquetReader:
+    def __init__(self, path: Path) -> None:
         import pyarrow.parquet as pq
 
-        records = pq.read_table(path).to_pylist()
-        first = 0
-    else:
+        self.path = path
+        self._file = pq.ParquetFile(path)
+
+    def __len__(self) -> int:
+        return int(self._file.metadata.num_rows)
+
+    def _records(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        number = 0
+        for batch in self._file.iter_batches(batch_size=CHUNK_ROWS):
+            for record in batch.to_pylist():
+                yield number, record
+                number += 1
+
+    def rows(self, wanted: np.ndarray | None = None) -> Iterator[Row]:
+        for index, record in _select(self._records(), wanted):
+            yield Row(record, f"{self.path} row {index}")
+
+
+class CsvReader:
+    """Row numbers as seen in a spreadsheet: the header is line 1, so the first row is row 2."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._count: int | None = None
+
+    def _records(self) -> Iterator[tuple[int, dict[str, Any]]]:
         import pandas as pd
 
-        records = pd.read_csv(path).to_dict(orient="records")
-        first = 2  # row numbers as seen in a spreadsheet: the header is line 1
-    return [Row(record, f"{path} row {index + first}") for index, record in enumerate(records)]
+        number = 0
+        for frame in pd.read_csv(self.path, chunksize=CHUNK_ROWS):
+            for record in frame.to_dict(orient="records"):
+                yield number, record
+                number += 1
+
+    def __len__(self) -> int:
+        if self._count is None:
+            self._count = sum(1 for _ in self._records())
+        return self._count
+
+    def rows(self, wanted: np.ndarray | None = None) -> Iterator[Row]:
+        for index, record in _select(self._records(), wanted):
+            yield Row(record, f"{self.path} row {index + 2}")
+
+
+class HFReader:
+    """A ``datasets.Dataset`` (Arrow, memory-mapped by ``datasets``), read in batches."""
+
+    def __init__(self, dataset: Any, name: str) -> None:
+        self.dataset = dataset
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def rows(self, wanted: np.ndarray | None = None) -> Iterator[Row]:
+        numbers = range(len(self.dataset)) if wanted is None else wanted
+        for start in range(0, len(numbers), CHUNK_ROWS):
+            chunk = [int(i) for i in numbers[start : start + CHUNK_ROWS]]
+            batch = self.dataset[chunk[0] : chunk[-1] + 1] if wanted is None else self.dataset[chunk]
+            for offset, number in enumerate(chunk):
+                yield Row({key: batch[key][offset] for key in batch}, f"{self.name} row {number}")
 
 
 @DATA_SOURCES.register("local", config=LocalSourceConfig)
-def load_local(config: LocalSourceConfig, ctx: RunContext) -> list[Row]:
+def load_local(config: LocalSourceConfig, ctx: RunContext) -> RowReader:
     path = Path(config.name_or_path).expanduser()
     if not path.is_file():
         raise DataError(f"data source {config.name_or_path!r}: no such file")
-    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_table, ".csv": _read_table}
+    readers = {".jsonl": JsonlReader, ".json": JsonReader, ".parquet": ParquetReader, ".csv": CsvReader}
     return readers[path.suffix](path)
 
 
 @DATA_SOURCES.register("huggingface", config=HFSourceConfig)
-def load_huggingface(config: HFSourceConfig, ctx: RunContext) -> list[Row]:
+def load_huggingface(config: HFSourceConfig, ctx: RunContext) -> RowReader:
     import datasets
 
     path = Path(config.name_or_path).expanduser()
@@ -99,21 +229,22 @@ def load_huggingface(config: HFSourceConfig, ctx: RunContext) -> list[Row]:
         raise DataError(
             f"data source {config.name_or_path!r} (split {split!r}): {type(exc).__name__}: {exc}"
         ) from None
-    return [
-        Row(dict(record), f"{config.name_or_path}[{split}] row {index}")
-        for index, record in enumerate(loaded)
-    ]
+    return HFReader(loaded, f"{config.name_or_path}[{split}]")
 
 
-def load_source(config: DataSourceConfig, ctx: RunContext) -> list[Row]:
-    """Read a source and apply its ``sample_ratio`` / ``sample_count``."""
-    rows = DATA_SOURCES.get(config.type).obj(config, ctx)
-    count = None
+def open_source(config: DataSourceConfig, ctx: RunContext) -> RowReader:
+    found = DATA_SOURCES.get(config.type).obj(config, ctx)
+    return ListReader(found) if isinstance(found, list) else found
+
+
+def sample_rows(count: int, config: DataSourceConfig) -> np.ndarray | None:
+    """Row numbers kept by ``sample_ratio`` / ``sample_count`` (sorted), or None for every row."""
+    keep = None
     if config.sample_count is not None:
-        count = min(config.sample_count, len(rows))
+        keep = min(config.sample_count, count)
     elif config.sample_ratio is not None:
-        count = round(len(rows) * config.sample_ratio)
-    if count is not None:
-        keep = sorted(random.Random(config.sample_seed).sample(range(len(rows)), count))
-        rows = [rows[i] for i in keep]
-    return rows
+        keep = round(count * config.sample_ratio)
+    if keep is None:
+        return None
+    rng = np.random.default_rng(config.sample_seed)
+    return np.sort(rng.choice(count, size=keep, replace=False)).astype(np.int64)

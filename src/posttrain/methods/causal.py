@@ -6,27 +6,24 @@ from typing import Any
 
 from posttrain.config.data import CausalDataConfig, DataConfig
 from posttrain.config.trainer import TrainerConfig
-from posttrain.data.build import DataFactory, DataReport
-from posttrain.data.causal import assemble_documents, format_document
+from posttrain.data.build import DataFactory
+from posttrain.data.causal import assemble_documents, format_documents
 from posttrain.methods.sft import sft_loss
 from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 
-def format_causal_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) -> dict[str, list[int]]:
+def format_causal_rows(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig) -> list[Any]:
     assert isinstance(config, CausalDataConfig)
-    return format_document(row, tokenizer, config.text_column, config.add_bos, config.add_eos)
+    return format_documents(rows, tokenizer, config.text_column, config.add_bos, config.add_eos)
 
 
-def assemble_causal(
-    samples: list[dict[str, list[int]]], max_length: int, config: DataConfig, report: DataReport, pack: bool
-) -> list[dict[str, list[int]]]:
-    report.samples = len(samples)
-    return assemble_documents(samples, max_length, config.seed, pack, getattr(config, "packing", "best-fit"))
+def keep_document(sample: dict[str, Any], max_length: int, config: DataConfig) -> tuple[Any, str, bool]:
+    return sample, "", False  # long documents are cut into blocks or chunks when assembled
 
 
 DATA_FACTORIES.add(
     "causal",
-    DataFactory(format=format_causal_row, assemble=assemble_causal, chat=False),
+    DataFactory(format_batch=format_causal_rows, fit=keep_document, assemble=assemble_documents, chat=False),
     config=CausalDataConfig,
 )
 

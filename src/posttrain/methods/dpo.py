@@ -12,15 +12,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from posttrain.config.data import DataConfig
 from posttrain.config.dpo import DPODataConfig, DPOTrainerConfig
 from posttrain.context import RunContext
-from posttrain.data.build import DataFactory, DataReport, Datasets
+from posttrain.data.build import DataFactory, Datasets, loop_format
 from posttrain.data.dpo import format_pair
 from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.views import SampleView
 from posttrain.logs import say
 from posttrain.methods.preference_losses import PreferenceParams, preference_loss
 from posttrain.registry import DATA_FACTORIES, MODEL_FACTORIES, TRAINERS, TrainerSpec, hf_components
@@ -39,24 +41,18 @@ def format_dpo_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) -> P
     )
 
 
-def assemble_pairs(
-    pairs: list[Pair], max_length: int, config: DataConfig, report: DataReport, pack: bool
-) -> list[Pair]:
-    policy = getattr(config, "overlong_samples", "drop")
-    kept = []
-    for pair in pairs:
-        if any(len(pair[f"{side}_input_ids"]) > max_length for side in SIDES):
-            if policy == "drop":
-                report.dropped[f"longer than max_length={max_length}"] += 1
-                continue
-            pair = {key: value[:max_length] for key, value in pair.items()}
-            report.truncated += 1
-        if any(all(x == IGNORE_INDEX for x in pair[f"{side}_labels"][1:]) for side in SIDES):
-            report.dropped["an answer has no trained tokens"] += 1
-            continue
-        kept.append(pair)
-    report.samples = len(kept)
-    return kept
+def fit_pair(pair: Pair, max_length: int, config: DataConfig) -> tuple[Pair | None, str, bool]:
+    """Drop (or cut both sides of) a pair with a side longer than ``max_length``; drop a pair with an answer
+    that has nothing to train."""
+    truncated = False
+    if any(len(pair[f"{side}_input_ids"]) > max_length for side in SIDES):
+        if getattr(config, "overlong_samples", "drop") == "drop":
+            return None, f"longer than max_length={max_length}", False
+        pair = {key: value[:max_length] for key, value in pair.items()}
+        truncated = True
+    if any(not np.any(np.asarray(pair[f"{side}_labels"][1:]) != IGNORE_INDEX) for side in SIDES):
+        return None, "an answer has no trained tokens", truncated
+    return pair, "", truncated
 
 
 class PairCollator:
@@ -72,11 +68,11 @@ class PairCollator:
         labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
         attention = torch.zeros((len(rows), longest), dtype=torch.long)
         for index, (ids, labs) in enumerate(rows):
-            input_ids[index, : len(ids)] = torch.tensor(ids)
-            labels[index, : len(labs)] = torch.tensor(labs)
+            input_ids[index, : len(ids)] = torch.as_tensor(ids)
+            labels[index, : len(labs)] = torch.as_tensor(labs)
             attention[index, : len(ids)] = 1
         # padding pairs (eval shards) carry no labels and so no weight
-        weights = [float(any(x != IGNORE_INDEX for x in p["chosen_labels"])) for p in pairs]
+        weights = [float(np.any(np.asarray(p["chosen_labels"]) != IGNORE_INDEX)) for p in pairs]
         return {
             "input_ids": input_ids,
             "labels": labels,
@@ -145,33 +141,37 @@ def make_dpo_loss(config: DPOTrainerConfig) -> Any:
 
 @torch.no_grad()
 def _reference_logps(
-    ctx: RunContext, forward: Any, pairs: list[Pair], collator: PairCollator, device: torch.device
+    ctx: RunContext, forward: Any, views: list[SampleView], collator: PairCollator, device: torch.device
 ) -> None:
-    """Fill ``ref_chosen``/``ref_rejected`` of every pair; each rank scores its share, then all share."""
+    """Score every distinct stored pair of the views once (each rank its share, then all share) and attach
+    the scores to the views as ``ref_chosen`` / ``ref_rejected`` (per stored pair: 16 bytes each)."""
     import torch.distributed as dist
 
-    unique = list({id(p): p for p in pairs}.values())
+    store = views[0].store
+    unique = np.unique(np.concatenate([view.samples for view in views]))
     world, rank = ctx.dist.world_size, ctx.dist.rank
     per_rank = math.ceil(len(unique) / world)
-    mine = list(range(rank, len(unique), world))
-    mine += [mine[0] if mine else 0] * (
-        per_rank - len(mine)
-    )  # equal batch counts keep ZeRO-3 collectives in step
+    mine = unique[rank::world]
+    # equal batch counts keep ZeRO-3 collectives in step
+    mine = np.concatenate([mine, np.full(per_rank - len(mine), unique[0] if len(unique) else 0)])
     size = ctx.config.micro_batch_size
-    scores: dict[int, tuple[float, float]] = {}
+    chosen_all, rejected_all = np.zeros(len(mine)), np.zeros(len(mine))
     for start in range(0, len(mine), size):
-        indices = mine[start : start + size]
-        batch = collator([unique[i] for i in indices])
+        batch = collator([views[0].sample_item(int(i)) for i in mine[start : start + size]])
         inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
         chosen, rejected, _, _ = pair_logps(forward, inputs)
-        for i, c, r in zip(indices, chosen.tolist(), rejected.tolist(), strict=True):
-            scores[i] = (c, r)
+        chosen_all[start : start + size] = chosen.cpu().numpy()
+        rejected_all[start : start + size] = rejected.cpu().numpy()
+    parts = [(mine, chosen_all, rejected_all)]
     if world > 1:
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, scores)
-        scores = {k: v for part in gathered for k, v in part.items()}
-    for index, pair in enumerate(unique):
-        pair["ref_chosen"], pair["ref_rejected"] = scores[index]
+        dist.all_gather_object(gathered, parts[0])
+        parts = gathered
+    ref_chosen, ref_rejected = np.zeros(store.count), np.zeros(store.count)
+    for ids, chosen_part, rejected_part in parts:
+        ref_chosen[ids], ref_rejected[ids] = chosen_part, rejected_part
+    for view in views:
+        view.extras.update(ref_chosen=ref_chosen, ref_rejected=ref_rejected)
 
 
 def prepare_reference(ctx: RunContext, engine: Any, data: Datasets, collator: PairCollator) -> None:
@@ -187,13 +187,21 @@ def prepare_reference(ctx: RunContext, engine: Any, data: Datasets, collator: Pa
     else:
         engine.train(False)
         forward, source = engine, "the policy's initial weights"
-    for pairs in (data.train, data.eval):
-        _reference_logps(ctx, forward, pairs, collator, engine.device)
+    views = [view for view in (data.train, data.eval) if isinstance(view, SampleView)]
+    _reference_logps(ctx, forward, views, collator, engine.device)
     engine.train(True)
     say(f"reference log-probabilities computed once for {len(data.train) + len(data.eval)} pairs ({source})")
 
 
-DATA_FACTORIES.add("dpo", DataFactory(format=format_dpo_row, assemble=assemble_pairs), config=DPODataConfig)
+DATA_FACTORIES.add(
+    "dpo",
+    DataFactory(
+        format_batch=loop_format(format_dpo_row),
+        columns=tuple(f"{side}_{column}" for side in SIDES for column in ("input_ids", "labels")),
+        fit=fit_pair,
+    ),
+    config=DPODataConfig,
+)
 
 TRAINERS.add(
     "dpo",

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from posttrain.config.data import DataConfig, SFTDataConfig
 from posttrain.config.trainer import TrainerConfig
 from posttrain.data.build import DataFactory
-from posttrain.data.sft import IGNORE_INDEX, format_sft
+from posttrain.data.sft import IGNORE_INDEX, format_sft_batch
 from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 
@@ -36,11 +36,11 @@ def sft_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tenso
     return token_nll_sum(logits, batch["labels"]), {}
 
 
-def format_sft_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) -> dict[str, list[int]]:
-    return format_sft(row, tokenizer, getattr(config, "mask_inputs", True), config.check_end_of_turn)
+def format_sft_rows(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig) -> list[Any]:
+    return format_sft_batch(rows, tokenizer, getattr(config, "mask_inputs", True), config.check_end_of_turn)
 
 
-DATA_FACTORIES.add("sft", DataFactory(format=format_sft_row), config=SFTDataConfig)
+DATA_FACTORIES.add("sft", DataFactory(format_batch=format_sft_rows), config=SFTDataConfig)
 TRAINERS.add(
     "sft",
     TrainerSpec(

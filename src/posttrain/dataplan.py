@@ -1,0 +1,80 @@
+"""The data plan: everything ``train``, ``preprocess`` and ``plot-lr`` must agree on before a first step — the
+maximum length, the data (built, or opened from the cache), ``min_iterations`` repetition, and how many
+micro-batches each optimizer step takes. One function computes it for all three, so they count the same."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.config.trainer import TrainerConfig
+from posttrain.context import RunContext
+from posttrain.data.build import Datasets
+from posttrain.data.cache import load_datasets
+from posttrain.logs import get_logger, say
+from posttrain.plan import BatchSizes, step_plan
+
+
+@dataclass
+class DataPlan:
+    config: TrainerConfig  # resolved for the world size (batch sizes, LR)
+    sizes: BatchSizes
+    lr: float
+    tokenizer: Any
+    max_length: int
+    data: Datasets
+    step_plan: list[list[int]]  # micro-batches per optimizer step, per epoch
+    total_steps: int
+    repeats: int = 1  # copies of the training data (min_iterations)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.step_plan[0])
+
+
+def pretrained_config(config: TrainerConfig) -> Any:
+    """The model's HF config, read before the model is built (None when it is not an HF checkpoint)."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(config.model.name_or_path)
+    except (OSError, ValueError):
+        return None
+
+
+def max_length_for(config: TrainerConfig, model_config: Any) -> int:
+    """``data.max_length`` as set, else the model's ``max_position_embeddings``."""
+    if "max_length" in config.data.model_fields_set:
+        return config.data.max_length
+    found = getattr(model_config, "max_position_embeddings", None)
+    if isinstance(found, int):
+        get_logger().info("data.max_length not set: using the model's max_position_embeddings=%d", found)
+        return found
+    return config.data.max_length
+
+
+def micro_batches_per_rank(samples: int, sizes: BatchSizes) -> int:
+    """What ``len(DataLoader)`` is on each rank (the sampler pads every rank to the same count)."""
+    return math.ceil(math.ceil(samples / sizes.world_size) / sizes.micro_batch_size)
+
+
+def _steps(config: TrainerConfig, sequences: int, sizes: BatchSizes) -> tuple[list[list[int]], int]:
+    plan = step_plan(micro_batches_per_rank(sequences, sizes), config.epochs, sizes, config.rampup_batch_size)
+    return plan, config.train_iters or sum(len(steps) for steps in plan[: config.epochs])
+
+
+def plan_data(ctx: RunContext, sizes: BatchSizes, lr: float, tokenizer: Any, model_config: Any) -> DataPlan:
+    """Build or open the data for ``ctx.config`` (already resolved for the world size) and plan the steps."""
+    config = ctx.config
+    max_length = max_length_for(config, model_config)
+    data = load_datasets(ctx, tokenizer, max_length)
+    plan, total = _steps(config, len(data.train), sizes)
+    repeats = 1
+    steps = max(1, config.epochs) * math.ceil(len(data.train) / sizes.global_batch_size)
+    if config.min_iterations and steps < config.min_iterations:
+        repeats = math.ceil(config.min_iterations / steps)
+        data.train = data.train.repeat(repeats)
+        say(f"min_iterations={config.min_iterations}: training data repeated {repeats}x")
+        plan, total = _steps(config, len(data.train), sizes)
+    return DataPlan(config, sizes, lr, tokenizer, max_length, data, plan, total, repeats)
