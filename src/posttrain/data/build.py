@@ -214,8 +214,17 @@ def format_chunk(rows: list[Row], held_out: np.ndarray) -> Chunk:
     return Chunk(flat, lengths, np.array(kept_held, dtype=bool), hashes, held_out, dropped, truncated)
 
 
-def _format_task(task: tuple[list[Row], np.ndarray]) -> Chunk:
-    return format_chunk(*task)
+Task = tuple[Any, ...]
+
+
+def _format_task(task: Task) -> Chunk:
+    """``(rows, held_out)``, or ``(source number, row numbers, held_out, process)`` for a source that this
+    process reads itself (random access: the main process then only writes the results)."""
+    if len(task) == 2:
+        return format_chunk(*task)
+    source, numbers, held_out, process = task
+    rows = [Row(r.data, r.origin, process) for r in _WORKER["readers"][source].read(numbers)]
+    return format_chunk(rows, held_out)
 
 
 class Formatter:
@@ -226,7 +235,7 @@ class Formatter:
         self.workers = workers
         self.pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
 
-    def map(self, tasks: Iterator[tuple[list[Row], np.ndarray]]) -> Iterator[Chunk]:
+    def map(self, tasks: Iterator[Task]) -> Iterator[Chunk]:
         if self.pool is None:
             yield from (_format_task(task) for task in tasks)
             return
@@ -277,7 +286,15 @@ def _plan_sources(config: DataConfig, ctx: RunContext) -> list[_Planned]:
     return planned
 
 
-def _tasks(planned: _Planned, chunk_rows: int) -> Iterator[tuple[list[Row], np.ndarray]]:
+def _tasks(number: int, planned: _Planned, chunk_rows: int) -> Iterator[Task]:
+    """Chunks of a source: row numbers for a worker to read itself when the reader allows it, else rows."""
+    if hasattr(planned.reader, "read"):
+        count = len(planned.held_out)
+        for start in range(0, count, chunk_rows):
+            stop = min(start + chunk_rows, count)
+            numbers = np.arange(start, stop) if planned.wanted is None else planned.wanted[start:stop]
+            yield number, numbers, planned.held_out[start:stop], planned.process
+        return
     rows: list[Row] = []
     start = 0
     for row in planned.reader.rows(planned.wanted):
@@ -306,7 +323,10 @@ def build_store(ctx: RunContext, tokenizer: Any, max_length: int, directory: Pat
     total = sum(len(p.held_out) for p in planned)
     workers = _workers(config, total)
     chunk_rows = CHUNK_ROWS if workers == 1 else max(16, min(CHUNK_ROWS, -(-total // (workers * 8))))
-    _WORKER.update(factory=factory, config=config, tokenizer=tokenizer, max_length=max_length)
+    readers = [p.reader for p in planned]
+    _WORKER.update(
+        factory=factory, config=config, tokenizer=tokenizer, max_length=max_length, readers=readers
+    )
     writer = StoreWriter(directory, factory.columns)
     train_report, eval_report = DataReport(), DataReport()
     parts: list[np.ndarray] = []
@@ -316,9 +336,9 @@ def build_store(ctx: RunContext, tokenizer: Any, max_length: int, directory: Pat
     progress = BuildProgress(total, enabled=show)
     formatter = Formatter(workers)
     try:
-        for source in planned:
+        for number, source in enumerate(planned):
             ids_train, ids_held = [], []
-            for chunk in formatter.map(_tasks(source, chunk_rows)):
+            for chunk in formatter.map(_tasks(number, source, chunk_rows)):
                 if chunk.error:
                     raise DataError(chunk.error)
                 ids = writer.append(chunk.flat, chunk.lengths)

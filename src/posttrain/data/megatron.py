@@ -18,7 +18,7 @@ import numpy as np
 
 from posttrain.config.data import MegatronSourceConfig
 from posttrain.context import RunContext
-from posttrain.data.sources import Row, _select
+from posttrain.data.sources import Row
 from posttrain.errors import DataError
 from posttrain.registry import DATA_SOURCES
 
@@ -98,15 +98,18 @@ class MegatronReader:
     def __len__(self) -> int:
         return self.stop - self.first
 
+    def read(self, numbers: np.ndarray) -> list[Row]:
+        rows = []
+        for index in numbers.tolist():
+            tokens = self.dataset.document(self.first + index)
+            origin = f"{self.dataset.prefix} document {self.first + index}"
+            rows.append(Row({"input_ids": tokens, "labels": tokens}, origin, process=False))
+        return rows
+
     def rows(self, wanted: np.ndarray | None = None) -> Iterator[Row]:
-        numbered = ((i, self.first + i) for i in range(len(self)))
-        for _, number in _select(numbered, wanted):
-            tokens = self.dataset.document(number)
-            yield Row(
-                {"input_ids": tokens, "labels": tokens},
-                f"{self.dataset.prefix} document {number}",
-                process=False,
-            )
+        numbers = np.arange(len(self)) if wanted is None else wanted
+        for start in range(0, len(numbers), 1024):
+            yield from self.read(numbers[start : start + 1024])
 
 
 @DATA_SOURCES.register("megatron", config=MegatronSourceConfig)

@@ -111,25 +111,17 @@ def check_turn_ends(tokenizer: Any, ids: Any, mask: Any, start: int = 0) -> None
             )
 
 
-def _offsets_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    """The assistant mask from character spans, token by token as ``apply_chat_template`` computes it: from
-    the token holding a span's first character through the token holding its last (to the end when that one
-    is missing); a span whose first character no token holds ends the marking."""
-    count = len(offsets)
+def _span_mask(encoding: Any, spans: list[tuple[int, int]]) -> np.ndarray:
+    """The assistant mask from character spans, as ``apply_chat_template`` computes it: from the token holding
+    a span's first character through the token holding its last (to the end when that one is missing); a
+    span whose first character no token holds ends the marking. Only the span ends are looked up."""
+    count = len(encoding)
     mask = np.zeros(count, dtype=bool)
-    if count == 0:
-        return mask
-    starts, ends = offsets[:, 0], offsets[:, 1]
-
-    def token_at(char: int) -> int | None:
-        index = int(np.searchsorted(ends, char, side="right"))
-        return index if index < count and starts[index] <= char < ends[index] else None
-
     for first_char, end_char in spans:
-        first = token_at(first_char)
+        first = encoding.char_to_token(first_char)
         if first is None:
             break
-        last = token_at(end_char - 1)
+        last = encoding.char_to_token(end_char - 1)
         mask[first : (last + 1 if last else count)] = True
     return mask
 
@@ -159,7 +151,7 @@ def format_sft_batch(
     """Many chat rows at once: a sample (int64 ``input_ids`` and ``labels`` arrays) or the row's error.
 
     With ``{% generation %}`` markers the rows are rendered, tokenized in one call of the fast tokenizer, and
-    labelled through the tokens' character offsets (the same tokens and mask as ``apply_chat_template``).
+    labelled by looking up the tokens that hold each span's first and last character (the same tokens and mask as ``apply_chat_template``).
     Other templates go row by row through token-exact prefix rendering."""
     out: list[Any] = [None] * len(rows)
     conversations, where = [], []
@@ -174,10 +166,7 @@ def format_sft_batch(
         texts, spans = render_with_spans(tokenizer, conversations)
         encodings = backend.encode_batch(texts, add_special_tokens=False)
         pieces = [
-            (
-                np.array(e.ids, dtype=np.int64),
-                _offsets_mask(np.array(e.offsets, dtype=np.int64).reshape(-1, 2), s),
-            )
+            (np.fromiter(e.ids, dtype=np.int64, count=len(e)), _span_mask(e, s))
             for e, s in zip(encodings, spans, strict=True)
         ]
     else:

@@ -42,6 +42,12 @@ class RowReader(Protocol):
         ...
 
 
+class RandomAccessReader(RowReader, Protocol):
+    """A reader that can read any rows by number: formatting workers then read their own chunks."""
+
+    def read(self, numbers: np.ndarray) -> list[Row]: ...
+
+
 def _select(numbered: Iterable[tuple[int, Any]], wanted: np.ndarray | None) -> Iterator[tuple[int, Any]]:
     """Pass through the items whose running number is in ``wanted`` (sorted), stopping after the last."""
     if wanted is None:
@@ -194,13 +200,21 @@ class HFReader:
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def read(self, numbers: np.ndarray) -> list[Row]:
+        chunk = numbers.tolist()
+        if not chunk:
+            return []
+        contiguous = chunk[-1] - chunk[0] == len(chunk) - 1
+        batch = self.dataset[chunk[0] : chunk[-1] + 1] if contiguous else self.dataset[chunk]
+        return [
+            Row({key: batch[key][offset] for key in batch}, f"{self.name} row {number}")
+            for offset, number in enumerate(chunk)
+        ]
+
     def rows(self, wanted: np.ndarray | None = None) -> Iterator[Row]:
-        numbers = range(len(self.dataset)) if wanted is None else wanted
+        numbers = np.arange(len(self.dataset)) if wanted is None else wanted
         for start in range(0, len(numbers), CHUNK_ROWS):
-            chunk = [int(i) for i in numbers[start : start + CHUNK_ROWS]]
-            batch = self.dataset[chunk[0] : chunk[-1] + 1] if wanted is None else self.dataset[chunk]
-            for offset, number in enumerate(chunk):
-                yield Row({key: batch[key][offset] for key in batch}, f"{self.name} row {number}")
+            yield from self.read(numbers[start : start + CHUNK_ROWS])
 
 
 @DATA_SOURCES.register("local", config=LocalSourceConfig)
