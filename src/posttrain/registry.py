@@ -15,9 +15,58 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from posttrain.checkpoint.base import CheckpointEngine
+    from posttrain.context import RunContext
+    from posttrain.data.build import DataFactory
+    from posttrain.data.sources import Row, RowReader
 
 T = TypeVar("T")
+
+
+# ------------------------------------------------------------------ what each kind of component looks like
+
+
+class ModelFactory(Protocol):
+    """``(model config, run context) -> the model`` (on the CPU; the engine places it)."""
+
+    def __call__(self, config: Any, ctx: RunContext) -> torch.nn.Module: ...
+
+
+class TokenizerFactory(Protocol):
+    """``(tokenizer config, run context) -> a Hugging Face tokenizer`` (chat template and pad token set)."""
+
+    def __call__(self, config: Any, ctx: RunContext) -> Any: ...
+
+
+class DataSource(Protocol):
+    """``(source config, run context) -> a row reader`` (or a plain list of rows, for small user sources)."""
+
+    def __call__(self, config: Any, ctx: RunContext) -> RowReader | list[Row]: ...
+
+
+class OptimizerFactory(Protocol):
+    """``(optimizer config, model, run context) -> the optimizer`` over the trainable parameters."""
+
+    def __call__(self, config: Any, model: torch.nn.Module, ctx: RunContext) -> torch.optim.Optimizer: ...
+
+
+class SchedulerFactory(Protocol):
+    """``(scheduler config, optimizer, total optimizer steps, run context) -> an LR scheduler``."""
+
+    def __call__(
+        self, config: Any, optimizer: torch.optim.Optimizer, total_steps: int, ctx: RunContext
+    ) -> torch.optim.lr_scheduler.LRScheduler: ...
+
+
+class CheckpointEngineFactory(Protocol):
+    """``(checkpoint config, run context, tokenizer) -> a checkpoint engine`` (a ``CheckpointEngine`` class)."""
+
+    def __call__(self, config: Any, ctx: RunContext, tokenizer: Any) -> CheckpointEngine: ...
 
 
 class UnknownComponentError(KeyError):
@@ -116,13 +165,13 @@ def hf_components(data: str) -> dict[str, tuple[str, ...]]:
 
 
 TRAINERS: Registry[TrainerSpec] = Registry("trainer")
-MODEL_FACTORIES: Registry[Any] = Registry("model")
-TOKENIZER_FACTORIES: Registry[Any] = Registry("tokenizer")
-DATA_SOURCES: Registry[Any] = Registry("data source")
-DATA_FACTORIES: Registry[Any] = Registry("data")
-OPTIMIZERS: Registry[Any] = Registry("optimizer")
-SCHEDULERS: Registry[Any] = Registry("scheduler")
-CHECKPOINT_ENGINES: Registry[Any] = Registry("checkpoint")
+MODEL_FACTORIES: Registry[ModelFactory] = Registry("model")
+TOKENIZER_FACTORIES: Registry[TokenizerFactory] = Registry("tokenizer")
+DATA_SOURCES: Registry[DataSource] = Registry("data source")
+DATA_FACTORIES: Registry[DataFactory] = Registry("data")
+OPTIMIZERS: Registry[OptimizerFactory] = Registry("optimizer")
+SCHEDULERS: Registry[SchedulerFactory] = Registry("scheduler")
+CHECKPOINT_ENGINES: Registry[CheckpointEngineFactory] = Registry("checkpoint")
 
 #: config slot -> the registry that resolves its ``type:``
 SLOT_REGISTRIES: dict[str, Registry[Any]] = {

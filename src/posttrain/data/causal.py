@@ -57,6 +57,18 @@ def format_documents(
     return out
 
 
+def format_causal_rows(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig) -> list[Any]:
+    """The ``causal`` data factory's batch formatter, with the data config's column and BOS/EOS options."""
+    return format_documents(
+        rows, tokenizer, getattr(config, "text_column", "text"), config.add_bos, config.add_eos
+    )
+
+
+def keep_document(sample: dict[str, Any], max_length: int, config: DataConfig) -> tuple[Any, str, bool]:
+    """Documents are kept whole when stored; long ones are cut into blocks or chunks when assembled."""
+    return sample, "", False
+
+
 def concat_blocks(documents: list[Sample], max_length: int) -> list[Sample]:
     """Concatenate every document and cut the stream into ``max_length`` blocks (the last, shorter block is
     kept when it has at least two tokens). Tokens attend across document boundaries inside a block, as in

@@ -199,3 +199,8 @@ def format_sft(
     if isinstance(result, RowError):
         raise result
     return {key: value.tolist() for key, value in result.items()}
+
+
+def format_sft_rows(rows: list[dict[str, Any]], tokenizer: Any, config: Any) -> list[Any]:
+    """The ``sft`` data factory's batch formatter: :func:`format_sft_batch` with the data config's options."""
+    return format_sft_batch(rows, tokenizer, getattr(config, "mask_inputs", True), config.check_end_of_turn)

@@ -16,76 +16,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from posttrain.config.data import DataConfig
 from posttrain.config.dpo import DPODataConfig, DPOTrainerConfig
 from posttrain.context import RunContext
 from posttrain.data.build import DataFactory, Datasets, loop_format
-from posttrain.data.dpo import format_pair
+from posttrain.data.dpo import SIDES, PairCollator, fit_pair, format_dpo_row
 from posttrain.data.sft import IGNORE_INDEX
 from posttrain.data.views import SampleView
 from posttrain.logs import say
 from posttrain.methods.preference_losses import PreferenceParams, preference_loss
 from posttrain.registry import DATA_FACTORIES, MODEL_FACTORIES, TRAINERS, TrainerSpec, hf_components
-
-Pair = dict[str, Any]
-SIDES = ("chosen", "rejected")
-
-
-# ------------------------------------------------------------------------------------------------- data
-
-
-def format_dpo_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) -> Pair:
-    assert isinstance(config, DPODataConfig)
-    return format_pair(
-        row, tokenizer, config.max_prompt_length, config.prompt_truncation, config.check_end_of_turn
-    )
-
-
-def fit_pair(pair: Pair, max_length: int, config: DataConfig) -> tuple[Pair | None, str, bool]:
-    """Drop (or cut both sides of) a pair with a side longer than ``max_length``; drop a pair with an answer
-    that has nothing to train."""
-    truncated = False
-    if any(len(pair[f"{side}_input_ids"]) > max_length for side in SIDES):
-        if getattr(config, "overlong_samples", "drop") == "drop":
-            return None, f"longer than max_length={max_length}", False
-        pair = {key: value[:max_length] for key, value in pair.items()}
-        truncated = True
-    if any(not np.any(np.asarray(pair[f"{side}_labels"][1:]) != IGNORE_INDEX) for side in SIDES):
-        return None, "an answer has no trained tokens", truncated
-    return pair, "", truncated
-
-
-class PairCollator:
-    """B pairs -> one batch of 2B rows (the chosen answers, then the rejected ones), padded together."""
-
-    def __init__(self, pad_id: int) -> None:
-        self.pad_id = pad_id
-
-    def __call__(self, pairs: list[Pair]) -> dict[str, Any]:
-        rows = [(p[f"{side}_input_ids"], p[f"{side}_labels"]) for side in SIDES for p in pairs]
-        longest = max(len(ids) for ids, _ in rows)
-        input_ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
-        attention = torch.zeros((len(rows), longest), dtype=torch.long)
-        for index, (ids, labs) in enumerate(rows):
-            input_ids[index, : len(ids)] = torch.as_tensor(ids)
-            labels[index, : len(labs)] = torch.as_tensor(labs)
-            attention[index, : len(ids)] = 1
-        # padding pairs (eval shards) carry no labels and so no weight
-        weights = [float(np.any(np.asarray(p["chosen_labels"]) != IGNORE_INDEX)) for p in pairs]
-        return {
-            "input_ids": input_ids,
-            "labels": labels,
-            "attention_mask": attention,
-            "ref_chosen": torch.tensor([p.get("ref_chosen", 0.0) for p in pairs], dtype=torch.float64),
-            "ref_rejected": torch.tensor([p.get("ref_rejected", 0.0) for p in pairs], dtype=torch.float64),
-            "pair_weight": torch.tensor(weights, dtype=torch.float64),
-            "num_loss_units": int(sum(weights)),
-            "num_target_tokens": int((labels[:, 1:] != IGNORE_INDEX).sum()),
-            "num_input_tokens": sum(len(ids) for ids, _ in rows),
-            "num_samples": len(pairs),
-        }
-
 
 # ------------------------------------------------------------------------------------------------- loss
 

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttrain.config.data import DataConfig, SFTDataConfig
+from posttrain.config.data import SFTDataConfig
 from posttrain.config.trainer import TrainerConfig
 from posttrain.data.build import DataFactory
-from posttrain.data.sft import IGNORE_INDEX, format_sft_batch
+from posttrain.data.sft import IGNORE_INDEX, format_sft_rows
 from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 
@@ -34,10 +34,6 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
 def sft_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
     logits = model(**model_inputs(batch), use_cache=False).logits
     return token_nll_sum(logits, batch["labels"]), {}
-
-
-def format_sft_rows(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig) -> list[Any]:
-    return format_sft_batch(rows, tokenizer, getattr(config, "mask_inputs", True), config.check_end_of_turn)
 
 
 DATA_FACTORIES.add("sft", DataFactory(format_batch=format_sft_rows), config=SFTDataConfig)
