@@ -364,9 +364,38 @@ def build_store(ctx: RunContext, tokenizer: Any, max_length: int, directory: Pat
     train_ids = _mix(config, parts, train_report)
     eval_ids = _cat(held)
     train_report.leaked = int(np.isin(_cat(eval_hashes), _cat(train_hashes)).sum())
-    writer.close({"train_report": train_report.to_json(), "eval_report": eval_report.to_json()})
-    np.save(directory / "train_samples.npy", train_ids)
-    np.save(directory / "eval_samples.npy", eval_ids)
+    writer.close()
+    _assemble(ctx, directory, max_length, train_ids, eval_ids, train_report, eval_report)
+
+
+def _assemble(
+    ctx: RunContext,
+    directory: Path,
+    max_length: int,
+    train_ids: np.ndarray,
+    eval_ids: np.ndarray,
+    train_report: DataReport,
+    eval_report: DataReport,
+) -> None:
+    """Assemble the training and eval sequences once (packing included), save their index arrays and the
+    final reports beside the tokens."""
+    config = ctx.config.data
+    factory: DataFactory = DATA_FACTORIES.get(config.type).obj
+    store = SampleStore(directory)
+    pack = bool(getattr(config, "pack_samples", False))
+    for name, ids, report, packed in (
+        ("train", train_ids, train_report, pack),
+        ("eval", eval_ids, eval_report, False),
+    ):
+        view = factory.assemble(store, ids, max_length, config, packed)
+        report.packed = packed
+        report.samples = len(ids)
+        report.sequences = len(view)
+        report.tokens = int(sum(view.lengths(c).sum() for c in view.input_columns)) if len(view) else 0
+        report.target_tokens = view.trained_tokens() if len(view) else 0
+        view.save(directory, name)
+    reports = {"train_report": train_report.to_json(), "eval_report": eval_report.to_json()}
+    (directory / "reports.json").write_text(json.dumps(reports, indent=1))
 
 
 def _cat(parts: list[np.ndarray]) -> np.ndarray:
@@ -400,24 +429,13 @@ def _mix(config: DataConfig, parts: list[np.ndarray], report: DataReport) -> np.
     return mixed
 
 
-def open_datasets(ctx: RunContext, directory: Path, max_length: int) -> Datasets:
-    """The train and eval views over a built store (a few small arrays are read; tokens stay on disk)."""
-    config = ctx.config.data
-    factory: DataFactory = DATA_FACTORIES.get(config.type).obj
+def open_datasets(directory: Path) -> Datasets:
+    """The train and eval views of a built store: a few small files are read, the rest is memory-mapped."""
     store = SampleStore(directory)
-    train_ids = np.load(directory / "train_samples.npy", mmap_mode="r")
-    eval_ids = np.load(directory / "eval_samples.npy", mmap_mode="r")
-    pack = bool(getattr(config, "pack_samples", False))
-    train = factory.assemble(store, np.asarray(train_ids), max_length, config, pack)
-    evaluation = factory.assemble(store, np.asarray(eval_ids), max_length, config, False)
-    train_report = DataReport.from_json(store.meta["train_report"])
-    eval_report = DataReport.from_json(store.meta["eval_report"])
-    for view, report, packed in ((train, train_report, pack), (evaluation, eval_report, False)):
-        report.packed = packed
-        report.samples = len(train_ids) if view is train else len(eval_ids)
-        report.sequences = len(view)
-        report.tokens = int(sum(view.lengths(c).sum() for c in view.input_columns)) if len(view) else 0
-        report.target_tokens = view.trained_tokens() if len(view) else 0
+    reports = json.loads((directory / "reports.json").read_text())
+    train_report = DataReport.from_json(reports["train_report"])
+    train = View.restore(store, directory, "train")
     if len(train) == 0:
         raise DataError(f"no training samples left: {train_report.summary('train')}")
-    return Datasets(train, evaluation, train_report, eval_report)
+    evaluation = View.restore(store, directory, "eval")
+    return Datasets(train, evaluation, train_report, DataReport.from_json(reports["eval_report"]))

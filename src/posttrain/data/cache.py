@@ -24,7 +24,6 @@ import posttrain
 from posttrain.config.data import DataSourceConfig
 from posttrain.context import RunContext
 from posttrain.data.build import Datasets, build_store, open_datasets
-from posttrain.data.store import META
 from posttrain.dist import barrier
 from posttrain.logs import say
 
@@ -108,7 +107,7 @@ def load_datasets(ctx: RunContext, tokenizer: Any, max_length: int) -> Datasets:
     key = cache_key(ctx, tokenizer, max_length)
     root = Path(config.cache_dir)
     directory = root / (key if config.cache_enabled else f"uncached-{key}")
-    hit = config.cache_enabled and (directory / META).is_file()
+    hit = config.cache_enabled and (directory / "reports.json").is_file()
     if not hit and _is_builder(ctx):
         root.mkdir(parents=True, exist_ok=True)
         staging = root / f".building-{key}-{uuid.uuid4().hex[:8]}"
@@ -121,7 +120,7 @@ def load_datasets(ctx: RunContext, tokenizer: Any, max_length: int) -> Datasets:
             shutil.rmtree(staging, ignore_errors=True)
     barrier(ctx.dist)  # the others wait here until the builder has renamed the store into place
     started = time.perf_counter()
-    data = open_datasets(ctx, directory, max_length)
+    data = open_datasets(directory)
     if hit:
         say(
             f"processed data loaded from the cache ({directory}, opened in {time.perf_counter() - started:.2f} s)"

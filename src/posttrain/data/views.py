@@ -11,7 +11,9 @@ without touching the store) and hands the collator a dict of int64 numpy arrays:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,16 +26,42 @@ Item = dict[str, Any]
 
 
 class View(Dataset):
-    """Common part: ``order`` maps item numbers to sequence numbers."""
+    """Common part: ``order`` maps item numbers to sequence numbers (None: item k is sequence k).
+    ``ARRAYS`` names the index arrays saved beside the store (``save``) and memory-mapped back (``restore``),
+    so the assembly (packing included) runs once, when the store is built."""
 
+    ARRAYS: tuple[str, ...] = ()
     store: SampleStore
-    order: np.ndarray
+    order: np.ndarray | None = None
+
+    def sequences(self) -> int:
+        raise NotImplementedError
 
     def __len__(self) -> int:
-        return len(self.order)
+        return self.sequences() if self.order is None else len(self.order)
 
     def __getitem__(self, index: int) -> Item:
-        return self.sequence(int(self.order[index]))
+        return self.sequence(index if self.order is None else int(self.order[index]))
+
+    @property
+    def item_order(self) -> np.ndarray:
+        return np.arange(self.sequences(), dtype=np.int64) if self.order is None else self.order
+
+    def save(self, directory: Path, name: str) -> None:
+        for array in self.ARRAYS:
+            np.save(directory / f"{name}.{array}.npy", np.asarray(getattr(self, array)))
+        scalars = {k: v for k, v in self.__dict__.items() if isinstance(v, int) and not isinstance(v, bool)}
+        (directory / f"{name}.view.json").write_text(json.dumps({"kind": type(self).__name__, **scalars}))
+
+    @staticmethod
+    def restore(store: SampleStore, directory: Path, name: str) -> View:
+        meta = json.loads((directory / f"{name}.view.json").read_text())
+        kind = VIEWS[meta.pop("kind")]
+        view = object.__new__(kind)
+        view.__dict__.update(meta, store=store, order=None, extras={})
+        for array in kind.ARRAYS:
+            view.__dict__[array] = np.load(directory / f"{name}.{array}.npy", mmap_mode="r")
+        return view
 
     def __iter__(self) -> Iterator[Item]:
         for index in range(len(self)):
@@ -48,7 +76,8 @@ class View(Dataset):
 
     def lengths(self, column: str = "input_ids") -> np.ndarray:
         """Length of every item, in item order."""
-        return self.sequence_lengths(column)[self.order]
+        lengths = self.sequence_lengths(column)
+        return lengths if self.order is None else lengths[self.order]
 
     def trained_tokens(self) -> int:
         raise NotImplementedError
@@ -64,20 +93,25 @@ class View(Dataset):
         return copy
 
     def repeat(self, copies: int) -> View:
-        return self.with_order(np.tile(self.order, copies))
+        return self.with_order(np.tile(self.item_order, copies))
 
     def head(self, count: int) -> View:
-        return self.with_order(self.order[:count])
+        return self.with_order(self.item_order[:count])
 
 
 class SampleView(View):
     """One stored sample per item; ``extras`` adds per-sample scalars (DPO's reference log-probabilities)."""
 
+    ARRAYS = ("samples",)
+
     def __init__(self, store: SampleStore, samples: np.ndarray) -> None:
         self.store = store
         self.samples = np.asarray(samples, dtype=np.int64)
-        self.order = np.arange(len(self.samples), dtype=np.int64)
+        self.order = None
         self.extras: dict[str, np.ndarray] = {}
+
+    def sequences(self) -> int:
+        return len(self.samples)
 
     def sequence(self, number: int) -> Item:
         return self.sample_item(int(self.samples[number]))
@@ -94,12 +128,15 @@ class SampleView(View):
 
     def trained_tokens(self) -> int:
         columns = [c for c in self.store.columns if c.endswith("labels")]
-        return int(sum(self.store.trained(c)[self.samples[self.order]].sum() for c in columns))
+        samples = self.samples if self.order is None else self.samples[self.order]
+        return int(sum(self.store.trained(c)[samples].sum() for c in columns))
 
 
 class PackedView(View):
     """Sequences made of spans ``(sample, start, length)``; sequence ``k`` holds the spans
     ``members[offsets[k]:offsets[k + 1]]``."""
+
+    ARRAYS = ("span_sample", "span_start", "span_length", "offsets", "members")
 
     def __init__(
         self,
@@ -112,7 +149,10 @@ class PackedView(View):
         self.span_sample, self.span_start, self.span_length = spans
         self.offsets = offsets
         self.members = members
-        self.order = np.arange(len(offsets) - 1, dtype=np.int64)
+        self.order = None
+
+    def sequences(self) -> int:
+        return len(self.offsets) - 1
 
     def sequence(self, number: int) -> Item:
         ids, labels, positions = [], [], []
@@ -140,12 +180,14 @@ class PackedView(View):
         whole = (self.span_start == 0) & (self.span_length == self.store.lengths("labels")[self.span_sample])
         per_span = np.where(whole, self.store.trained("labels")[self.span_sample], self.span_length - 1)
         per_sequence = np.add.reduceat(per_span[self.members], self.offsets[:-1])
-        return int(per_sequence[self.order].sum())
+        return int((per_sequence if self.order is None else per_sequence[self.order]).sum())
 
 
 class BlockView(View):
     """``max_length`` windows of the stream of ``samples`` concatenated in order (the last, shorter window
     kept when it has at least two tokens); labels are the stored labels of the same tokens."""
+
+    ARRAYS = ("samples", "starts")
 
     def __init__(self, store: SampleStore, samples: np.ndarray, block: int) -> None:
         self.store = store
@@ -154,10 +196,11 @@ class BlockView(View):
         lengths = store.lengths("input_ids")[self.samples]
         self.starts = np.zeros(len(lengths) + 1, dtype=np.int64)  # stream position of each sample
         np.cumsum(lengths, out=self.starts[1:])
-        total = int(self.starts[-1])
-        blocks = total // block + (1 if total % block >= 2 else 0)
-        self.total = total
-        self.order = np.arange(blocks, dtype=np.int64)
+        self.total = int(self.starts[-1])
+        self.order = None
+
+    def sequences(self) -> int:
+        return self.total // self.block + (1 if self.total % self.block >= 2 else 0)
 
     def sequence(self, number: int) -> Item:
         begin, end = number * self.block, min((number + 1) * self.block, self.total)
@@ -175,13 +218,16 @@ class BlockView(View):
         return {"input_ids": np.concatenate(ids), "labels": np.concatenate(labels)}
 
     def sequence_lengths(self, column: str = "input_ids") -> np.ndarray:
-        lengths = np.full(len(self.order), self.block, dtype=np.int64)
+        lengths = np.full(self.sequences(), self.block, dtype=np.int64)
         if len(lengths) and self.total % self.block >= 2:  # a shorter last block (one token is dropped)
             lengths[-1] = self.total % self.block
         return lengths
 
     def trained_tokens(self) -> int:
         return int((self.lengths() - 1).sum())
+
+
+VIEWS: dict[str, type[View]] = {cls.__name__: cls for cls in (SampleView, PackedView, BlockView)}
 
 
 class EvalShard(Dataset):
