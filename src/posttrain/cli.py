@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from posttrain.errors import UserError
 
@@ -150,12 +152,61 @@ def _launch(args: argparse.Namespace, kill_switch: str) -> int:
     return _run_relaying_signals(command, kill_switch)
 
 
+#: set by ``--nproc`` for the ranks: where a rank that stops on a user error (bad config or data) notes it
+USER_ERROR_DIR = "POSTTRAIN_USER_ERROR_DIR"
+
+
+def _note_user_error() -> None:
+    directory = os.environ.get(USER_ERROR_DIR)
+    if directory and "RANK" in os.environ:
+        Path(directory, f"rank-{os.environ['RANK']}").write_text("user error\n")
+
+
+def _filter_launcher_errors(stream: Any, user_errors: Path) -> None:
+    """Pass the launcher's standard error through, except, when a rank stopped on a user error (its message
+    is already printed), the launcher's own ``ChildFailedError`` traceback and failure report."""
+    held: list[str] = []
+    dropping = False
+    for line in stream:
+        if dropping:
+            continue
+        if held or line.startswith("Traceback (most recent call last):"):
+            held.append(line)
+            if (
+                line[:1].isspace()
+                or line.startswith(("Traceback", "During handling", "The above"))
+                or not line.strip()
+            ):
+                continue
+            if "ChildFailedError" in line and any(user_errors.iterdir()):
+                dropping = True
+            else:
+                sys.stderr.writelines(held)
+            held = []
+            continue
+        if "failed (exitcode: 2)" in line and "torch/distributed/elastic" in line:
+            continue  # the launcher's log line for a rank that exited on a user error
+        sys.stderr.write(line)
+    sys.stderr.writelines(held)
+    sys.stderr.flush()
+
+
 def _run_relaying_signals(command: list[str], kill_switch: str) -> int:
     """Run the launcher in its own session and turn SIGTERM/SIGINT sent to this process into the run's kill
-    switch: every rank then stops after the same step, saves, and exits 0. A second SIGINT kills the job."""
+    switch: every rank then stops after the same step, saves, and exits 0. A second SIGINT kills the job.
+    A rank that stops on a user error makes the whole command exit with status 2."""
     import signal
+    import tempfile
+    import threading
 
-    process = subprocess.Popen(command, start_new_session=True)
+    user_errors = Path(tempfile.mkdtemp(prefix="posttrain-errors-"))
+    env = {**os.environ, USER_ERROR_DIR: str(user_errors)}
+    process = subprocess.Popen(command, start_new_session=True, env=env, stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    forward = threading.Thread(
+        target=_filter_launcher_errors, args=(process.stderr, user_errors), daemon=True
+    )
+    forward.start()
     received: list[str] = []
 
     def relay(signum: int, frame: object) -> None:
@@ -170,10 +221,13 @@ def _run_relaying_signals(command: list[str], kill_switch: str) -> int:
 
     previous = {sig: signal.signal(sig, relay) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return process.wait()
+        code = process.wait()
+        forward.join()
+        return EXIT_USER_ERROR if code and any(user_errors.iterdir()) else code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        shutil.rmtree(user_errors, ignore_errors=True)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -282,9 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except ConfigError as exc:
         print(exc.render(), file=sys.stderr)
+        _note_user_error()
         return EXIT_USER_ERROR
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        _note_user_error()
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         return 130

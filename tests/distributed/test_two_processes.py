@@ -68,3 +68,20 @@ def test_cli_nproc_two(base_config: dict, tmp_path: Path, launcher: str) -> None
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "world size 2" in done.stdout and "[rank 0]" in done.stdout
     assert "[rank 1]" not in done.stdout  # logger.print_output_ranks: [0]
+
+
+def test_a_bad_row_stops_both_ranks_with_its_file_and_row(base_config: dict, tmp_path: Path) -> None:
+    """Rank 0 builds the data while rank 1 waits on the file system; a bad row ends both (no hang)."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n{"x": 1}\n'
+    )
+    config = merge(base_config, train_iters=1, data={"sources": [str(data)]})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "posttrain", "train", str(path), "--nproc", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=child_env())
+    output = done.stdout + done.stderr
+    assert done.returncode == 2 and "bad.jsonl row 2: missing 'messages'" in output, output[-3000:]
+    assert "the data build on another process failed: bad.jsonl row 2" in done.stderr
+    assert "Traceback" not in output and "ChildFailedError" not in output

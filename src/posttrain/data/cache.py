@@ -2,7 +2,8 @@
 (or one in all, on a shared file system) while the others wait, then memory-mapped by every process.
 
 The key covers everything that changes the processed samples: the trainer type, the data options, the
-effective ``max_length``, every source's config and fingerprint (a local file's content hash; a
+effective ``max_length``, every source's config and fingerprint (a local file's content hash, or for a file
+over 256 MiB its size, modification time and first and last 4 MiB; a
 ``save_to_disk`` directory's metadata and file sizes; a hub dataset's name, split and arguments), the
 tokenizer (its full serialisation, chat template and special tokens), the user's ``code:`` file and the
 posttrain version. A store is built in a temporary directory that is renamed into place, so a reader never
@@ -20,12 +21,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 import posttrain
 from posttrain.config.data import DataSourceConfig
 from posttrain.context import RunContext
 from posttrain.data.build import Datasets, build_store, open_datasets
 from posttrain.dist import barrier
+from posttrain.errors import DataError
 from posttrain.logs import say
+from posttrain.utils.fs import atomic_write_text
 
 _NOT_CONTENT = {
     "cache_dir",
@@ -37,11 +42,24 @@ _NOT_CONTENT = {
 }
 
 
+#: files up to this size are hashed whole; larger ones by size, modification time, and their first and last
+#: ``EDGE_BYTES``, so the key costs the same whatever the data size
+FULL_HASH_BYTES = 256 * 2**20
+EDGE_BYTES = 4 * 2**20
+
+
 def _file_digest(path: Path) -> str:
     digest = hashlib.sha256()
+    size = path.stat().st_size
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
+        if size <= FULL_HASH_BYTES:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        else:
+            digest.update(f"{size} {path.stat().st_mtime_ns}".encode())
+            digest.update(handle.read(EDGE_BYTES))
+            handle.seek(size - EDGE_BYTES)
+            digest.update(handle.read(EDGE_BYTES))
     return digest.hexdigest()
 
 
@@ -107,18 +125,18 @@ def load_datasets(ctx: RunContext, tokenizer: Any, max_length: int) -> Datasets:
     key = cache_key(ctx, tokenizer, max_length)
     root = Path(config.cache_dir)
     directory = root / (key if config.cache_enabled else f"uncached-{key}")
-    hit = config.cache_enabled and (directory / "reports.json").is_file()
-    if not hit and _is_builder(ctx):
-        root.mkdir(parents=True, exist_ok=True)
-        staging = root / f".building-{key}-{uuid.uuid4().hex[:8]}"
-        try:
-            build_store(ctx, tokenizer, max_length, staging, show=ctx.dist.is_main)
-            if directory.exists():
-                shutil.rmtree(directory)
-            os.replace(staging, directory)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    barrier(ctx.dist)  # the others wait here until the builder has renamed the store into place
+    failed = root / f".failed-{directory.name}"
+    builder = _is_builder(ctx)
+    if not config.cache_enabled:
+        if builder:
+            shutil.rmtree(directory, ignore_errors=True)
+        barrier(ctx.dist)  # nobody may open the previous run's store
+    hit = (directory / "reports.json").is_file()
+    if not hit and builder:
+        _build(ctx, tokenizer, max_length, directory, failed)
+    elif not hit:
+        _wait_for_store(directory, failed)
+    barrier(ctx.dist)
     started = time.perf_counter()
     data = open_datasets(directory)
     if hit:
@@ -126,3 +144,34 @@ def load_datasets(ctx: RunContext, tokenizer: Any, max_length: int) -> Datasets:
             f"processed data loaded from the cache ({directory}, opened in {time.perf_counter() - started:.2f} s)"
         )
     return data
+
+
+def _build(ctx: RunContext, tokenizer: Any, max_length: int, directory: Path, failed: Path) -> None:
+    """Build in a temporary directory and rename it into place; on failure leave a note for the waiting
+    processes (they would otherwise wait for ever)."""
+    root = directory.parent
+    root.mkdir(parents=True, exist_ok=True)
+    failed.unlink(missing_ok=True)
+    staging = root / f".building-{directory.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        build_store(ctx, tokenizer, max_length, staging, show=ctx.dist.is_main)
+        if not (directory / "reports.json").is_file():  # another node's builder may have finished first
+            shutil.rmtree(directory, ignore_errors=True)
+            os.replace(staging, directory)
+    except BaseException as exc:
+        atomic_write_text(
+            failed, f"{type(exc).__name__}: {exc}" if not isinstance(exc, DataError) else str(exc)
+        )
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _wait_for_store(directory: Path, failed: Path) -> None:
+    """Wait for the builder by watching the file system rather than in a collective: a large build can take
+    longer than a process group's timeout. A failure note older than this process is a previous run's."""
+    born = psutil.Process().create_time()
+    while not (directory / "reports.json").is_file():
+        if failed.is_file() and failed.stat().st_mtime >= born:
+            raise DataError(f"the data build on another process failed: {failed.read_text()}")
+        time.sleep(0.5)
