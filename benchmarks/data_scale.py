@@ -19,6 +19,7 @@ CPU time that the measured processes would miss on a small machine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -101,10 +102,8 @@ def run_measured(command: list[str], env: dict[str, str] | None = None) -> dict:
     result = {}
     for line in output.splitlines():
         if line.startswith("{"):
-            try:
+            with contextlib.suppress(json.JSONDecodeError):
                 result = json.loads(line)
-            except json.JSONDecodeError:
-                pass
     return {"wall": time.perf_counter() - started, **peaks, "result": result, "output": output}
 
 
@@ -114,6 +113,7 @@ BASELINE = textwrap.dedent(
     import datasets
     from transformers import AutoTokenizer
     path, model, cache = sys.argv[1:4]
+    MAX_LENGTH = int(sys.argv[4])
     tokenizer = AutoTokenizer.from_pretrained(model)
     started = time.perf_counter()
     rows = datasets.load_dataset("json", data_files=path, split="train", cache_dir=cache)
@@ -125,10 +125,9 @@ BASELINE = textwrap.dedent(
     done = rows.map(format_row, num_proc=2, remove_columns=rows.column_names)
     seconds = time.perf_counter() - started
     lengths = [len(x) for x in done["input_ids"]]
-    kept = [n for n in lengths if n <= %d]
+    kept = [n for n in lengths if n <= MAX_LENGTH]
     print(json.dumps({"seconds": seconds, "rows": len(rows), "tokens": sum(kept), "kept": len(kept)}))
     """
-    % MAX_LENGTH
 )
 
 POSTTRAIN = textwrap.dedent(
@@ -177,7 +176,9 @@ def rank_peaks(measured: dict, launcher_pid_count: int = 2) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--small-rows", type=int, default=2_000)
     parser.add_argument("--out", type=Path, default=Path("bench-out/data-scale"))
@@ -198,7 +199,9 @@ def main() -> None:
     if not rows.is_file():
         started = time.perf_counter()
         write_rows(rows, args.rows)
-        print(f"generated {args.rows} rows in {time.perf_counter() - started:.0f} s ({rows.stat().st_size / 2**20:.0f} MiB)")
+        print(
+            f"generated {args.rows} rows in {time.perf_counter() - started:.0f} s ({rows.stat().st_size / 2**20:.0f} MiB)"
+        )
     if not small.is_file():
         with open(rows) as source, open(small, "w") as target:
             for _, line in zip(range(args.small_rows), source, strict=False):
@@ -217,7 +220,7 @@ def main() -> None:
     if not args.skip_baseline:
         cache = out / "hf-cache"
         subprocess.run(["rm", "-rf", str(cache)], check=True)
-        base = run_measured([python, "-c", BASELINE, str(rows), str(model), str(cache)], env)
+        base = run_measured([python, "-c", BASELINE, str(rows), str(model), str(cache), str(MAX_LENGTH)], env)
         results["baseline"] = {**base["result"], "peak_rss_gib": base["rss"], "peak_pss_gib": base["pss"]}
 
     from posttrain.data.packing import best_fit_bins
@@ -249,17 +252,23 @@ def print_table(results: dict) -> None:
         print(f"baseline map    : {base['rows'] / base['seconds']:8.0f} rows/s {base['tokens'] / base['seconds']:10.0f} tokens/s"
               f"  peak RSS {base['peak_rss_gib']:.2f} GiB (PSS {base['peak_pss_gib']:.2f})  {base['kept']} samples kept")  # fmt: skip
         speed = (ours["rows"] / ours["seconds"]) / (base["rows"] / base["seconds"])
-        print(f"ratio           : {speed:.2f}x the baseline's rows/s (goal >= 2); builder peak "
-              f"{ours['peak_rss_gib'] / base['peak_rss_gib']:.2f}x the baseline's RSS (goal <= 1)")
+        print(
+            f"ratio           : {speed:.2f}x the baseline's rows/s (goal >= 2); builder peak "
+            f"{ours['peak_rss_gib'] / base['peak_rss_gib']:.2f}x the baseline's RSS (goal <= 1)"
+        )
     print(f"cache hit       : opened in {results['cache_hit_seconds']:.2f} s")
-    print(f"packing         : 1,000,000 samples best-fit in {results['pack_1m_seconds']:.1f} s "
-          f"({results['pack_1m_fill']:.1%} full)")
+    print(
+        f"packing         : 1,000,000 samples best-fit in {results['pack_1m_seconds']:.1f} s "
+        f"({results['pack_1m_fill']:.1%} full)"
+    )
     if "train_rank_peak_rss_gib" in results:
         peaks = results["train_rank_peak_rss_gib"]
         big, small = max(peaks["big"]), max(peaks["small"])
-        print(f"train ranks     : peak RSS per rank {', '.join(f'{x:.2f}' for x in peaks['big'])} GiB on "
-              f"{results['rows']} rows vs {', '.join(f'{x:.2f}' for x in peaks['small'])} GiB on 2,000 rows: "
-              f"{big / small:.2f}x (goal <= 1.2)")
+        print(
+            f"train ranks     : peak RSS per rank {', '.join(f'{x:.2f}' for x in peaks['big'])} GiB on "
+            f"{results['rows']} rows vs {', '.join(f'{x:.2f}' for x in peaks['small'])} GiB on 2,000 rows: "
+            f"{big / small:.2f}x (goal <= 1.2)"
+        )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ import yaml
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--out", type=Path, default=Path("bench-out/long-run"))
     args = parser.parse_args()
@@ -57,7 +59,9 @@ def main() -> None:
             if "memory_rss_gib" in record:
                 rss[record["iter"]] = record["memory_rss_gib"]
     marks = [m for m in (1, 1000, 10_000, 25_000, 50_000, 75_000, args.steps) if m in rss]
-    print(f"\n== {args.steps} optimizer steps in {seconds:.0f} s ({seconds / args.steps * 1e3:.2f} ms/step) ==")
+    print(
+        f"\n== {args.steps} optimizer steps in {seconds:.0f} s ({seconds / args.steps * 1e3:.2f} ms/step) =="
+    )
     for mark in marks:
         print(f"step {mark:>7}: RSS {rss[mark] * 1024:8.1f} MiB")
     base = rss.get(1000, rss[marks[0]])

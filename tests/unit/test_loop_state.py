@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from posttrain.loop import LoopState
 
 
