@@ -138,3 +138,25 @@ def test_shard_order_is_distributed_samplers(count: int, world: int) -> None:
             sampler = DistributedSampler(range(count), world, rank, shuffle=True, seed=5)
             sampler.set_epoch(epoch)
             assert shard_order(count, world, rank, 5, epoch).tolist() == list(sampler)
+
+
+def test_a_waiting_process_stops_on_the_builders_failure_note_but_not_on_an_old_one(tmp_path: Path) -> None:
+    import os
+    import time
+
+    import psutil
+
+    from posttrain.data.cache import _wait_for_store
+    from posttrain.errors import DataError
+
+    failed = tmp_path / ".failed-key"
+    failed.write_text("bad.jsonl row 2: missing 'messages'")
+    with pytest.raises(DataError, match=r"another process failed: bad\.jsonl row 2"):
+        _wait_for_store(tmp_path / "key", failed)
+    old = psutil.Process().create_time() - 60  # written by an earlier run: ignored
+    os.utime(failed, (old, old))
+    (tmp_path / "key").mkdir()
+    (tmp_path / "key" / "reports.json").write_text("{}")
+    started = time.perf_counter()
+    _wait_for_store(tmp_path / "key", failed)
+    assert time.perf_counter() - started < 5
