@@ -6,10 +6,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from posttrain.testing.data import chat_rows, write_jsonl
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# DeepSpeed's accelerator follows the machine, so `pytest -m gpu tests/gpu` runs as is on a GPU machine.
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -58,8 +60,6 @@ def base_config(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> dict:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``gpu`` tests skip cleanly on machines without CUDA."""
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
