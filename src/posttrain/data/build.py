@@ -13,6 +13,7 @@ memory while building; tokens go straight to disk.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -183,19 +184,20 @@ def _preprocessed(data: dict[str, Any], origin: str) -> Sample:
         raise DataError(f"{origin}: process: false needs 'input_ids' and 'labels' (missing {exc})") from None
 
 
-def format_chunk(rows: list[Row], held_out: np.ndarray) -> Chunk:
+def format_chunk(rows: list[Row], held_out: np.ndarray, process: bool) -> Chunk:
+    """Format one chunk of a source's rows (``process``: run the method's formatter; else the rows already
+    hold ``input_ids`` and ``labels``) and apply the length policy."""
     factory: DataFactory = _WORKER["factory"]
     config, tokenizer, max_length = _WORKER["config"], _WORKER["tokenizer"], _WORKER["max_length"]
     hashes = np.array([row_hash(row.data) for row in rows], dtype=np.uint64)
-    processed = [row for row in rows if row.process]
-    formatted = iter(factory.format_batch([row.data for row in processed], tokenizer, config))
+    formatted = iter(factory.format_batch([row.data for row in rows], tokenizer, config) if process else [])
     kept: list[Sample] = []
     kept_held: list[bool] = []
     dropped: Counter[str] = Counter()
     truncated = 0
     for row, held in zip(rows, held_out.tolist(), strict=True):
         try:
-            sample = next(formatted) if row.process else _preprocessed(row.data, row.origin)
+            sample = next(formatted) if process else _preprocessed(row.data, row.origin)
         except DataError as exc:
             return Chunk({}, {}, held_out, hashes, held_out, dropped, truncated, str(exc))
         if isinstance(sample, RowError):
@@ -214,17 +216,21 @@ def format_chunk(rows: list[Row], held_out: np.ndarray) -> Chunk:
     return Chunk(flat, lengths, np.array(kept_held, dtype=bool), hashes, held_out, dropped, truncated)
 
 
-Task = tuple[Any, ...]
+@dataclass
+class Task:
+    """One chunk of a source: its rows (read by the main process), or the row numbers of a source that the
+    formatting process reads itself (random access: the main process then only writes the results)."""
+
+    held_out: np.ndarray
+    process: bool
+    rows: list[Row] | None = None
+    source: int = -1
+    numbers: np.ndarray | None = None
 
 
 def _format_task(task: Task) -> Chunk:
-    """``(rows, held_out)``, or ``(source number, row numbers, held_out, process)`` for a source that this
-    process reads itself (random access: the main process then only writes the results)."""
-    if len(task) == 2:
-        return format_chunk(*task)
-    source, numbers, held_out, process = task
-    rows = [Row(r.data, r.origin, process) for r in _WORKER["readers"][source].read(numbers)]
-    return format_chunk(rows, held_out)
+    rows = task.rows if task.rows is not None else _WORKER["readers"][task.source].read(task.numbers)
+    return format_chunk(rows, task.held_out, task.process)
 
 
 class Formatter:
@@ -265,6 +271,7 @@ class _Planned:
     held_out: np.ndarray
     process: bool
     train_source: bool
+    weight: float = 1.0
 
 
 def _plan_sources(config: DataConfig, ctx: RunContext) -> list[_Planned]:
@@ -275,7 +282,9 @@ def _plan_sources(config: DataConfig, ctx: RunContext) -> list[_Planned]:
         wanted = sample_rows(len(reader), source)
         count = len(reader) if wanted is None else len(wanted)
         held = held_out_mask(count, config.train_eval_split[1], split_seed)
-        planned.append(_Planned(source.name_or_path, reader, wanted, held, source.process, True))
+        planned.append(
+            _Planned(source.name_or_path, reader, wanted, held, source.process, True, source.sampling_weight)
+        )
     for source in config.eval_sources:
         reader = open_source(source, ctx)
         wanted = sample_rows(len(reader), source)
@@ -288,23 +297,17 @@ def _plan_sources(config: DataConfig, ctx: RunContext) -> list[_Planned]:
 
 def _tasks(number: int, planned: _Planned, chunk_rows: int) -> Iterator[Task]:
     """Chunks of a source: row numbers for a worker to read itself when the reader allows it, else rows."""
+    count = len(planned.held_out)
     if hasattr(planned.reader, "read"):
-        count = len(planned.held_out)
         for start in range(0, count, chunk_rows):
             stop = min(start + chunk_rows, count)
             numbers = np.arange(start, stop) if planned.wanted is None else planned.wanted[start:stop]
-            yield number, numbers, planned.held_out[start:stop], planned.process
+            yield Task(planned.held_out[start:stop], planned.process, source=number, numbers=numbers)
         return
-    rows: list[Row] = []
-    start = 0
-    for row in planned.reader.rows(planned.wanted):
-        rows.append(row if row.process == planned.process else Row(row.data, row.origin, planned.process))
-        if len(rows) == chunk_rows:
-            yield rows, planned.held_out[start : start + len(rows)]
-            start += len(rows)
-            rows = []
-    if rows:
-        yield rows, planned.held_out[start : start + len(rows)]
+    rows = planned.reader.rows(planned.wanted)
+    for start in range(0, count, chunk_rows):
+        chunk = list(itertools.islice(rows, chunk_rows))
+        yield Task(planned.held_out[start : start + len(chunk)], planned.process, rows=chunk)
 
 
 def _workers(config: DataConfig, rows: int) -> int:
@@ -356,7 +359,7 @@ def build_store(ctx: RunContext, tokenizer: Any, max_length: int, directory: Pat
             if source.train_source:
                 parts.append(_cat(ids_train))
             held.append(_cat(ids_held))
-            _describe(source, config, train_report, eval_report)
+            _describe(source, config, train_report)
     finally:
         formatter.close()
         progress.close()
@@ -365,11 +368,12 @@ def build_store(ctx: RunContext, tokenizer: Any, max_length: int, directory: Pat
     eval_ids = _cat(held)
     train_report.leaked = int(np.isin(_cat(eval_hashes), _cat(train_hashes)).sum())
     writer.close()
-    _assemble(ctx, directory, max_length, train_ids, eval_ids, train_report, eval_report)
+    _assemble(factory, config, directory, max_length, train_ids, eval_ids, train_report, eval_report)
 
 
 def _assemble(
-    ctx: RunContext,
+    factory: DataFactory,
+    config: DataConfig,
     directory: Path,
     max_length: int,
     train_ids: np.ndarray,
@@ -379,8 +383,6 @@ def _assemble(
 ) -> None:
     """Assemble the training and eval sequences once (packing included), save their index arrays and the
     final reports beside the tokens."""
-    config = ctx.config.data
-    factory: DataFactory = DATA_FACTORIES.get(config.type).obj
     store = SampleStore(directory)
     pack = bool(getattr(config, "pack_samples", False))
     for name, ids, report, packed in (
@@ -399,20 +401,17 @@ def _assemble(
 
 
 def _cat(parts: list[np.ndarray]) -> np.ndarray:
-    arrays = [p for p in parts if isinstance(p, np.ndarray)]
-    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def _describe(source: _Planned, config: DataConfig, train: DataReport, evaluation: DataReport) -> None:
+def _describe(source: _Planned, config: DataConfig, report: DataReport) -> None:
     read = len(source.held_out)
     if not source.train_source:
-        train.sources.append(f"{source.name}: {read} rows read for evaluation")
+        report.sources.append(f"{source.name}: {read} rows read for evaluation")
         return
     held = int(source.held_out.sum())
-    index = sum(1 for s in train.sources if not s.endswith("for evaluation"))
-    weight = config.sources[index].sampling_weight if index < len(config.sources) else 1.0
-    share = f", weight {weight:g}" if config.mix == "weighted" else ""
-    train.sources.append(
+    share = f", weight {source.weight:g}" if config.mix == "weighted" else ""
+    report.sources.append(
         f"{source.name}: {read} rows read, {read - held} for training, {held} held out{share}"
     )
 

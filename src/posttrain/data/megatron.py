@@ -18,7 +18,7 @@ import numpy as np
 
 from posttrain.config.data import MegatronSourceConfig
 from posttrain.context import RunContext
-from posttrain.data.sources import Row
+from posttrain.data.sources import Row, rows_by_number
 from posttrain.errors import DataError
 from posttrain.registry import DATA_SOURCES
 
@@ -103,13 +103,11 @@ class MegatronReader:
         for index in numbers.tolist():
             tokens = self.dataset.document(self.first + index)
             origin = f"{self.dataset.prefix} document {self.first + index}"
-            rows.append(Row({"input_ids": tokens, "labels": tokens}, origin, process=False))
+            rows.append(Row({"input_ids": tokens, "labels": tokens}, origin))
         return rows
 
     def rows(self, wanted: np.ndarray | None = None) -> Iterator[Row]:
-        numbers = np.arange(len(self)) if wanted is None else wanted
-        for start in range(0, len(numbers), 1024):
-            yield from self.read(numbers[start : start + 1024])
+        return rows_by_number(self, wanted)
 
 
 @DATA_SOURCES.register("megatron", config=MegatronSourceConfig)

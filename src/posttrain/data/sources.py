@@ -26,12 +26,11 @@ CHUNK_ROWS = 1024
 
 @dataclass(frozen=True)
 class Row:
-    """One input row; ``origin`` reads like ``data/train.jsonl row 17`` in error messages; ``process``:
-    run the trainer's formatter on it (false: it already holds token ids and labels)."""
+    """One input row; ``origin`` reads like ``data/train.jsonl row 17`` in error messages. Whether it is
+    formatted or already holds token ids is its source's ``process`` setting."""
 
     data: dict[str, Any]
     origin: str
-    process: bool = True
 
 
 class RowReader(Protocol):
@@ -65,6 +64,13 @@ def _select(numbered: Iterable[tuple[int, Any]], wanted: np.ndarray | None) -> I
             target = int(wanted[position])
 
 
+def rows_by_number(reader: RandomAccessReader, wanted: np.ndarray | None) -> Iterator[Row]:
+    """A random-access reader's rows in order, read ``CHUNK_ROWS`` numbers at a time."""
+    numbers = np.arange(len(reader)) if wanted is None else wanted
+    for start in range(0, len(numbers), CHUNK_ROWS):
+        yield from reader.read(numbers[start : start + CHUNK_ROWS])
+
+
 class ListReader:
     """Rows already in memory (user sources that return a list)."""
 
@@ -80,35 +86,49 @@ class ListReader:
 
 
 class JsonlReader:
-    """One JSON object per line; blank lines are skipped (row numbers are line numbers)."""
+    """One JSON object per line; blank lines are skipped (row numbers are line numbers). The first pass
+    records where each row starts and its line number (16 bytes a row), so any row can be read directly."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._count: int | None = None
+        self._index: tuple[np.ndarray, np.ndarray] | None = None
 
-    def _lines(self) -> Iterator[tuple[int, bytes]]:
-        with open(self.path, "rb") as handle:
-            for number, line in enumerate(handle, start=1):
-                if line.strip():
-                    yield number, line
+    def _offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._index is None:
+            starts, numbers, offset = [], [], 0
+            with open(self.path, "rb") as handle:
+                for number, line in enumerate(handle, start=1):
+                    if line.strip():
+                        starts.append(offset)
+                        numbers.append(number)
+                    offset += len(line)
+            self._index = np.array(starts, np.int64), np.array(numbers, np.int64)
+        return self._index
 
     def __len__(self) -> int:
-        if self._count is None:
-            self._count = sum(1 for _ in self._lines())
-        return self._count
+        return len(self._offsets()[0])
+
+    def _parse(self, line: bytes, number: int) -> Row:
+        try:
+            value = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else exc
+            raise DataError(f"{self.path} row {number}: invalid JSON ({detail})") from None
+        if not isinstance(value, dict):
+            raise DataError(f"{self.path} row {number}: expected a JSON object, got {type(value).__name__}")
+        return Row(value, f"{self.path} row {number}")
+
+    def read(self, numbers: np.ndarray) -> list[Row]:
+        starts, lines = self._offsets()
+        rows = []
+        with open(self.path, "rb") as handle:
+            for index in np.asarray(numbers).tolist():
+                handle.seek(int(starts[index]))
+                rows.append(self._parse(handle.readline(), int(lines[index])))
+        return rows
 
     def rows(self, wanted: np.ndarray | None = None) -> Iterator[Row]:
-        for _, (number, line) in _select(enumerate(self._lines()), wanted):
-            try:
-                value = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else exc
-                raise DataError(f"{self.path} row {number}: invalid JSON ({detail})") from None
-            if not isinstance(value, dict):
-                raise DataError(
-                    f"{self.path} row {number}: expected a JSON object, got {type(value).__name__}"
-                )
-            yield Row(value, f"{self.path} row {number}")
+        return rows_by_number(self, wanted)
 
 
 class JsonReader:
@@ -212,9 +232,7 @@ class HFReader:
         ]
 
     def rows(self, wanted: np.ndarray | None = None) -> Iterator[Row]:
-        numbers = np.arange(len(self.dataset)) if wanted is None else wanted
-        for start in range(0, len(numbers), CHUNK_ROWS):
-            yield from self.read(numbers[start : start + CHUNK_ROWS])
+        return rows_by_number(self, wanted)
 
 
 @DATA_SOURCES.register("local", config=LocalSourceConfig)
