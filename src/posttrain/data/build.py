@@ -43,6 +43,8 @@ BatchFormatter = Callable[[list[dict[str, Any]], Any, DataConfig], list["Sample 
 Fitter = Callable[[Sample, int, DataConfig], tuple["Sample | None", str, bool]]
 Assembler = Callable[[SampleStore, np.ndarray, int, DataConfig, bool], View]
 PARALLEL_MIN_ROWS = 5000
+#: written last into a store directory: its presence means the store is complete
+REPORTS = "reports.json"
 
 
 @dataclass
@@ -397,7 +399,7 @@ def _assemble(
         report.target_tokens = view.trained_tokens() if len(view) else 0
         view.save(directory, name)
     reports = {"train_report": train_report.to_json(), "eval_report": eval_report.to_json()}
-    (directory / "reports.json").write_text(json.dumps(reports, indent=1))
+    (directory / REPORTS).write_text(json.dumps(reports, indent=1))
 
 
 def _cat(parts: list[np.ndarray]) -> np.ndarray:
@@ -431,7 +433,7 @@ def _mix(config: DataConfig, parts: list[np.ndarray], report: DataReport) -> np.
 def open_datasets(directory: Path) -> Datasets:
     """The train and eval views of a built store: a few small files are read, the rest is memory-mapped."""
     store = SampleStore(directory)
-    reports = json.loads((directory / "reports.json").read_text())
+    reports = json.loads((directory / REPORTS).read_text())
     train_report = DataReport.from_json(reports["train_report"])
     train = View.restore(store, directory, "train")
     if len(train) == 0:

@@ -26,7 +26,7 @@ import psutil
 import posttrain
 from posttrain.config.data import DataSourceConfig
 from posttrain.context import RunContext
-from posttrain.data.build import Datasets, build_store, open_datasets
+from posttrain.data.build import REPORTS, Datasets, build_store, open_datasets
 from posttrain.dist import barrier
 from posttrain.errors import DataError
 from posttrain.logs import say
@@ -131,7 +131,7 @@ def load_datasets(ctx: RunContext, tokenizer: Any, max_length: int) -> Datasets:
         if builder:
             shutil.rmtree(directory, ignore_errors=True)
         barrier(ctx.dist)  # nobody may open the previous run's store
-    hit = (directory / "reports.json").is_file()
+    hit = (directory / REPORTS).is_file()
     if not hit and builder:
         _build(ctx, tokenizer, max_length, directory, failed)
     elif not hit:
@@ -155,7 +155,7 @@ def _build(ctx: RunContext, tokenizer: Any, max_length: int, directory: Path, fa
     staging = root / f".building-{directory.name}-{uuid.uuid4().hex[:8]}"
     try:
         build_store(ctx, tokenizer, max_length, staging, show=ctx.dist.is_main)
-        if not (directory / "reports.json").is_file():  # another node's builder may have finished first
+        if not (directory / REPORTS).is_file():  # another node's builder may have finished first
             shutil.rmtree(directory, ignore_errors=True)
             os.replace(staging, directory)
     except BaseException as exc:
@@ -171,7 +171,7 @@ def _wait_for_store(directory: Path, failed: Path) -> None:
     """Wait for the builder by watching the file system rather than in a collective: a large build can take
     longer than a process group's timeout. A failure note older than this process is a previous run's."""
     born = psutil.Process().create_time()
-    while not (directory / "reports.json").is_file():
+    while not (directory / REPORTS).is_file():
         if failed.is_file() and failed.stat().st_mtime >= born:
             raise DataError(f"the data build on another process failed: {failed.read_text()}")
         time.sleep(0.5)
