@@ -13,7 +13,9 @@ from posttrain.context import RunContext
 from posttrain.data.build import Datasets
 from posttrain.data.cache import load_datasets
 from posttrain.logs import get_logger, say
+from posttrain.models.facts import ModelFacts
 from posttrain.plan import BatchSizes, step_plan
+from posttrain.registry import MODEL_FACTORIES
 
 
 @dataclass
@@ -33,21 +35,17 @@ class DataPlan:
         return len(self.step_plan[0])
 
 
-def pretrained_config(config: TrainerConfig) -> Any:
-    """The model's HF config, read before the model is built (None when it is not an HF checkpoint)."""
-    try:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(config.model.name_or_path)
-    except (OSError, ValueError):
-        return None
+def model_facts(config: TrainerConfig) -> ModelFacts | None:
+    """What the model factory can tell before building the model (None when it cannot)."""
+    factory = MODEL_FACTORIES.get(config.model.type).obj
+    return factory.facts(config.model) if hasattr(factory, "facts") else None
 
 
-def max_length_for(config: TrainerConfig, model_config: Any) -> int:
-    """``data.max_length`` as set, else the model's ``max_position_embeddings``."""
+def max_length_for(config: TrainerConfig, facts: ModelFacts | None) -> int:
+    """``data.max_length`` as set, else the model's maximum positions (``max_position_embeddings``)."""
     if "max_length" in config.data.model_fields_set:
         return config.data.max_length
-    found = getattr(model_config, "max_position_embeddings", None)
+    found = facts.max_positions if facts is not None else None
     if isinstance(found, int):
         get_logger().info("data.max_length not set: using the model's max_position_embeddings=%d", found)
         return found
@@ -64,10 +62,12 @@ def _steps(config: TrainerConfig, sequences: int, sizes: BatchSizes) -> tuple[li
     return plan, config.train_iters or sum(len(steps) for steps in plan[: config.epochs])
 
 
-def plan_data(ctx: RunContext, sizes: BatchSizes, lr: float, tokenizer: Any, model_config: Any) -> DataPlan:
+def plan_data(
+    ctx: RunContext, sizes: BatchSizes, lr: float, tokenizer: Any, facts: ModelFacts | None
+) -> DataPlan:
     """Build or open the data for ``ctx.config`` (already resolved for the world size) and plan the steps."""
     config = ctx.config
-    max_length = max_length_for(config, model_config)
+    max_length = max_length_for(config, facts)
     data = load_datasets(ctx, tokenizer, max_length)
     plan, total = _steps(config, len(data.train), sizes)
     repeats = 1

@@ -12,6 +12,8 @@ from posttrain.errors import UserError
 
 @dataclass(frozen=True)
 class BatchSizes:
+    """``world_size`` counts data-parallel replicas: processes / ``sequence_parallel_size``."""
+
     micro_batch_size: int
     gradient_accumulation_steps: int
     world_size: int
@@ -39,9 +41,20 @@ def batch_sizes(config: TrainerConfig, world_size: int) -> BatchSizes:
     return BatchSizes(per_rank // gas, gas, world_size)
 
 
+def data_parallel_size(config: TrainerConfig, world_size: int) -> int:
+    """Replicas that read different samples: the ranks of a sequence-parallel group share theirs."""
+    sp = config.sequence_parallel_size
+    if world_size % sp:
+        raise UserError(
+            f"sequence_parallel_size={sp} must divide the world size {world_size}; "
+            f"run on a multiple of {sp} processes or lower it"
+        )
+    return world_size // sp
+
+
 def resolve(config: TrainerConfig, world_size: int) -> tuple[TrainerConfig, BatchSizes, float]:
     """The config with batch sizes and the effective LR filled in for this world size."""
-    sizes = batch_sizes(config, world_size)
+    sizes = batch_sizes(config, data_parallel_size(config, world_size))
     lr = config.optimizer.effective_lr(sizes.global_batch_size)
     resolved = config.model_copy(
         update={

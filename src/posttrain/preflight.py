@@ -20,7 +20,7 @@ from posttrain.data.packing import packing_efficiency
 from posttrain.data.sampler import shard_order
 from posttrain.data.sft import IGNORE_INDEX
 from posttrain.data.views import View
-from posttrain.dataplan import DataPlan, plan_data, pretrained_config
+from posttrain.dataplan import DataPlan, model_facts, plan_data
 from posttrain.dist import DistInfo
 from posttrain.plan import BatchSizes, check_rampup, lr_explanation, resolve
 from posttrain.registry import DATA_FACTORIES, TOKENIZER_FACTORIES
@@ -76,7 +76,7 @@ def preflight(config: TrainerConfig, world_size: int) -> DataPlan:
     ctx = RunContext(config=resolved, dist=DistInfo(0, 0, 1, torch.device("cpu")))
     Path(resolved.logger.output_dir).mkdir(parents=True, exist_ok=True)
     tokenizer = TOKENIZER_FACTORIES.get(resolved.tokenizer.type).obj(resolved.tokenizer, ctx)
-    return plan_data(ctx, sizes, lr, tokenizer, pretrained_config(resolved))
+    return plan_data(ctx, sizes, lr, tokenizer, model_facts(resolved))
 
 
 def _data_lines(report: DataReport, name: str) -> list[str]:

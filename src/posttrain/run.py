@@ -19,12 +19,20 @@ from posttrain.data.build import Datasets
 from posttrain.data.collate import Collator
 from posttrain.data.sampler import ShardSampler
 from posttrain.data.views import EvalShard
-from posttrain.dataplan import plan_data, pretrained_config
-from posttrain.dist import barrier, init_distributed, seed_everything
+from posttrain.dataplan import model_facts, plan_data
+from posttrain.dist import DistInfo, barrier, init_distributed, seed_everything
 from posttrain.engine import Engine
 from posttrain.errors import UserError
 from posttrain.logs import get_logger, say, setup_logging
 from posttrain.loop import LoopInputs, LoopState, final_evaluation, train_loop
+from posttrain.methods.token_logps import unwrap
+from posttrain.models.facts import ModelFacts, facts_from_model
+from posttrain.models.sequence_parallel import (
+    SequenceSlicer,
+    check_sequence_parallel,
+    install_sequence_parallel,
+)
+from posttrain.models.sequence_parallel import uninstall as uninstall_sequence_parallel
 from posttrain.plan import check_rampup, lr_explanation, resolve
 from posttrain.profiling import observers as profiling_observers
 from posttrain.registry import (
@@ -39,9 +47,6 @@ from posttrain.stops import StopSignals
 from posttrain.tokenizers.padding import input_pad_id
 from posttrain.tracking.setup import build_meter, export_dirs, open_outputs
 
-#: where model configs keep their hidden size, first found wins (ZeRO bucket sizes scale with it)
-HIDDEN_SIZE_KEYS = ("hidden_size", "hidden_sizes", "d_model", "n_embd")
-
 
 @dataclass
 class RunResult:
@@ -51,21 +56,14 @@ class RunResult:
     resumed_from: Path | None = None
 
 
-def _fact(model_config: Any, *names: str) -> int | None:
-    for name in names:
-        value = getattr(model_config, name, None)
-        if isinstance(value, int):
-            return value
-        if isinstance(value, list | tuple) and value:
-            return max(value)
-    return None
-
-
 def _loaders(
     ctx: RunContext, data: Datasets, collate: Any
 ) -> tuple[DataLoader, ShardSampler, DataLoader | None]:
+    """Data-parallel shards: the ranks of a sequence-parallel group read the same samples."""
     config = ctx.config
-    sampler = ShardSampler(len(data.train), ctx.dist.world_size, ctx.dist.rank, seed=config.data.seed)
+    sp = config.sequence_parallel_size
+    replicas, replica = ctx.dist.world_size // sp, ctx.dist.rank // sp
+    sampler = ShardSampler(len(data.train), replicas, replica, seed=config.data.seed)
     workers = config.data.dl_num_workers
     train = DataLoader(
         data.train,
@@ -79,9 +77,9 @@ def _loaders(
     if len(data.eval):
         view = data.eval
         if config.eval_iters:  # Megatron: eval_iters global batches, whatever the world size
-            global_batch = config.micro_batch_size * config.gradient_accumulation_steps * ctx.dist.world_size
+            global_batch = config.micro_batch_size * config.gradient_accumulation_steps * replicas
             view = view.head(config.eval_iters * global_batch)
-        shard = EvalShard(view, ctx.dist.rank, ctx.dist.world_size)
+        shard = EvalShard(view, replica, replicas)
         evaluation = DataLoader(shard, batch_size=config.micro_batch_size, collate_fn=collate)
     return train, sampler, evaluation
 
@@ -111,9 +109,50 @@ def _fit_embeddings(model: torch.nn.Module, tokenizer: Any) -> None:
         )
 
 
+def _model_and_deepspeed(
+    ctx: RunContext, tokenizer: Any
+) -> tuple[torch.nn.Module, ModelFacts | None, dict[str, Any], Any]:
+    """The model, its facts, the DeepSpeed config, and the ZeRO-3 registration with transformers (keep it
+    until the engine exists). The factory reports the facts before building when it can, so ZeRO-3 gets its
+    config in time to create the model partitioned."""
+    config, dist = ctx.config, ctx.dist
+    facts = model_facts(config)
+    sp = config.sequence_parallel_size
+    if sp > 1 and facts is not None:
+        check_sequence_parallel(sp, facts, config.model.attn_implementation)
+
+    def deepspeed_config(hidden: int | None) -> dict[str, Any]:
+        if hidden is None:
+            raise UserError(
+                "cannot read the model's hidden size (config.hidden_size) to fill the DeepSpeed config"
+            )
+        return build_deepspeed_config(config, world_size=dist.world_size, hidden_size=hidden)
+
+    ds_config = deepspeed_config(facts.hidden_size) if facts and facts.hidden_size else None
+    zero3 = _zero3_init(ds_config) if ds_config else None
+    model = MODEL_FACTORIES.get(config.model.type).obj(config.model, ctx)
+    _fit_embeddings(model, tokenizer)
+    facts = facts_from_model(model, facts)
+    if ds_config is None:
+        ds_config = deepspeed_config(facts.hidden_size if facts else None)
+    if sp > 1:
+        check_sequence_parallel(sp, facts, config.model.attn_implementation)
+        install_sequence_parallel(
+            unwrap(model), sp, config.model.attn_implementation, config.micro_batch_size
+        )
+    return model, facts, ds_config, zero3
+
+
 def run(config: TrainerConfig) -> RunResult:
     """Train one rank. Every rank runs this with the same config."""
     dist = init_distributed()
+    try:
+        return _run(config, dist)
+    finally:
+        uninstall_sequence_parallel()
+
+
+def _run(config: TrainerConfig, dist: DistInfo) -> RunResult:
     original = config
     config, sizes, lr = resolve(config, dist.world_size)
     check_rampup(config.rampup_batch_size, sizes)
@@ -126,24 +165,10 @@ def run(config: TrainerConfig) -> RunResult:
     seed_everything(config.seed)
     spec = TRAINERS.get(config.type).obj
 
-    pretrained = pretrained_config(config)
-    hidden = _fact(pretrained, *HIDDEN_SIZE_KEYS)
-    ds_config = (
-        build_deepspeed_config(config, world_size=dist.world_size, hidden_size=hidden) if hidden else None
-    )
-    zero3 = _zero3_init(ds_config) if ds_config else None
     tokenizer = TOKENIZER_FACTORIES.get(config.tokenizer.type).obj(config.tokenizer, ctx)
-    model = MODEL_FACTORIES.get(config.model.type).obj(config.model, ctx)
-    _fit_embeddings(model, tokenizer)
-    if ds_config is None:
-        hidden = _fact(getattr(model, "config", None), *HIDDEN_SIZE_KEYS)
-        if hidden is None:
-            raise UserError(
-                "cannot read the model's hidden size (config.hidden_size) to fill the DeepSpeed config"
-            )
-        ds_config = build_deepspeed_config(config, world_size=dist.world_size, hidden_size=hidden)
+    model, facts, ds_config, zero3 = _model_and_deepspeed(ctx, tokenizer)
 
-    data_plan = plan_data(ctx, sizes, lr, tokenizer, pretrained or getattr(model, "config", None))
+    data_plan = plan_data(ctx, sizes, lr, tokenizer, facts)
     data, plan, total_steps = data_plan.data, data_plan.step_plan, data_plan.total_steps
     say(data.train_report.summary("train data"))
     if data.eval:
@@ -153,9 +178,11 @@ def run(config: TrainerConfig) -> RunResult:
             "%d eval rows are identical to training rows: the eval loss will look better than it is",
             data.train_report.leaked,
         )
-    collator = (spec.collator or Collator)(
-        input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
-    )
+    pad_id = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
+    collator: Any = (spec.collator or Collator)(pad_id)
+    sp = config.sequence_parallel_size
+    if sp > 1:
+        collator = SequenceSlicer(collator, pad_id, sp, dist.rank % sp, config.micro_batch_size)
     train_loader, sampler, eval_loader = _loaders(ctx, data, collator)
     steps_per_epoch = data_plan.steps_per_epoch
     if total_steps == 0 and not config.skip_train:
@@ -182,7 +209,8 @@ def run(config: TrainerConfig) -> RunResult:
         f"training {config.type}: {len(data.train)} sequences, {steps_per_epoch} steps/epoch, "
         f"{total_steps} steps, world size {dist.world_size}, global batch {sizes.global_batch_size} "
         f"(micro-batch {sizes.micro_batch_size} x accumulation {sizes.gradient_accumulation_steps} "
-        f"x {dist.world_size} processes)"
+        f"x {sizes.world_size} data-parallel processes"
+        + (f", each sample split over {sp} processes)" if sp > 1 else ")")
     )
     say(lr_explanation(original, sizes, lr))
     stops = StopSignals(config.exit_duration_in_mins)

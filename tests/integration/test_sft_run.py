@@ -120,7 +120,7 @@ def test_zero3_creates_the_model_partitioned(base_config: dict, tmp_path: Path) 
     from posttrain.config.deepspeed import build_deepspeed_config
     from posttrain.context import RunContext
     from posttrain.dist import init_distributed
-    from posttrain.models.huggingface import build_huggingface_model
+    from posttrain.registry import MODEL_FACTORIES
     from posttrain.run import _zero3_init
 
     config = load_config(data=merge(base_config, deepspeed={"zero_optimization": {"stage": 3}}))
@@ -128,7 +128,7 @@ def test_zero3_creates_the_model_partitioned(base_config: dict, tmp_path: Path) 
     ds_config = build_deepspeed_config(config, world_size=1, hidden_size=64)
     keep = _zero3_init(ds_config)
     try:
-        model = build_huggingface_model(config.model, ctx)
+        model = MODEL_FACTORIES.get("huggingface").obj(config.model, ctx)
     finally:
         del keep
     params = list(model.parameters())

@@ -68,19 +68,54 @@ def test_every_seed_key_is_accepted_at_its_default(tmp_path: Path) -> None:
     assert config.model.dtype == "bfloat16"
 
 
+def test_features_not_built_yet_are_refused(tmp_path: Path) -> None:
+    error = errors_of(GOOD, tmp_path, ["expert_parallel_size=2"])
+    assert [issue.path for issue in error.issues] == ["expert_parallel_size"]
+    assert "not supported yet" in error.render()
+
+
 @pytest.mark.parametrize(
-    ("override", "path"),
+    ("overrides", "path", "says"),
     [
-        ("sequence_parallel_size=2", "sequence_parallel_size"),
-        ("activation_checkpoint_cpu_offload=true", "activation_checkpoint_cpu_offload"),
-        ("tiled_mlp_compute=true", "tiled_mlp_compute"),
-        ("expert_parallel_size=2", "expert_parallel_size"),
+        (
+            ["sequence_parallel_size=2", "model.attn_implementation=eager"],
+            "model.attn_implementation",
+            "sdpa",
+        ),
+        (
+            ["activation_checkpoint_cpu_offload=true", "model.disable_activation_checkpoint=true"],
+            "activation_checkpoint_cpu_offload",
+            "disable_activation_checkpoint: false",
+        ),
+        (["type=dpo", "sequence_parallel_size=2"], "sequence_parallel_size", "dpo does not support"),
+        (["tiled_loss_compute=sometimes"], "tiled_loss_compute", "auto"),
     ],
 )
-def test_features_not_built_yet_are_refused(tmp_path: Path, override: str, path: str) -> None:
-    error = errors_of(GOOD, tmp_path, [override])
-    assert [issue.path for issue in error.issues] == [path]
-    assert "not supported yet" in error.render()
+def test_long_sequence_settings_that_cannot_work_are_refused(
+    tmp_path: Path, overrides: list[str], path: str, says: str
+) -> None:
+    error = errors_of(GOOD, tmp_path, overrides)
+    assert path in [issue.path for issue in error.issues]
+    assert says in error.render()
+
+
+def test_long_sequence_settings_validate(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(GOOD)
+    config = load_config(
+        path,
+        overrides=[
+            "sequence_parallel_size=2",
+            "tiled_mlp_compute=true",
+            "activation_checkpoint_cpu_offload=true",
+            "tiled_loss_compute=true",
+        ],
+    )
+    assert (config.sequence_parallel_size, config.tiled_mlp_compute, config.tiled_loss_compute) == (
+        2,
+        True,
+        True,
+    )
 
 
 def test_duplicate_keys_name_both_lines(tmp_path: Path) -> None:

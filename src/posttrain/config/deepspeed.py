@@ -32,10 +32,11 @@ def build_deepspeed_config(config: TrainerConfig, *, world_size: int, hidden_siz
     ``gradient_accumulation_steps`` (validation refuses a disagreeing value).
     """
     ds = copy.deepcopy(config.deepspeed)
-    data_parallel = world_size // config.sequence_parallel_size
     ds["train_micro_batch_size_per_gpu"] = config.micro_batch_size
     ds["gradient_accumulation_steps"] = config.gradient_accumulation_steps
-    ds["train_batch_size"] = config.micro_batch_size * config.gradient_accumulation_steps * data_parallel
+    # DeepSpeed is given no sequence-parallel unit: it reduces gradients over every process as data
+    # parallelism (models/sequence_parallel.py says why), so its batch counts every process too.
+    ds["train_batch_size"] = config.micro_batch_size * config.gradient_accumulation_steps * world_size
     ds.setdefault("steps_per_print", 10**9)  # posttrain prints its own metrics
     ds["zero_optimization"] = {**zero_defaults(hidden_size, world_size), **ds.get("zero_optimization", {})}
     dtype = config.model.dtype

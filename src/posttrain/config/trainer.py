@@ -108,7 +108,11 @@ class TrainerConfig(BaseConfig):
     configured global batch (by taking fewer micro-batches per step). Null: off."""
 
     sequence_parallel_size: int = Field(default=1, ge=1)
-    """Sequence-parallel degree. Not supported yet (must stay 1)."""
+    """Ulysses sequence parallelism (DeepSpeed): each sample is split along the sequence over this many
+    processes, which exchange attention heads so every process attends over the whole sequence. It must
+    divide the world size; the data-parallel size (which sets the global batch, LR scaling and the
+    sampler's shards) is world size / this. Needs ``sdpa`` or flash attention and attention heads
+    divisible by it. 1: off."""
 
     expert_parallel_size: int = Field(default=1, ge=1)
     """Expert-parallel degree for MoE models. Not supported yet (must stay 1)."""
@@ -123,10 +127,20 @@ class TrainerConfig(BaseConfig):
     """Routing replay for MoE layers. Not supported."""
 
     activation_checkpoint_cpu_offload: bool = False
-    """Offload activation checkpoints to CPU memory. Not supported yet."""
+    """Keep the activations saved at each checkpointed layer (its input hidden states) in CPU memory
+    (pinned on a GPU) between forward and backward. Needs activation checkpointing (on by default). Worth
+    it from about 64K tokens per GPU."""
 
     tiled_mlp_compute: bool = False
-    """Tile the MLP computation to save memory. Not supported yet."""
+    """Compute gated MLPs (LLaMA, Qwen, Mistral style) in sequence tiles of about hidden-size tokens,
+    recomputing each tile in backward: the MLP's intermediate activations never exist for the whole
+    sequence. Other MLP shapes are refused at start."""
+
+    tiled_loss_compute: bool | Literal["auto"] = "auto"
+    """Compute the LM head and the loss a chunk of labelled positions at a time, so the
+    ``[tokens x vocab]`` logits never exist at once (same loss and gradients as the plain path).
+    ``auto``: for micro-batches of at least 8,192 tokens per process (models whose head is a plain linear
+    layer); ``true``/``false``: always/never."""
 
     seed: int = Field(default=42, ge=0)
     """Seed of Python's, NumPy's and torch's random generators (model init, dropout)."""
@@ -204,6 +218,16 @@ class TrainerConfig(BaseConfig):
     def _human_deepspeed(cls, value: Any) -> Any:
         return coerce_tree(value) if isinstance(value, dict) else value
 
+    @field_validator("tiled_loss_compute", mode="before")
+    @classmethod
+    def _auto_or_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool) or value == "auto":
+            return value
+        words = {"true": True, "false": False}
+        if isinstance(value, str) and value.lower() in words:
+            return words[value.lower()]
+        raise ValueError(f"{value!r} is not allowed; use auto, true or false")
+
     @field_validator("checkpoint", mode="before")
     @classmethod
     def _listify(cls, value: Any) -> Any:
@@ -234,10 +258,19 @@ class TrainerConfig(BaseConfig):
             if start < 1 or increment < 1 or samples < 1:
                 yield Problem("rampup_batch_size", f"{list(self.rampup_batch_size)}: all three must be >= 1")
 
+    def _sequence_parallel_problems(self) -> Iterator[Problem]:
+        sp = self.sequence_parallel_size
+        if sp == 1:
+            return
+        attention = self.model.attn_implementation
+        if attention == "eager":
+            yield Problem(
+                "model.attn_implementation",
+                f"eager cannot run with sequence_parallel_size={sp} (it needs the whole attention mask); "
+                "use sdpa or flash_attention_2",
+            )
+
     def problems(self) -> Iterator[Problem]:
-        yield from unsupported(
-            "sequence_parallel_size", self.sequence_parallel_size, 1, "sequence parallelism"
-        )
         yield from unsupported("expert_parallel_size", self.expert_parallel_size, 1, "expert parallelism")
         yield from unsupported("arctic_moe", self.arctic_moe, False, "ArcticTraining MoE kernels")
         yield from unsupported(
@@ -249,13 +282,13 @@ class TrainerConfig(BaseConfig):
         yield from unsupported(
             "enable_routing_replay", self.enable_routing_replay, False, "MoE routing replay"
         )
-        yield from unsupported(
-            "activation_checkpoint_cpu_offload",
-            self.activation_checkpoint_cpu_offload,
-            False,
-            "activation offload",
-        )
-        yield from unsupported("tiled_mlp_compute", self.tiled_mlp_compute, False, "tiled MLP")
+        if self.activation_checkpoint_cpu_offload and self.model.disable_activation_checkpoint:
+            yield Problem(
+                "activation_checkpoint_cpu_offload",
+                "offloads the activations that checkpointing keeps, so it needs "
+                "model.disable_activation_checkpoint: false",
+            )
+        yield from self._sequence_parallel_problems()
         if self.data.has_eval and self.eval_interval == 0 and not (self.eval_at_end or self.skip_train):
             yield Problem(
                 "eval_interval",

@@ -6,7 +6,7 @@ from posttrain.config.data import CausalDataConfig
 from posttrain.config.trainer import TrainerConfig
 from posttrain.data.build import DataFactory
 from posttrain.data.causal import assemble_documents, format_causal_rows, keep_document
-from posttrain.methods.sft import sft_loss
+from posttrain.methods.sft import make_token_loss
 from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 DATA_FACTORIES.add(
@@ -20,7 +20,7 @@ TRAINERS.add(
     TrainerSpec(
         name="causal",
         accepts=hf_components("causal"),
-        loss=lambda config: sft_loss,
+        loss=make_token_loss,
         description="(continued) pretraining on raw text",
     ),
     config=TrainerConfig,

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from posttrain.config.dpo import DPODataConfig, DPOTrainerConfig
 from posttrain.context import RunContext
@@ -24,26 +23,17 @@ from posttrain.data.sft import IGNORE_INDEX
 from posttrain.data.views import SampleView
 from posttrain.logs import say
 from posttrain.methods.preference_losses import PreferenceParams, preference_loss
+from posttrain.methods.token_logps import target_labels, token_nll
 from posttrain.registry import DATA_FACTORIES, MODEL_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 # ------------------------------------------------------------------------------------------------- loss
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the summed log-probability of the labelled tokens, and how many there are."""
-    shifted_labels = labels[:, 1:]
-    mask = shifted_labels != IGNORE_INDEX
-    token_logps = -F.cross_entropy(
-        logits[:, :-1, :].float().transpose(1, 2), shifted_labels.clamp(min=0), reduction="none"
-    )
-    return (token_logps * mask).sum(-1).double(), mask.sum(-1).double()
-
-
-def pair_logps(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-    logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
-    ).logits
-    logps, counts = sequence_logps(logits, batch["labels"])
+def pair_logps(model: Any, batch: dict[str, Any], tiled: bool | str = False) -> tuple[torch.Tensor, ...]:
+    """Chosen and rejected summed log-probabilities of the labelled tokens, and how many there are (the
+    collator stacks the chosen rows on top of the rejected ones)."""
+    logps = -token_nll(model, batch, tiled).sum(-1).double()
+    counts = (target_labels(batch) != IGNORE_INDEX).sum(-1).double()
     half = logps.shape[0] // 2
     return logps[:half], logps[half:], counts[:half], counts[half:]
 
@@ -52,7 +42,7 @@ def make_dpo_loss(config: DPOTrainerConfig) -> Any:
     params = PreferenceParams(config.loss_type, config.beta, config.label_smoothing, config.simpo_gamma)
 
     def dpo_loss(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        chosen, rejected, chosen_len, rejected_len = pair_logps(model, batch)
+        chosen, rejected, chosen_len, rejected_len = pair_logps(model, batch, config.tiled_loss_compute)
         ref_chosen, ref_rejected = batch["ref_chosen"], batch["ref_rejected"]
         losses, chosen_reward, rejected_reward = preference_loss(
             params, chosen, rejected, ref_chosen, ref_rejected, chosen_len, rejected_len
@@ -98,7 +88,7 @@ def _reference_logps(
     for start in range(0, len(mine), size):
         batch = collator([views[0].sample_item(int(i)) for i in mine[start : start + size]])
         inputs = {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
-        chosen, rejected, _, _ = pair_logps(forward, inputs)
+        chosen, rejected, _, _ = pair_logps(forward, inputs, ctx.config.tiled_loss_compute)
         chosen_all[start : start + size] = chosen.cpu().numpy()
         rejected_all[start : start + size] = rejected.cpu().numpy()
     parts = [(mine, chosen_all, rejected_all)]

@@ -7,33 +7,29 @@ update as one large batch.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from posttrain.config.data import SFTDataConfig
 from posttrain.config.trainer import TrainerConfig
 from posttrain.data.build import DataFactory
-from posttrain.data.sft import IGNORE_INDEX, format_sft_rows
+from posttrain.data.sft import format_sft_rows
+from posttrain.methods.token_logps import token_nll
 from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 
-def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token negative log-likelihoods over labels != -100 (float32 softmax)."""
-    shifted_logits = logits[:, :-1, :].reshape(-1, logits.size(-1)).float()
-    shifted_labels = labels[:, 1:].reshape(-1)
-    return F.cross_entropy(shifted_logits, shifted_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+def sft_loss(
+    model: torch.nn.Module, batch: dict[str, Any], tiled: bool | str = False
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The summed next-token NLL over the labelled positions (SFT and causal)."""
+    return token_nll(model, batch, tiled).sum(), {}
 
 
-def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
-    keys = ("input_ids", "attention_mask", "position_ids")
-    return {key: batch[key] for key in keys if key in batch}
-
-
-def sft_loss(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-    logits = model(**model_inputs(batch), use_cache=False).logits
-    return token_nll_sum(logits, batch["labels"]), {}
+def make_token_loss(config: TrainerConfig) -> Any:
+    """``sft_loss`` with the run's ``tiled_loss_compute`` (plain, tiled, or chosen by length)."""
+    return partial(sft_loss, tiled=config.tiled_loss_compute)
 
 
 DATA_FACTORIES.add("sft", DataFactory(format_batch=format_sft_rows), config=SFTDataConfig)
@@ -42,7 +38,7 @@ TRAINERS.add(
     TrainerSpec(
         name="sft",
         accepts=hf_components("sft"),
-        loss=lambda config: sft_loss,
+        loss=make_token_loss,
         description="supervised fine-tuning on chat data",
     ),
     config=TrainerConfig,

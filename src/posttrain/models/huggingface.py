@@ -1,4 +1,5 @@
-"""Model factory ``huggingface``: ``AutoModelForCausalLM`` from a local path or hub name."""
+"""Model factory ``huggingface``: ``AutoModelForCausalLM`` from a local path or hub name, with the run's
+memory features (tiled MLP, activation checkpointing and its CPU offload) and PEFT adapters applied."""
 
 from __future__ import annotations
 
@@ -9,24 +10,50 @@ import torch
 from posttrain.config.model import ModelConfig
 from posttrain.context import RunContext
 from posttrain.errors import UserError
+from posttrain.models.facts import ModelFacts, facts_from_hf_config
+from posttrain.models.memory import apply_activation_checkpointing, tile_mlps
 from posttrain.models.peft import apply_peft
 from posttrain.registry import MODEL_FACTORIES
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@MODEL_FACTORIES.register("huggingface", config=ModelConfig)
-def build_huggingface_model(config: ModelConfig, ctx: RunContext) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+class HuggingFaceModelFactory:
+    """Builds the model (``__call__``) and reports its facts before building (``facts``), so the run never
+    reads the checkpoint's config itself."""
 
-    model = AutoModelForCausalLM.from_pretrained(
-        config.name_or_path,
-        dtype=TORCH_DTYPES[config.dtype],
-        attn_implementation=config.attn_implementation,
-        **_quantization(config),
-    )
-    apply_activation_checkpointing(model, config)
-    return apply_peft(model, config.peft_config, config.peft_pretrained)
+    def facts(self, config: ModelConfig) -> ModelFacts | None:
+        """From the checkpoint's ``config.json``; None when it is not a transformers checkpoint."""
+        from transformers import AutoConfig
+
+        try:
+            return facts_from_hf_config(AutoConfig.from_pretrained(config.name_or_path))
+        except (OSError, ValueError):
+            return None
+
+    def load(self, config: ModelConfig, ctx: RunContext) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(
+            config.name_or_path,
+            dtype=TORCH_DTYPES[config.dtype],
+            attn_implementation=config.attn_implementation,
+            **_quantization(config),
+        )
+
+    def __call__(self, config: ModelConfig, ctx: RunContext) -> torch.nn.Module:
+        model = self.load(config, ctx)
+        trainer = ctx.config
+        apply_activation_checkpointing(
+            model, not config.disable_activation_checkpoint, trainer.activation_checkpoint_cpu_offload
+        )
+        model = apply_peft(model, config.peft_config, config.peft_pretrained)
+        if trainer.tiled_mlp_compute:
+            tile_mlps(model)
+        return model
+
+
+MODEL_FACTORIES.add("huggingface", HuggingFaceModelFactory(), config=ModelConfig)
 
 
 def _quantization(config: ModelConfig) -> dict[str, Any]:
@@ -45,11 +72,3 @@ def _quantization(config: ModelConfig) -> dict[str, Any]:
     from transformers import BitsAndBytesConfig
 
     return {"quantization_config": BitsAndBytesConfig(**config.quantization_config)}
-
-
-def apply_activation_checkpointing(model: torch.nn.Module, config: ModelConfig) -> None:
-    """Gradient checkpointing unless ``disable_activation_checkpoint`` (and the KV cache off in training)."""
-    if getattr(model, "config", None) is not None:
-        model.config.use_cache = False
-    if not config.disable_activation_checkpoint and hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,0 +1,183 @@
+"""Per-token negative log-likelihood of the labels: the one place where a model's LM head meets the loss.
+
+SFT and causal sum it, DPO sums it per sequence. Two paths give the same numbers:
+
+- plain: the model returns ``[batch, tokens, vocab]`` logits and cross-entropy runs on them;
+- tiled (``tiled_loss_compute``): while the model runs, its LM head computes the loss itself
+  (:class:`ChunkedHeadNLL`), only for the positions that have a label and a chunk of them at a time, so the
+  full logits never exist. The head's ``forward`` is swapped for the duration of one call, so it still runs as
+  the head module (ZeRO-3 gathers its weight for that call and for its backward).
+
+Labels are the *next* tokens: ``batch["shift_labels"]`` when the batch carries them (sequence parallelism
+slices already-shifted labels), else ``labels`` shifted left by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.data.sft import IGNORE_INDEX
+from posttrain.errors import UserError
+
+#: ``tiled_loss_compute: auto`` tiles a micro-batch of at least this many tokens (per rank)
+TILED_LOSS_MIN_TOKENS = 8192
+#: logits held at once by the tiled loss: about 2**27 floats (512 MiB in fp32), at least 256 rows
+TILED_LOSS_CHUNK_ELEMENTS = 2**27
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    return {key: batch[key] for key in MODEL_INPUTS if key in batch}
+
+
+def target_labels(batch: dict[str, Any]) -> torch.Tensor:
+    """The label each position predicts (the next token's label; -100: none)."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    return F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def chunk_rows(vocab_size: int) -> int:
+    return max(256, TILED_LOSS_CHUNK_ELEMENTS // max(vocab_size, 1))
+
+
+class ChunkedHeadNLL(torch.autograd.Function):
+    """``nll[i] = logsumexp(h_i W^T + b) - (h_i W^T + b)[t_i]`` for the rows with a label, 0 elsewhere,
+    computed ``chunk`` rows at a time in forward and again in backward. The weight is an explicit input, so
+    its gradient is returned by ``backward`` and scaled by the incoming gradient like any other (gradient
+    accumulation and loss scaling stay exact)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk: int,
+    ) -> torch.Tensor:
+        rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+        nll = torch.zeros(targets.shape[0], dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, rows.shape[0], chunk):
+            index = rows[start : start + chunk]
+            logits = F.linear(hidden[index], weight, bias).float()
+            lse[start : start + chunk] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, targets[index].unsqueeze(1)).squeeze(1)
+            nll[index] = lse[start : start + chunk] - picked
+        ctx.save_for_backward(hidden, weight, bias, targets, rows, lse)
+        ctx.chunk = chunk
+        return nll
+
+    @staticmethod
+    def backward(ctx: Any, grad_nll: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        hidden, weight, bias, targets, rows, lse = ctx.saved_tensors
+        chunk = ctx.chunk
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_bias = (
+            torch.zeros_like(bias, dtype=torch.float32)
+            if bias is not None and ctx.needs_input_grad[2]
+            else None
+        )
+        for start in range(0, rows.shape[0], chunk):
+            index = rows[start : start + chunk]
+            logits = F.linear(hidden[index], weight, bias).float()
+            grad = torch.exp(logits - lse[start : start + chunk].unsqueeze(1))  # softmax
+            grad[torch.arange(index.shape[0], device=grad.device), targets[index]] -= 1.0
+            grad *= grad_nll[index].unsqueeze(1)
+            grad_low = grad.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[index] = grad_low @ weight
+            if grad_weight is not None:
+                grad_weight += grad_low.t().float() @ hidden[index].float()
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
+        return (
+            grad_hidden,
+            grad_weight.to(weight.dtype) if grad_weight is not None else None,
+            grad_bias.to(bias.dtype) if grad_bias is not None else None,
+            None,
+            None,
+        )
+
+
+def unwrap(model: Any) -> torch.nn.Module:
+    """The Hugging Face model inside a posttrain/DeepSpeed engine and a PEFT wrapper."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def tileable_head(model: Any) -> torch.nn.Linear | None:
+    """The LM head when the tiled loss can stand in for it: a plain linear layer whose output the model
+    uses as it is (no logit soft-capping after it)."""
+    base = unwrap(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if getattr(getattr(base, "config", None), "final_logit_softcapping", None):
+        return None
+    return head if type(head) is torch.nn.Linear else None
+
+
+def fused_head_nll(model: Any) -> Any:
+    """The model factory's own fused head loss (``liger``), or None for posttrain's chunked one."""
+    return getattr(unwrap(model), "posttrain_fused_head_nll", None)
+
+
+@contextmanager
+def head_computes_nll(model: Any, targets: torch.Tensor) -> Iterator[None]:
+    """While active, the model's LM head returns the per-token NLL of ``targets`` instead of logits."""
+    head = tileable_head(model)
+    if head is None:
+        base = unwrap(model)
+        found = (
+            type(base.get_output_embeddings()).__name__ if hasattr(base, "get_output_embeddings") else "none"
+        )
+        raise UserError(
+            f"tiled_loss_compute=true needs a plain linear LM head whose logits are used as they are, and "
+            f"{type(base).__name__} has {found} (LoRA on lm_head, or logit soft-capping); set "
+            "tiled_loss_compute: auto or false, or leave lm_head out of the adapter"
+        )
+    fused = fused_head_nll(model)
+    flat_targets = targets.reshape(-1)
+
+    def nll_forward(hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if fused is not None:
+            nll = fused(flat, head.weight, head.bias, flat_targets)
+        else:
+            chunk = chunk_rows(head.out_features)
+            nll = ChunkedHeadNLL.apply(flat, head.weight, head.bias, flat_targets, chunk)
+        return nll.view(hidden.shape[:-1])
+
+    head.forward = nll_forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del head.forward  # back to the class's forward
+
+
+def use_tiled(setting: bool | str, batch: dict[str, Any], model: Any) -> bool:
+    if setting == "auto":
+        return batch["input_ids"].numel() >= TILED_LOSS_MIN_TOKENS and tileable_head(model) is not None
+    return bool(setting)
+
+
+def token_nll(model: Any, batch: dict[str, Any], tiled: bool | str = False) -> torch.Tensor:
+    """``[batch, tokens]`` float32 NLL of each position's next-token label (0 where there is none)."""
+    targets = target_labels(batch)
+    inputs = model_inputs(batch)
+    if use_tiled(tiled, batch, model):
+        with head_computes_nll(model, targets):
+            return model(**inputs, use_cache=False).logits
+    logits = model(**inputs, use_cache=False).logits
+    nll = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    return nll.view(targets.shape)

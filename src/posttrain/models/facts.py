@@ -1,0 +1,83 @@
+"""What the run needs to know about a model, reported by its factory: read from the checkpoint's config
+before the weights exist (ZeRO-3 needs the DeepSpeed config, and so the hidden size, before building), or
+from the built model when a factory cannot say beforehand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+#: where model configs keep their hidden size, first found wins (ZeRO bucket sizes scale with it)
+HIDDEN_SIZE_KEYS = ("hidden_size", "hidden_sizes", "d_model", "n_embd")
+#: the parts of a gated MLP, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (LLaMA, Qwen, Mistral...)
+GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The model facts a run uses: DeepSpeed bucket sizes (``hidden_size``), the default ``data.max_length``
+    (``max_positions``), what sequence parallelism splits (``attention_heads``, ``kv_heads``), whether the
+    tiled MLP applies (``mlp``: the MLP classes and whether they are gated, known once the model is built)
+    and what the tiled loss must reproduce (``logit_softcap``)."""
+
+    model_type: str
+    architecture: str
+    hidden_size: int | None
+    max_positions: int | None
+    attention_heads: int | None
+    kv_heads: int | None
+    vocab_size: int | None
+    logit_softcap: float | None = None
+    mlp: tuple[str, ...] = ()  # MLP class names of the built model
+    gated_mlp: bool | None = None  # None: not known before the model is built
+
+
+def _int(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, list | tuple) and value:
+            return max(value)
+    return None
+
+
+def facts_from_hf_config(config: Any) -> ModelFacts:
+    """Facts from a transformers ``PretrainedConfig`` (the text part of a multimodal one)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = _int(text, "num_attention_heads", "n_head")
+    architectures = getattr(config, "architectures", None) or [type(config).__name__]
+    model_type = str(getattr(text, "model_type", "") or "")
+    softcap = getattr(text, "final_logit_softcapping", None)
+    return ModelFacts(
+        model_type=model_type,
+        architecture=str(architectures[0]),
+        hidden_size=_int(text, *HIDDEN_SIZE_KEYS),
+        max_positions=_int(text, "max_position_embeddings", "n_positions"),
+        attention_heads=heads,
+        kv_heads=_int(text, "num_key_value_heads") or heads,
+        vocab_size=_int(text, "vocab_size"),
+        logit_softcap=float(softcap) if softcap else None,
+    )
+
+
+def mlp_modules(model: Any) -> list[Any]:
+    """The feed-forward blocks of a built model: modules whose class name ends in ``MLP``."""
+    return [module for module in model.modules() if type(module).__name__.endswith("MLP")]
+
+
+def is_gated_mlp(module: Any) -> bool:
+    return all(hasattr(module, part) for part in GATED_MLP_PARTS)
+
+
+def facts_from_model(model: Any, before: ModelFacts | None = None) -> ModelFacts | None:
+    """Facts completed from a built model: its MLP shape, and everything else when the factory could not
+    report it before building."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    facts = before or (facts_from_hf_config(config) if config is not None else None)
+    if facts is None:
+        return None
+    mlps = mlp_modules(base)
+    names = tuple(sorted({type(m).__name__ for m in mlps}))
+    return replace(facts, mlp=names, gated_mlp=bool(mlps) and all(is_gated_mlp(m) for m in mlps))

@@ -1,0 +1,136 @@
+"""Memory features of a built model: activation checkpointing, its CPU offload, and the tiled MLP.
+
+They change where and when activations live, never the numbers: each has a test that the loss and every
+gradient equal the plain model's.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from posttrain.errors import UserError
+from posttrain.models.facts import is_gated_mlp, mlp_modules
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, enabled: bool, offload: bool = False) -> None:
+    """Checkpoint every decoder layer (transformers' non-reentrant path), optionally keeping the saved
+    layer inputs on the CPU; the KV cache is off in training either way."""
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False
+    if not enabled:
+        return
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if offload:
+        offload_checkpoints(model)
+
+
+# ------------------------------------------------------------------------------------ checkpoint offload
+
+
+class OffloadCounter:
+    """How many layer inputs went to the host (tests and the benchmark read it)."""
+
+    stored = 0
+
+
+class _ToHost(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.device = x.device
+        OffloadCounter.stored += 1
+        if x.device.type == "cpu":
+            return x.detach().view_as(x)
+        host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
+        return host.copy_(x, non_blocking=True)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad.to(ctx.device, non_blocking=True)
+
+
+class _ToDevice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, device: torch.device) -> torch.Tensor:  # type: ignore[override]
+        return x.to(device, non_blocking=True) if x.device != device else x.detach().view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad.to("cpu", non_blocking=True), None
+
+
+def offloaded_checkpoint(function: Any, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """transformers' per-layer checkpoint call, with the layer input kept on the host: the checkpoint holds
+    only the host copy and brings it back to the device to recompute the layer in backward."""
+    device = hidden.device
+    stored = _ToHost.apply(hidden)
+
+    def layer(host: torch.Tensor, *rest: Any, **named: Any) -> Any:
+        return function(_ToDevice.apply(host, device), *rest, **named)
+
+    return checkpoint(layer, stored, *args, use_reentrant=False, **kwargs)
+
+
+def offload_checkpoints(model: torch.nn.Module) -> int:
+    """Swap the checkpoint function of every checkpointed layer; returns how many layers use it."""
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    for module in layers:
+        module._gradient_checkpointing_func = offloaded_checkpoint
+    if not layers:
+        raise UserError(
+            f"activation_checkpoint_cpu_offload: {type(model).__name__} has no checkpointed layers to offload"
+        )
+    return len(layers)
+
+
+# --------------------------------------------------------------------------------------------- tiled MLP
+
+
+def _gated(module: Any, x: torch.Tensor) -> torch.Tensor:
+    return module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
+
+
+def _tile_count(module: Any, x: torch.Tensor) -> int:
+    """About hidden-size tokens per tile. Under ZeRO-3 each tile gathers the weights (a collective), so
+    every rank takes the largest count of all ranks."""
+    tiles = max(1, math.ceil(x.shape[-2] / x.shape[-1]))
+    if hasattr(module.down_proj.weight, "ds_id") and torch.distributed.is_initialized():
+        count = torch.tensor(tiles, device=x.device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        tiles = int(count.item())
+    return tiles
+
+
+def _tiled_forward(module: Any, x: torch.Tensor) -> torch.Tensor:
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    return TiledMLP.apply(_gated, module, x, _tile_count(module, x), params)
+
+
+def tile_mlps(model: torch.nn.Module) -> int:
+    """Route every gated MLP through DeepSpeed's ``TiledMLP`` (sequence tiles, recomputed in backward);
+    any other MLP shape is refused. Returns how many MLPs were tiled."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    mlps = mlp_modules(base)
+    other = sorted({type(m).__name__ for m in mlps if not is_gated_mlp(m)})
+    if not mlps or other:
+        found = ", ".join(other) or "no module named *MLP"
+        raise UserError(
+            f"tiled_mlp_compute: {type(base).__name__} has {found}; the tiled MLP computes gated MLPs "
+            "(gate_proj, up_proj, down_proj, act_fn as in LLaMA, Qwen, Mistral); set tiled_mlp_compute: false"
+        )
+    for module in mlps:
+        module.forward = types.MethodType(_tiled_forward, module)
+    return len(mlps)
+
+
+__all__ = ["OffloadCounter", "apply_activation_checkpointing", "offload_checkpoints", "tile_mlps"]

@@ -1,0 +1,211 @@
+"""Ulysses sequence parallelism on DeepSpeed's ``UlyssesSPAttentionHF``.
+
+The ``sequence_parallel_size`` consecutive ranks of a group hold the same sample, each a contiguous slice of
+its sequence (:class:`SequenceSlicer`, applied after the method's collator). Inside attention, DeepSpeed's
+all-to-all trades the sequence split for a head split, so each rank attends over the whole sequence with
+its share of the heads, and trades back afterwards. Everything else (embeddings, MLPs, the LM head and the
+loss) runs on the local slice, with labels shifted before slicing so every token keeps its target.
+
+Gradients: posttrain hands DeepSpeed no model-parallel unit, so DeepSpeed reduces gradients over all ranks
+as data parallelism and divides by the world size, under every ZeRO stage alike. The loop multiplies the
+loss by world size / (label tokens of the step over all ranks), so the result is the gradient of the summed
+loss per token, the same as with one process; each rank's slice counts only its own tokens.
+
+Packed sequences: flash attention separates the documents by ``position_ids``; for ``sdpa`` the gathered
+sequence is cut at every position reset and each document attends causally on its own, as transformers'
+packed-sequence mask does without sequence parallelism (and without an O(tokens^2) mask).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.data.sft import IGNORE_INDEX
+from posttrain.errors import UserError
+from posttrain.models.facts import ModelFacts
+
+#: attention implementations Ulysses can wrap here (eager needs the full 4-D mask)
+SP_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+@dataclass
+class _Installed:
+    implementation: str
+    original: Callable[..., Any]
+    attention: Any  # UlyssesSPAttentionHF
+
+
+_installed: _Installed | None = None
+
+
+def check_sequence_parallel(sp: int, facts: ModelFacts | None, attention: str) -> None:
+    """Start-up checks that need the model's heads (``plan.data_parallel_size`` checks the world size)."""
+    problems = []
+    if attention not in SP_ATTENTION:
+        problems.append(
+            f"model.attn_implementation={attention} cannot run with sequence parallelism; use one of "
+            + ", ".join(SP_ATTENTION)
+        )
+    if facts is not None and facts.attention_heads and facts.attention_heads % sp:
+        problems.append(
+            f"{facts.architecture} has {facts.attention_heads} attention heads, not divisible by "
+            f"sequence_parallel_size={sp}; use a divisor of {facts.attention_heads}"
+        )
+    kv = facts.kv_heads if facts is not None else None
+    if kv and kv % sp and sp % kv:
+        problems.append(
+            f"{facts.architecture if facts else 'the model'} has {kv} key/value heads; "
+            f"sequence_parallel_size={sp} must divide it or be a multiple of it"
+        )
+    if problems:
+        raise UserError("; ".join(problems))
+
+
+def _per_document(core: Callable[..., Any]) -> Callable[..., Any]:
+    """``sdpa`` over a packed row (batch 1): causal attention within each document, cut where the
+    gathered ``position_ids`` restart at 0."""
+
+    def attention(
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        positions = kwargs.get("position_ids")
+        if positions is None or query.shape[0] != 1:
+            return core(module, query, key, value, mask, *args, **kwargs)
+        starts = (positions[0] == 0).nonzero().squeeze(1).tolist()
+        if starts[:1] != [0]:
+            starts = [0, *starts]
+        if len(starts) == 1:
+            return core(module, query, key, value, mask, *args, **kwargs)
+        bounds = [*starts, query.shape[2]]
+        outputs = [
+            core(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, *args, **kwargs)[0]
+            for a, b in itertools.pairwise(bounds)
+        ]
+        return torch.cat(outputs, dim=1), None
+
+    return attention
+
+
+def _fit_batch(attention: Any, batch_size: int) -> None:
+    """DeepSpeed fixes the micro-batch size at registration; eval and short last batches may differ."""
+    if attention.batch_size == batch_size:
+        return
+    attention.batch_size = batch_size
+    query, kv, context = (
+        attention.required_query_shape,
+        attention.required_key_value_shape,
+        attention.required_context_shape,
+    )
+    attention.required_query_shape = torch.Size([query[0], batch_size, *query[2:]])
+    attention.required_key_value_shape = torch.Size([kv[0], batch_size, *kv[2:]])
+    attention.required_context_shape = torch.Size([context[0], batch_size, *context[2:]])
+
+
+def install_sequence_parallel(model: torch.nn.Module, sp: int, attention_impl: str, micro_batch: int) -> Any:
+    """Route the model's attention through Ulysses (process-wide, undone by :func:`uninstall`); returns
+    the sequence-parallel process group."""
+    global _installed
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as groups
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    uninstall()
+    if groups._SEQUENCE_PARALLEL_GROUP is None:
+        groups.initialize_sequence_parallel(sequence_parallel_size=sp)
+    elif groups.get_sequence_parallel_world_size() != sp:
+        raise UserError(
+            f"this process already runs sequence parallelism of degree {groups.get_sequence_parallel_world_size()}"
+        )
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    original = ALL_ATTENTION_FUNCTIONS[attention_impl]
+    core = _per_document(original) if attention_impl == "sdpa" else original
+    ulysses = UlyssesSPAttentionHF(
+        attn=core,
+        batch_size=micro_batch,
+        attn_head_count=heads,
+        attn_head_size=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        kv_head_count=getattr(config, "num_key_value_heads", None) or heads,
+        num_hidden_layers=config.num_hidden_layers,
+        process_group=groups.get_sequence_parallel_group(),
+        seq_length_is_variable=True,
+    )
+    ulysses.core_attn_implementation = attention_impl
+
+    def attention(
+        module: Any, query: torch.Tensor, key: Any, value: Any, mask: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        _fit_batch(ulysses, query.shape[0])
+        return ulysses(
+            module, query, key, value, None, *args, **kwargs
+        )  # the local-slice mask is meaningless
+
+    ALL_ATTENTION_FUNCTIONS[attention_impl] = attention
+    _installed = _Installed(attention_impl, original, ulysses)
+    return groups.get_sequence_parallel_group()
+
+
+def uninstall() -> None:
+    global _installed
+    if _installed is None:
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS[_installed.implementation] = _installed.original
+    _installed = None
+
+
+class SequenceSlicer:
+    """Wraps a collator: the batch every rank of a sequence-parallel group builds (the same samples) is
+    padded to a multiple of the group size (padding has no label) and to ``micro_batch_size`` rows, its
+    labels are shifted to ``shift_labels``, and this rank keeps its slice of the sequence. The counts the
+    loop normalises by are this slice's, so their sum over ranks is the batch's."""
+
+    def __init__(self, collate: Callable[..., Any], pad_id: int, sp: int, sp_rank: int, rows: int) -> None:
+        self.collate, self.pad_id, self.sp, self.sp_rank, self.rows = collate, pad_id, sp, sp_rank, rows
+
+    def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        batch = dict(self.collate(samples))
+        input_ids, labels = batch["input_ids"], batch["labels"]
+        count, length = input_ids.shape
+        real = batch.pop("attention_mask", torch.ones_like(input_ids)).bool()
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(length).expand(count, length)
+        target = -(-length // self.sp) * self.sp
+        extra_cols, extra_rows = target - length, max(self.rows - count, 0)
+        shift = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        pad = (0, extra_cols, 0, extra_rows)
+        input_ids = F.pad(input_ids, pad, value=self.pad_id)
+        shift = F.pad(shift, pad, value=IGNORE_INDEX)
+        real = F.pad(real, pad, value=False)
+        tail = positions[:, -1:] + 1 + torch.arange(extra_cols) if extra_cols else positions[:, :0]
+        positions = torch.cat([positions, tail], dim=1)
+        positions = torch.cat([positions, torch.arange(target).expand(extra_rows, target)], dim=0)
+        width = target // self.sp
+        part = slice(self.sp_rank * width, (self.sp_rank + 1) * width)
+        targets = shift[:, part].contiguous()
+        trained = int((targets != IGNORE_INDEX).sum())
+        batch.update(
+            input_ids=input_ids[:, part].contiguous(),
+            position_ids=positions[:, part].contiguous(),
+            shift_labels=targets,
+            num_target_tokens=trained,
+            num_loss_units=trained,
+            num_input_tokens=int(real[:, part].sum()),
+            num_samples=batch["num_samples"] if self.sp_rank == 0 else 0,
+        )
+        del batch["labels"]
+        return batch
