@@ -1,0 +1,75 @@
+"""Run each config for its steps and record the first optimizer step's loss, the full gradient of every
+trainable parameter at that step (before clipping and the optimizer), and the last eval loss.
+
+Usage: first_step_grads.py OUT.pt NAME=CONFIG.yaml [...]. Every rank takes part in gathering the
+gradients (ZeRO partitions them); rank 0 writes OUT.pt, with its own counts of sequence-parallel
+attention calls and of micro-batch slices without labels (proof that the feature ran).
+"""
+
+import os
+import sys
+
+import torch
+from deepspeed.utils import safe_get_full_grad
+
+from posttrain.config import load_config
+from posttrain.engine import Engine
+from posttrain.models import sequence_parallel
+from posttrain.run import run
+
+captured: dict = {}
+plain_micro_step = Engine.micro_step
+
+
+def micro_step(self: Engine, loss: torch.Tensor, last: bool, timers: object = None) -> None:
+    if last and "grads" not in captured:
+        real_step = self.ds.step
+
+        def step(*args: object, **kwargs: object) -> object:
+            captured["grads"] = {
+                name: safe_get_full_grad(param).detach().float().cpu().clone()
+                for name, param in self.ds.module.named_parameters()
+                if param.requires_grad
+            }
+            del self.ds.step
+            return real_step(*args, **kwargs)
+
+        self.ds.step = step
+    plain_micro_step(self, loss, last, timers)
+
+
+Engine.micro_step = micro_step
+counts = {"sp_attention_calls": 0, "slices_without_labels": 0}
+plain_fit_batch = sequence_parallel._fit_batch
+plain_slice = sequence_parallel.SequenceSlicer.__call__
+
+
+def fit_batch(attention: object, batch_size: int) -> None:
+    counts["sp_attention_calls"] += 1
+    plain_fit_batch(attention, batch_size)
+
+
+def slice_batch(self: object, samples: list) -> dict:
+    batch = plain_slice(self, samples)
+    counts["slices_without_labels"] += batch["num_target_tokens"] == 0
+    return batch
+
+
+sequence_parallel._fit_batch = fit_batch
+sequence_parallel.SequenceSlicer.__call__ = slice_batch
+results = {}
+for spec in sys.argv[2:]:
+    name, path = spec.split("=", 1)
+    captured.clear()
+    counts.update(sp_attention_calls=0, slices_without_labels=0)
+    history = run(load_config(path)).state.history
+    evals = [record["eval_loss"] for record in history if "eval_loss" in record]
+    results[name] = {
+        "loss": history[0]["loss"],
+        "losses": [record["loss"] for record in history if "loss" in record],
+        "eval_loss": evals[-1] if evals else None,
+        "grads": captured["grads"],
+        **counts,
+    }
+if int(os.environ.get("RANK", "0")) == 0:
+    torch.save(results, sys.argv[1])
