@@ -12,6 +12,7 @@ def register_builtins() -> None:
     import posttrain.methods.dpo
     import posttrain.methods.sft
     import posttrain.models.huggingface
+    import posttrain.models.liger
     import posttrain.optim.adamw
     import posttrain.optim.megatron
     import posttrain.optim.schedulers

@@ -155,7 +155,7 @@ def hf_components(data: str) -> dict[str, tuple[str, ...]]:
     """What the built-in trainers accept: HF model and tokenizer, their own data factory, torch AdamW, the
     HF scheduler family, and both checkpoint engines (export first, the default)."""
     return {
-        "model": ("huggingface",),
+        "model": ("huggingface", "liger"),
         "tokenizer": ("huggingface",),
         "data": (data,),
         "optimizer": ("adamw",),

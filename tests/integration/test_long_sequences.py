@@ -154,3 +154,17 @@ def test_sequence_slicer_pads_shifts_and_counts_each_slice() -> None:
     assert torch.equal(torch.cat([h["position_ids"][0] for h in halves]), torch.arange(10))
     assert [h["num_input_tokens"] for h in halves] == [5, 4]
     assert [h["num_samples"] for h in halves] == [1, 0]
+
+
+def test_liger_factory_without_a_gpu_says_so(base_config: dict) -> None:
+    from posttrain.config import load_config
+    from posttrain.context import RunContext
+    from posttrain.dist import DistInfo
+    from posttrain.registry import MODEL_FACTORIES
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    config = load_config(data={**base_config, "model": {**base_config["model"], "type": "liger"}})
+    ctx = RunContext(config, DistInfo(0, 0, 1, torch.device("cpu")))
+    with pytest.raises(UserError, match=r"need a CUDA GPU.*model.type: huggingface"):
+        MODEL_FACTORIES.get("liger").obj(config.model, ctx)

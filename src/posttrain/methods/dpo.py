@@ -23,7 +23,7 @@ from posttrain.data.sft import IGNORE_INDEX
 from posttrain.data.views import SampleView
 from posttrain.logs import say
 from posttrain.methods.preference_losses import PreferenceParams, preference_loss
-from posttrain.methods.token_logps import target_labels, token_nll
+from posttrain.methods.token_logps import row_nll, target_labels
 from posttrain.registry import DATA_FACTORIES, MODEL_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 # ------------------------------------------------------------------------------------------------- loss
@@ -32,7 +32,7 @@ from posttrain.registry import DATA_FACTORIES, MODEL_FACTORIES, TRAINERS, Traine
 def pair_logps(model: Any, batch: dict[str, Any], tiled: bool | str = False) -> tuple[torch.Tensor, ...]:
     """Chosen and rejected summed log-probabilities of the labelled tokens, and how many there are (the
     collator stacks the chosen rows on top of the rejected ones)."""
-    logps = -token_nll(model, batch, tiled).sum(-1).double()
+    logps = -row_nll(model, batch, tiled).double()
     counts = (target_labels(batch) != IGNORE_INDEX).sum(-1).double()
     half = logps.shape[0] // 2
     return logps[:half], logps[half:], counts[:half], counts[half:]

@@ -16,7 +16,7 @@ from posttrain.config.data import SFTDataConfig
 from posttrain.config.trainer import TrainerConfig
 from posttrain.data.build import DataFactory
 from posttrain.data.sft import format_sft_rows
-from posttrain.methods.token_logps import token_nll
+from posttrain.methods.token_logps import row_nll
 from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 
@@ -24,7 +24,7 @@ def sft_loss(
     model: torch.nn.Module, batch: dict[str, Any], tiled: bool | str = False
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The summed next-token NLL over the labelled positions (SFT and causal)."""
-    return token_nll(model, batch, tiled).sum(), {}
+    return row_nll(model, batch, tiled).sum(), {}
 
 
 def make_token_loss(config: TrainerConfig) -> Any:

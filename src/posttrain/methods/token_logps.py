@@ -1,12 +1,12 @@
-"""Per-token negative log-likelihood of the labels: the one place where a model's LM head meets the loss.
-
-SFT and causal sum it, DPO sums it per sequence. Two paths give the same numbers:
+"""Negative log-likelihood of the labels, summed per sequence: the one place where a model's LM head meets
+the loss. SFT and causal add the rows up, DPO compares them. Two paths give the same numbers:
 
 - plain: the model returns ``[batch, tokens, vocab]`` logits and cross-entropy runs on them;
 - tiled (``tiled_loss_compute``): while the model runs, its LM head computes the loss itself
   (:class:`ChunkedHeadNLL`), only for the positions that have a label and a chunk of them at a time, so the
   full logits never exist. The head's ``forward`` is swapped for the duration of one call, so it still runs as
-  the head module (ZeRO-3 gathers its weight for that call and for its backward).
+  the head module (ZeRO-3 gathers its weight for that call and for its backward). A model factory may bring
+  its own fused head loss instead (``liger``: Liger's fused linear cross-entropy).
 
 Labels are the *next* tokens: ``batch["shift_labels"]`` when the batch carries them (sequence parallelism
 slices already-shifted labels), else ``labels`` shifted left by one.
@@ -125,14 +125,19 @@ def tileable_head(model: Any) -> torch.nn.Linear | None:
     return head if type(head) is torch.nn.Linear else None
 
 
+#: attribute a model factory sets on the model for its own fused head loss:
+#: ``(hidden [rows, tokens, hidden], weight, bias, targets [rows, tokens]) -> NLL per row``
+FUSED_HEAD_ATTRIBUTE = "posttrain_fused_head_nll"
+
+
 def fused_head_nll(model: Any) -> Any:
     """The model factory's own fused head loss (``liger``), or None for posttrain's chunked one."""
-    return getattr(unwrap(model), "posttrain_fused_head_nll", None)
+    return getattr(unwrap(model), FUSED_HEAD_ATTRIBUTE, None)
 
 
 @contextmanager
 def head_computes_nll(model: Any, targets: torch.Tensor) -> Iterator[None]:
-    """While active, the model's LM head returns the per-token NLL of ``targets`` instead of logits."""
+    """While active, the model's LM head returns the NLL of ``targets`` summed per row instead of logits."""
     head = tileable_head(model)
     if head is None:
         base = unwrap(model)
@@ -145,16 +150,14 @@ def head_computes_nll(model: Any, targets: torch.Tensor) -> Iterator[None]:
             "tiled_loss_compute: auto or false, or leave lm_head out of the adapter"
         )
     fused = fused_head_nll(model)
-    flat_targets = targets.reshape(-1)
 
     def nll_forward(hidden: torch.Tensor) -> torch.Tensor:
-        flat = hidden.reshape(-1, hidden.shape[-1])
         if fused is not None:
-            nll = fused(flat, head.weight, head.bias, flat_targets)
-        else:
-            chunk = chunk_rows(head.out_features)
-            nll = ChunkedHeadNLL.apply(flat, head.weight, head.bias, flat_targets, chunk)
-        return nll.view(hidden.shape[:-1])
+            return fused(hidden, head.weight, head.bias, targets)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        chunk = chunk_rows(head.out_features)
+        nll = ChunkedHeadNLL.apply(flat, head.weight, head.bias, targets.reshape(-1), chunk)
+        return nll.view(targets.shape).sum(-1)
 
     head.forward = nll_forward  # type: ignore[method-assign]
     try:
@@ -169,8 +172,8 @@ def use_tiled(setting: bool | str, batch: dict[str, Any], model: Any) -> bool:
     return bool(setting)
 
 
-def token_nll(model: Any, batch: dict[str, Any], tiled: bool | str = False) -> torch.Tensor:
-    """``[batch, tokens]`` float32 NLL of each position's next-token label (0 where there is none)."""
+def row_nll(model: Any, batch: dict[str, Any], tiled: bool | str = False) -> torch.Tensor:
+    """Per row of the batch, the float32 NLL of its next-token labels, summed (0 for a row without any)."""
     targets = target_labels(batch)
     inputs = model_inputs(batch)
     if use_tiled(tiled, batch, model):
@@ -180,4 +183,4 @@ def token_nll(model: Any, batch: dict[str, Any], tiled: bool | str = False) -> t
     nll = F.cross_entropy(
         logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )
-    return nll.view(targets.shape)
+    return nll.view(targets.shape).sum(-1)
