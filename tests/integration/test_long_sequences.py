@@ -168,3 +168,36 @@ def test_liger_factory_without_a_gpu_says_so(base_config: dict) -> None:
     ctx = RunContext(config, DistInfo(0, 0, 1, torch.device("cpu")))
     with pytest.raises(UserError, match=r"need a CUDA GPU.*model.type: huggingface"):
         MODEL_FACTORIES.get("liger").obj(config.model, ctx)
+
+
+def test_the_model_factory_reports_the_facts_the_run_needs(tiny_model_dir) -> None:
+    from posttrain.config.model import ModelConfig
+    from posttrain.models.facts import facts_from_model
+    from posttrain.registry import MODEL_FACTORIES
+
+    factory = MODEL_FACTORIES.get("huggingface").obj
+    facts = factory.facts(ModelConfig(name_or_path=str(tiny_model_dir)))
+    assert facts is not None
+    assert (facts.hidden_size, facts.max_positions, facts.attention_heads, facts.kv_heads) == (64, 1024, 4, 2)
+    assert facts.architecture == "LlamaForCausalLM" and facts.gated_mlp is None  # not known before building
+    built = facts_from_model(_model(), facts)
+    assert built is not None and built.mlp == ("LlamaMLP",) and built.gated_mlp is True
+    assert factory.facts(ModelConfig(name_or_path=str(tiny_model_dir / "missing"))) is None
+
+
+def test_sequence_parallel_start_up_checks_say_what_to_change() -> None:
+    from posttrain.config import load_config
+    from posttrain.models.facts import ModelFacts
+    from posttrain.models.sequence_parallel import check_sequence_parallel
+    from posttrain.plan import data_parallel_size
+
+    facts = ModelFacts("llama", "LlamaForCausalLM", 64, 1024, 6, 3, 96)
+    with pytest.raises(UserError, match=r"6 attention heads, not divisible by sequence_parallel_size=4"):
+        check_sequence_parallel(4, facts, "sdpa")
+    check_sequence_parallel(3, facts, "sdpa")
+    config = load_config(
+        data={"model": {"name_or_path": "m"}, "data": {"sources": ["x.jsonl"]}, "sequence_parallel_size": 2}
+    )
+    with pytest.raises(UserError, match=r"must divide the world size 3; run on a multiple of 2"):
+        data_parallel_size(config, 3)
+    assert data_parallel_size(config, 4) == 2
