@@ -116,10 +116,10 @@ def _model_and_deepspeed(
     until the engine exists). The factory reports the facts before building when it can, so ZeRO-3 gets its
     config in time to create the model partitioned."""
     config, dist = ctx.config, ctx.dist
-    facts = model_facts(config)
+    early = model_facts(config)
     sp = config.sequence_parallel_size
-    if sp > 1 and facts is not None:
-        check_sequence_parallel(sp, facts, config.model.attn_implementation)
+    if sp > 1 and early is not None:  # before loading any weights
+        check_sequence_parallel(sp, early, config.model.attn_implementation)
 
     def deepspeed_config(hidden: int | None) -> dict[str, Any]:
         if hidden is None:
@@ -128,15 +128,16 @@ def _model_and_deepspeed(
             )
         return build_deepspeed_config(config, world_size=dist.world_size, hidden_size=hidden)
 
-    ds_config = deepspeed_config(facts.hidden_size) if facts and facts.hidden_size else None
+    ds_config = deepspeed_config(early.hidden_size) if early and early.hidden_size else None
     zero3 = _zero3_init(ds_config) if ds_config else None
     model = MODEL_FACTORIES.get(config.model.type).obj(config.model, ctx)
     _fit_embeddings(model, tokenizer)
-    facts = facts_from_model(model, facts)
+    facts = facts_from_model(model, early)
     if ds_config is None:
         ds_config = deepspeed_config(facts.hidden_size if facts else None)
     if sp > 1:
-        check_sequence_parallel(sp, facts, config.model.attn_implementation)
+        if early is None:
+            check_sequence_parallel(sp, facts, config.model.attn_implementation)
         install_sequence_parallel(
             unwrap(model), sp, config.model.attn_implementation, config.micro_batch_size
         )
