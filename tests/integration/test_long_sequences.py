@@ -57,7 +57,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def test_tiled_loss_equals_the_plain_loss_with_scaling_and_empty_rows(monkeypatch) -> None:
-    monkeypatch.setattr(token_logps, "chunk_rows", lambda vocab: 7)  # many chunks on a short batch
+    monkeypatch.setattr(token_logps, "chunk_rows", lambda *sizes: 7)  # many chunks on a short batch
     model = _model()
     plain, plain_grads = _accumulate(model, False, (0.37, 1.9))
     tiled, tiled_grads = _accumulate(model, True, (0.37, 1.9))
@@ -81,7 +81,7 @@ def test_tiled_loss_of_a_batch_without_labels_is_zero_and_finite() -> None:
 
 
 def test_dpo_log_probabilities_use_the_same_chunking(monkeypatch) -> None:
-    monkeypatch.setattr(token_logps, "chunk_rows", lambda vocab: 5)
+    monkeypatch.setattr(token_logps, "chunk_rows", lambda *sizes: 5)
     model = _model()
     batch = _batch(rows=4)
     batch["labels"][1] = batch["input_ids"][1]
@@ -201,3 +201,9 @@ def test_sequence_parallel_start_up_checks_say_what_to_change() -> None:
     with pytest.raises(UserError, match=r"must divide the world size 3; run on a multiple of 2"):
         data_parallel_size(config, 3)
     assert data_parallel_size(config, 4) == 2
+
+
+def test_chunks_match_the_hidden_states_within_bounds() -> None:
+    assert token_logps.chunk_rows(32_000, 128, 32_768) == 256  # logits no larger than needed
+    assert token_logps.chunk_rows(32_000, 2048, 32_768) == 2098  # as large as the hidden states
+    assert token_logps.chunk_rows(128_000, 4096, 131_072) == 2**27 // 128_000  # capped at 512 MiB

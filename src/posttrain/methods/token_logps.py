@@ -26,8 +26,10 @@ from posttrain.errors import UserError
 
 #: ``tiled_loss_compute: auto`` tiles a micro-batch of at least this many tokens (per rank)
 TILED_LOSS_MIN_TOKENS = 8192
-#: logits held at once by the tiled loss: about 2**27 floats (512 MiB in fp32), at least 256 rows
+#: the most logits the tiled loss holds at once: 2**27 floats (512 MiB in fp32)
 TILED_LOSS_CHUNK_ELEMENTS = 2**27
+#: the fewest rows of a chunk (smaller matrix products waste the hardware)
+TILED_LOSS_MIN_ROWS = 256
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
@@ -43,8 +45,13 @@ def target_labels(batch: dict[str, Any]) -> torch.Tensor:
     return F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def chunk_rows(vocab_size: int) -> int:
-    return max(256, TILED_LOSS_CHUNK_ELEMENTS // max(vocab_size, 1))
+def chunk_rows(vocab_size: int, hidden_size: int, rows: int) -> int:
+    """Rows per chunk: logits about as large as the hidden states they come from (so the loss's memory
+    scales with the tokens a process holds, as Liger sizes its chunks), at least ``TILED_LOSS_MIN_ROWS``
+    and at most ``TILED_LOSS_CHUNK_ELEMENTS`` logits."""
+    vocab = max(vocab_size, 1)
+    matched = -(-rows * hidden_size // vocab)
+    return max(TILED_LOSS_MIN_ROWS, min(TILED_LOSS_CHUNK_ELEMENTS // vocab, matched))
 
 
 class ChunkedHeadNLL(torch.autograd.Function):
@@ -71,6 +78,7 @@ class ChunkedHeadNLL(torch.autograd.Function):
             lse[start : start + chunk] = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, targets[index].unsqueeze(1)).squeeze(1)
             nll[index] = lse[start : start + chunk] - picked
+            del logits  # before the next chunk's logits exist
         ctx.save_for_backward(hidden, weight, bias, targets, rows, lse)
         ctx.chunk = chunk
         return nll
@@ -99,6 +107,7 @@ class ChunkedHeadNLL(torch.autograd.Function):
                 grad_weight += grad_low.t().float() @ hidden[index].float()
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
+            del logits, grad, grad_low  # before the next chunk's logits exist
         return (
             grad_hidden,
             grad_weight.to(weight.dtype) if grad_weight is not None else None,
@@ -155,7 +164,7 @@ def head_computes_nll(model: Any, targets: torch.Tensor) -> Iterator[None]:
         if fused is not None:
             return fused(hidden, head.weight, head.bias, targets)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        chunk = chunk_rows(head.out_features)
+        chunk = chunk_rows(head.out_features, head.in_features, int((targets != IGNORE_INDEX).sum()))
         nll = ChunkedHeadNLL.apply(flat, head.weight, head.bias, targets.reshape(-1), chunk)
         return nll.view(targets.shape).sum(-1)
 
