@@ -19,7 +19,7 @@ the RSS when the step starts (model, data, DeepSpeed engine already built). A pr
 - SP=2 (at the middle length, plain and everything on): two processes (``sequence_parallel_size: 2``)
   against that length's one-process row, each rank's peak (the goal: at most 0.6x).
 
-``--longest`` tries one longer sequence with everything on (and SP=2) to report the longest that trains.
+``--longest`` tries longer sequences with everything on (and SP=2) to report the longest that trains.
 Ratios are against the plain step (or SP=1) measured in the same run.
 """
 
@@ -222,7 +222,7 @@ def above(result: dict[str, Any]) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[16384, 32768, 65536])
     parser.add_argument("--longest", type=int, nargs="*", default=[])
     parser.add_argument("--out", type=Path, default=ROOT / "bench-out" / "long-sequence")
     parser.add_argument("--limit-gib", type=float, default=20.0)
@@ -245,9 +245,10 @@ def main() -> None:
             config = config_for(model_dir, texts[length], length, features, out)
             rows[name] = measure(f"{length} {name}", config, out, 1, args.limit_gib)
         report["lengths"][length] = rows
-    middle = args.lengths[len(args.lengths) // 2]
-    print(f"sequence parallelism at {middle} tokens", flush=True)
-    for name in ("plain", "all on"):
+    middle = args.lengths[len(args.lengths) // 2] if args.lengths else None
+    if middle is not None:
+        print(f"sequence parallelism at {middle} tokens", flush=True)
+    for name in ("plain", "all on") if middle is not None else ():
         config = config_for(
             model_dir, texts[middle], middle, {**FEATURES[name], "sequence_parallel_size": 2}, out
         )
