@@ -318,3 +318,60 @@ def test_bad_process_counts_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture
     assert (
         "--nproc 0: must be >= 1" in err and "--world-size 0: must be >= 1" in err and "Traceback" not in err
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "path", "says"),
+    [
+        (
+            ["data.sources=[{name_or_path: train.jsonl, split: 'train[:10%]'}]"],
+            "data.sources[0].split",
+            "read whole",
+        ),
+        (
+            ["data.eval_sources=[{name_or_path: eval.jsonl, sampling_weight: 0}]", "eval_interval=5"],
+            "data.eval_sources[0].sampling_weight",
+            "used whole",
+        ),
+        (["deepspeed.train_batch_size=64"], "deepspeed.train_batch_size", "micro_batch_size"),
+        (["deepspeed.optimizer={type: Adam}"], "deepspeed.optimizer", "top-level optimizer:"),
+        (["deepspeed.scheduler={type: WarmupLR}"], "deepspeed.scheduler", "top-level scheduler:"),
+        (["model.quantization_config={load_in_4bits: true}"], "model.quantization_config", "load_in_4bit"),
+        (
+            ["scheduler.name=constant", "scheduler.warmup_ratio=0.1"],
+            "scheduler.warmup_ratio",
+            "constant_with_warmup",
+        ),
+        (
+            ["scheduler.name=cosine", "scheduler.scheduler_kwargs={num_cycle: 2}"],
+            "scheduler.scheduler_kwargs.num_cycle",
+            "num_cycles",
+        ),
+        (["type=dpo", "ref_model={name_or_path: m, save_name: x}"], "ref_model.save_name", "never saved"),
+    ],
+)
+def test_settings_that_would_be_ignored_are_refused(
+    tmp_path: Path, overrides: list[str], path: str, says: str
+) -> None:
+    error = errors_of(GOOD, tmp_path, overrides)
+    assert path in [issue.path for issue in error.issues], error.render()
+    assert says in error.render()
+
+
+def test_aliases_work_in_both_directions_with_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(GOOD + "optimizer:\n  learning_rate: 1e-4\neval_frequency: 3\nmax_evaluate_steps: 2\n")
+    path.with_name("eval.jsonl").write_text("")
+    overrides = ["optimizer.lr=2e-4", "eval_iters=5", "eval_interval=7", "data.train_eval_split=[0.9, 0.1]"]
+    config = load_config(path, overrides)
+    assert (config.optimizer.lr, config.eval_iters, config.eval_interval) == (2e-4, 5, 7)
+    config = load_config(path, ["optimizer.learning_rate=3e-4", "data.train_eval_split=[0.9, 0.1]"])
+    assert (config.optimizer.lr, config.eval_interval, config.eval_iters) == (3e-4, 3, 2)
+
+
+def test_a_config_file_that_is_not_utf8_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_bytes(GOOD.encode() + "# caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "not UTF-8 text (byte 0xe9" in info.value.render()

@@ -54,6 +54,15 @@ class DataSourceConfig(BaseConfig):
 class LocalSourceConfig(DataSourceConfig):
     """A local .jsonl, .json, .parquet or .csv file."""
 
+    def problems(self) -> Iterator[Problem]:
+        yield from super().problems()
+        if self.split not in ("", "train"):
+            yield Problem(
+                "split",
+                f"{self.split!r}: a local file is read whole (split slices apply to type: huggingface); "
+                "use sample_ratio or sample_count to read part of it",
+            )
+
     @field_validator("name_or_path")
     @classmethod
     def _suffix(cls, value: str) -> str:
@@ -171,6 +180,12 @@ class DataConfig(BaseConfig):
             yield Problem(
                 "train_eval_split", f"{[train, held_out]} must be two non-negative fractions summing to 1"
             )
+        for index, source in enumerate(self.eval_sources):
+            if source.sampling_weight != 1.0:
+                yield Problem(
+                    f"eval_sources[{index}].sampling_weight",
+                    "eval sources are used whole and unweighted; remove it (or drop the source)",
+                )
         if self.mix == "concatenate":
             for index, source in enumerate(self.sources):
                 if source.sampling_weight != 1.0:

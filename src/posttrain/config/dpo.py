@@ -66,6 +66,8 @@ class DPOTrainerConfig(TrainerConfig):
             yield Problem("ref_model", "reference_free: true uses no reference model; remove ref_model")
         if self.ref_model is not None and self.ref_model.peft_config is not None:
             yield Problem("ref_model.peft_config", "the reference model is frozen; adapters belong on model")
+        if self.ref_model is not None and self.ref_model.save_name is not None:
+            yield Problem("ref_model.save_name", "the reference model is never saved; remove it")
         if self.sequence_parallel_size > 1:
             yield Problem(
                 "sequence_parallel_size",

@@ -14,6 +14,7 @@ Three stages, all without side effects other than importing the user's ``code:``
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import importlib.util
 import sys
@@ -120,6 +121,17 @@ def load_yaml(path: str | Path) -> RawConfig:
         raise ConfigError(
             [ConfigIssue("", f"cannot read the config file: {exc.strerror}", str(path))]
         ) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [
+                ConfigIssue(
+                    "",
+                    f"the config file is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                    f"{exc.start}); save it as UTF-8",
+                    str(path),
+                )
+            ]
+        ) from None
     return load_yaml_text(text, str(path), path.resolve().parent)
 
 
@@ -130,6 +142,34 @@ def _parse_override_path(text: str) -> Loc:
             raise ValueError(f"empty key in {text!r}")
         loc.append(int(part) if part.isdigit() else part)
     return tuple(loc)
+
+
+@functools.cache
+def alias_twins() -> dict[str, str]:
+    """Field name <-> alias of every config class (``lr``/``learning_rate``...), so an override written
+    with one spelling replaces the other spelling in the file."""
+    from posttrain.builtins import register_builtins
+    from posttrain.config.trainer import TrainerConfig
+    from posttrain.registry import SLOT_REGISTRIES, TRAINERS
+
+    register_builtins()
+    classes: list[type[BaseModel]] = [TrainerConfig]
+    for registry in [*SLOT_REGISTRIES.values(), TRAINERS]:
+        classes += [registry.get(name).config for name in registry.names()]
+    twins: dict[str, str] = {}
+    seen: set[type] = set()
+    while classes:
+        cls = classes.pop()
+        if cls in seen or not isinstance(cls, type) or not issubclass(cls, BaseModel):
+            continue
+        seen.add(cls)
+        for name, info in cls.model_fields.items():
+            if info.alias:
+                twins[name], twins[info.alias] = info.alias, name
+            nested = _unwrap_model(info.annotation)
+            if nested is not None:
+                classes.append(nested)
+    return twins
 
 
 def apply_overrides(raw: RawConfig, overrides: list[str]) -> None:
@@ -165,6 +205,9 @@ def apply_overrides(raw: RawConfig, overrides: list[str]) -> None:
                 break
         last = loc[-1]
         if isinstance(target, dict):
+            twin = alias_twins().get(str(last))
+            if twin is not None and twin in target:  # `lr=` replaces a `learning_rate:` from the file
+                del target[twin]
             target[last] = value
         elif isinstance(target, list) and isinstance(last, int) and last <= len(target):
             target[last : last + 1] = [value]

@@ -86,6 +86,28 @@ class ModelConfig(BaseConfig):
             peft_config_from_dict(value)  # builds PEFT's own config object: checks keys and values
         return value
 
+    @field_validator("quantization_config")
+    @classmethod
+    def _quantization(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return value
+        import inspect
+
+        from transformers import BitsAndBytesConfig
+
+        accepted = set(inspect.signature(BitsAndBytesConfig.__init__).parameters) - {"self", "kwargs"}
+        unknown = sorted(set(value) - accepted)
+        if unknown:
+            import difflib
+
+            hints = [difflib.get_close_matches(key, sorted(accepted), n=1) for key in unknown]
+            named = ", ".join(
+                f"{key}" + (f" (did you mean {h[0]}?)" if h else "")
+                for key, h in zip(unknown, hints, strict=True)
+            )
+            raise ValueError(f"unknown BitsAndBytesConfig argument {named}")
+        return value
+
     def problems(self) -> Iterator[Problem]:
         if self.peft_config is not None and self.peft_pretrained is not None:
             yield Problem(

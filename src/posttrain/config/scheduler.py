@@ -48,6 +48,35 @@ class HFSchedulerConfig(SchedulerConfig):
     def problems(self) -> Iterator[Problem]:
         if self.name == "reduce_lr_on_plateau":
             yield Problem("name", "'reduce_lr_on_plateau' needs a metric each step and is not supported yet")
+            return
+        accepted = _scheduler_arguments(self.name)
+        if self.name == "constant" and "warmup_ratio" in self.model_fields_set and self.warmup_ratio > 0:
+            yield Problem(
+                "warmup_ratio",
+                f"{self.warmup_ratio}: the constant schedule has no warmup; use name: constant_with_warmup "
+                "or warmup_ratio: 0",
+            )
+        for key in sorted(set(self.scheduler_kwargs) - accepted):
+            allowed = ", ".join(sorted(accepted)) or "none"
+            yield Problem(
+                f"scheduler_kwargs.{key}",
+                f"is not an argument of the {self.name!r} schedule; allowed: {allowed}",
+            )
+
+
+#: arguments posttrain fills in itself
+_FILLED = {"optimizer", "num_warmup_steps", "num_training_steps", "last_epoch", "kwargs"}
+
+
+def _scheduler_arguments(name: str) -> set[str]:
+    """The extra keyword arguments transformers' schedule function for ``name`` takes."""
+    import inspect
+
+    from transformers import SchedulerType
+    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
+
+    function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(name)]
+    return set(inspect.signature(function).parameters) - _FILLED
 
 
 class MegatronSchedulerConfig(SchedulerConfig):

@@ -151,8 +151,9 @@ class TrainerConfig(BaseConfig):
     train_iters: HumanInt = Field(default=0, ge=0)
     """Stop after this many optimizer steps (0: run all epochs). Schedulers are sized by it when set."""
 
-    eval_interval: HumanInt = Field(default=0, ge=0)
-    """Evaluate every N optimizer steps (0: never). Needs eval data and is needed by it."""
+    eval_interval: HumanInt = Field(default=0, ge=0, alias="eval_frequency")
+    """Evaluate every N optimizer steps (0: never). Needs eval data and is needed by it. ArcticTraining's
+    older name ``eval_frequency`` is accepted."""
 
     eval_log_iter_interval: HumanInt = Field(default=1, ge=0)
     """Print every N-th evaluation's metrics line (0: never print; the metrics file still gets them)."""
@@ -308,6 +309,19 @@ class TrainerConfig(BaseConfig):
         yield from self._batch_problems()
         if sum(c.auto_resume for c in self.checkpoint) > 1:
             yield Problem("checkpoint", "at most one checkpoint engine may set auto_resume: true")
+        if self.deepspeed.get("train_batch_size") not in (None, "auto"):
+            yield Problem(
+                "deepspeed.train_batch_size",
+                "is derived from micro_batch_size x gradient_accumulation_steps x processes; set those "
+                "(or total_train_batch_size) instead",
+            )
+        for block, where in (("optimizer", "optimizer:"), ("scheduler", "scheduler:")):
+            if block in self.deepspeed:
+                yield Problem(
+                    f"deepspeed.{block}",
+                    f"posttrain builds the {block} from the top-level {where} section (types and settings "
+                    f"there); move these settings to it",
+                )
         ds_batch = self.deepspeed.get("train_micro_batch_size_per_gpu")
         if ds_batch not in (None, "auto", self.micro_batch_size):
             yield Problem("deepspeed.train_micro_batch_size_per_gpu", "set micro_batch_size instead")
