@@ -33,7 +33,7 @@ from posttrain.models.sequence_parallel import (
     install_sequence_parallel,
 )
 from posttrain.models.sequence_parallel import uninstall as uninstall_sequence_parallel
-from posttrain.plan import check_rampup, lr_explanation, resolve
+from posttrain.plan import check_rampup, data_parallel_size, lr_explanation, resolve
 from posttrain.profiling import observers as profiling_observers
 from posttrain.registry import (
     CHECKPOINT_ENGINES,
@@ -61,8 +61,8 @@ def _loaders(
 ) -> tuple[DataLoader, ShardSampler, DataLoader | None]:
     """Data-parallel shards: the ranks of a sequence-parallel group read the same samples."""
     config = ctx.config
-    sp = config.sequence_parallel_size
-    replicas, replica = ctx.dist.world_size // sp, ctx.dist.rank // sp
+    replicas = data_parallel_size(config, ctx.dist.world_size)
+    replica = ctx.dist.rank // config.sequence_parallel_size  # a group is consecutive ranks
     sampler = ShardSampler(len(data.train), replicas, replica, seed=config.data.seed)
     workers = config.data.dl_num_workers
     train = DataLoader(

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from posttrain.data.sft import IGNORE_INDEX
 from posttrain.errors import UserError
+from posttrain.models.peft import base_model
 
 #: ``tiled_loss_compute: auto`` tiles a micro-batch of at least this many tokens (per rank)
 TILED_LOSS_MIN_TOKENS = 8192
@@ -56,7 +57,8 @@ def chunk_rows(vocab_size: int, hidden_size: int, rows: int) -> int:
 
 class ChunkedHeadNLL(torch.autograd.Function):
     """``nll[i] = logsumexp(h_i W^T + b) - (h_i W^T + b)[t_i]`` for the rows with a label, 0 elsewhere,
-    computed ``chunk`` rows at a time in forward and again in backward. The weight is an explicit input, so
+    computed a chunk of rows at a time (:func:`chunk_rows`) in forward and again in backward. The weight is
+    an explicit input, so
     its gradient is returned by ``backward`` and scaled by the incoming gradient like any other (gradient
     accumulation and loss scaling stay exact)."""
 
@@ -67,9 +69,9 @@ class ChunkedHeadNLL(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         targets: torch.Tensor,
-        chunk: int,
     ) -> torch.Tensor:
         rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+        chunk = chunk_rows(weight.shape[0], weight.shape[1], rows.shape[0])
         nll = torch.zeros(targets.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty(rows.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, rows.shape[0], chunk):
@@ -113,7 +115,6 @@ class ChunkedHeadNLL(torch.autograd.Function):
             grad_weight.to(weight.dtype) if grad_weight is not None else None,
             grad_bias.to(bias.dtype) if grad_bias is not None else None,
             None,
-            None,
         )
 
 
@@ -121,7 +122,7 @@ def unwrap(model: Any) -> torch.nn.Module:
     """The Hugging Face model inside a posttrain/DeepSpeed engine and a PEFT wrapper."""
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
         model = model.module
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base_model(model)
 
 
 def tileable_head(model: Any) -> torch.nn.Linear | None:
@@ -164,8 +165,7 @@ def head_computes_nll(model: Any, targets: torch.Tensor) -> Iterator[None]:
         if fused is not None:
             return fused(hidden, head.weight, head.bias, targets)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        chunk = chunk_rows(head.out_features, head.in_features, int((targets != IGNORE_INDEX).sum()))
-        nll = ChunkedHeadNLL.apply(flat, head.weight, head.bias, targets.reshape(-1), chunk)
+        nll = ChunkedHeadNLL.apply(flat, head.weight, head.bias, targets.reshape(-1))
         return nll.view(targets.shape).sum(-1)
 
     head.forward = nll_forward  # type: ignore[method-assign]

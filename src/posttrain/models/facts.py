@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from posttrain.models.peft import base_model
+
 #: where model configs keep their hidden size, first found wins (ZeRO bucket sizes scale with it)
 HIDDEN_SIZE_KEYS = ("hidden_size", "hidden_sizes", "d_model", "n_embd")
 #: the parts of a gated MLP, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (LLaMA, Qwen, Mistral...)
@@ -17,8 +19,7 @@ GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 class ModelFacts:
     """The model facts a run uses: DeepSpeed bucket sizes (``hidden_size``), the default ``data.max_length``
     (``max_positions``), what sequence parallelism splits (``attention_heads``, ``kv_heads``), whether the
-    tiled MLP applies (``mlp``: the MLP classes and whether they are gated, known once the model is built)
-    and what the tiled loss must reproduce (``logit_softcap``)."""
+    tiled MLP applies (``mlp``: the MLP classes and whether they are gated, known once the model is built)."""
 
     model_type: str
     architecture: str
@@ -27,7 +28,6 @@ class ModelFacts:
     attention_heads: int | None
     kv_heads: int | None
     vocab_size: int | None
-    logit_softcap: float | None = None
     mlp: tuple[str, ...] = ()  # MLP class names of the built model
     gated_mlp: bool | None = None  # None: not known before the model is built
 
@@ -48,7 +48,6 @@ def facts_from_hf_config(config: Any) -> ModelFacts:
     heads = _int(text, "num_attention_heads", "n_head")
     architectures = getattr(config, "architectures", None) or [type(config).__name__]
     model_type = str(getattr(text, "model_type", "") or "")
-    softcap = getattr(text, "final_logit_softcapping", None)
     return ModelFacts(
         model_type=model_type,
         architecture=str(architectures[0]),
@@ -57,7 +56,6 @@ def facts_from_hf_config(config: Any) -> ModelFacts:
         attention_heads=heads,
         kv_heads=_int(text, "num_key_value_heads") or heads,
         vocab_size=_int(text, "vocab_size"),
-        logit_softcap=float(softcap) if softcap else None,
     )
 
 
@@ -73,7 +71,7 @@ def is_gated_mlp(module: Any) -> bool:
 def facts_from_model(model: Any, before: ModelFacts | None = None) -> ModelFacts | None:
     """Facts completed from a built model: its MLP shape, and everything else when the factory could not
     report it before building."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     config = getattr(base, "config", None)
     facts = before or (facts_from_hf_config(config) if config is not None else None)
     if facts is None:

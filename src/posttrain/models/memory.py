@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from posttrain.errors import UserError
 from posttrain.models.facts import is_gated_mlp, mlp_modules
+from posttrain.models.peft import base_model
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, enabled: bool, offload: bool = False) -> None:
@@ -37,7 +38,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, enabled: bool, offloa
 
 
 class OffloadCounter:
-    """How many layer inputs went to the host (tests and the benchmark read it)."""
+    """How many layer inputs went to the host (the tests read it)."""
 
     stored = 0
 
@@ -119,7 +120,7 @@ def _tiled_forward(module: Any, x: torch.Tensor) -> torch.Tensor:
 def tile_mlps(model: torch.nn.Module) -> int:
     """Route every gated MLP through DeepSpeed's ``TiledMLP`` (sequence tiles, recomputed in backward);
     any other MLP shape is refused. Returns how many MLPs were tiled."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     mlps = mlp_modules(base)
     other = sorted({type(m).__name__ for m in mlps if not is_gated_mlp(m)})
     if not mlps or other:

@@ -54,6 +54,11 @@ def apply_peft(
     return model
 
 
+def base_model(model: Any) -> Any:
+    """The model inside a PEFT wrapper (the model itself when there is none)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def is_peft_model(model: Any) -> bool:
     try:
         from peft import PeftModel

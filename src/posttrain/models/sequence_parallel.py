@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from posttrain.data.sft import IGNORE_INDEX
 from posttrain.errors import UserError
+from posttrain.methods.token_logps import target_labels
 from posttrain.models.facts import ModelFacts
 
 #: attention implementations Ulysses can wrap here (eager needs the full 4-D mask)
@@ -38,7 +39,6 @@ SP_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
 class _Installed:
     implementation: str
     original: Callable[..., Any]
-    attention: Any  # UlyssesSPAttentionHF
 
 
 _installed: _Installed | None = None
@@ -153,7 +153,7 @@ def install_sequence_parallel(model: torch.nn.Module, sp: int, attention_impl: s
         )  # the local-slice mask is meaningless
 
     ALL_ATTENTION_FUNCTIONS[attention_impl] = attention
-    _installed = _Installed(attention_impl, original, ulysses)
+    _installed = _Installed(attention_impl, original)
     return groups.get_sequence_parallel_group()
 
 
@@ -178,7 +178,7 @@ class SequenceSlicer:
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         batch = dict(self.collate(samples))
-        input_ids, labels = batch["input_ids"], batch["labels"]
+        input_ids = batch["input_ids"]
         count, length = input_ids.shape
         real = batch.pop("attention_mask", torch.ones_like(input_ids)).bool()
         positions = batch.get("position_ids")
@@ -186,7 +186,7 @@ class SequenceSlicer:
             positions = torch.arange(length).expand(count, length)
         target = -(-length // self.sp) * self.sp
         extra_cols, extra_rows = target - length, max(self.rows - count, 0)
-        shift = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        shift = target_labels(batch)
         pad = (0, extra_cols, 0, extra_rows)
         input_ids = F.pad(input_ids, pad, value=self.pad_id)
         shift = F.pad(shift, pad, value=IGNORE_INDEX)
