@@ -173,12 +173,28 @@ OPTIMIZERS: Registry[OptimizerFactory] = Registry("optimizer")
 SCHEDULERS: Registry[SchedulerFactory] = Registry("scheduler")
 CHECKPOINT_ENGINES: Registry[CheckpointEngineFactory] = Registry("checkpoint")
 
+
+@dataclass(frozen=True)
+class Slot:
+    """A config key whose sub-config class is chosen by its ``type:`` name."""
+
+    name: str
+    registry: Registry[Any]
+    many: bool = False
+    """A list of components (the checkpoint engines) rather than one."""
+    filled: bool = False
+    """Absent from the file: the trainer's default type with its default settings."""
+
+
+#: every component slot of a config, in resolution order: the one table the loader, schema and docs read
+COMPONENT_SLOTS: tuple[Slot, ...] = (
+    Slot("model", MODEL_FACTORIES),
+    Slot("tokenizer", TOKENIZER_FACTORIES, filled=True),
+    Slot("data", DATA_FACTORIES),
+    Slot("optimizer", OPTIMIZERS, filled=True),
+    Slot("scheduler", SCHEDULERS, filled=True),
+    Slot("checkpoint", CHECKPOINT_ENGINES, many=True),
+)
+
 #: config slot -> the registry that resolves its ``type:``
-SLOT_REGISTRIES: dict[str, Registry[Any]] = {
-    "model": MODEL_FACTORIES,
-    "tokenizer": TOKENIZER_FACTORIES,
-    "data": DATA_FACTORIES,
-    "optimizer": OPTIMIZERS,
-    "scheduler": SCHEDULERS,
-    "checkpoint": CHECKPOINT_ENGINES,
-}
+SLOT_REGISTRIES: dict[str, Registry[Any]] = {slot.name: slot.registry for slot in COMPONENT_SLOTS}

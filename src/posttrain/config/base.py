@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -60,3 +61,14 @@ def unsupported(path: str, value: Any, default: Any, issue: str) -> Iterator[Pro
             path,
             f"{value!r} is not supported yet ({issue}); remove the key or set it to its default {default!r}",
         )
+
+
+def nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The config class inside a field's annotation (``Sub``, ``Sub | None``, ``list[Sub]``...), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = nested_model(arg)
+        if found is not None:
+            return found
+    return None

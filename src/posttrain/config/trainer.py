@@ -19,9 +19,6 @@ from posttrain.config.tokenizer import TokenizerConfig
 from posttrain.config.tracking import MetricsConfig, MLflowTrackingConfig, ProfilingConfig, TensorBoardConfig
 from posttrain.config.wandb import WandBConfig
 
-#: the sub-config slots whose class depends on a ``type:`` name
-TYPED_SLOTS = ("model", "tokenizer", "data", "optimizer", "scheduler")
-
 
 class TrainerConfig(BaseConfig):
     _origins: dict[tuple[Any, ...], str] = PrivateAttr(default_factory=dict)

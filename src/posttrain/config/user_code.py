@@ -1,0 +1,64 @@
+"""Stage 3 of loading: the user's ``code:`` module, imported before resolution so that the components it
+registers can be named by ``type:``."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from pathlib import Path
+
+from posttrain.config.errors import ConfigIssue
+from posttrain.config.yaml_source import RawConfig
+
+
+def load_user_code(raw: RawConfig) -> None:
+    """Import the ``code:`` file (default ``train.py`` beside the config, only if it exists)."""
+    explicit = "code" in raw.data
+    value = raw.data.get("code", "train.py")
+    if not isinstance(value, str):
+        return  # pydantic reports the wrong type
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = raw.base_dir / path
+    path = path.resolve()
+    if not path.is_file():
+        if explicit:
+            raw.issues.append(ConfigIssue("code", f"{value!r}: no such file ({path})", raw.where(("code",))))
+        return
+    raw.data["code"] = str(path)
+    try:
+        import_user_module(path)
+    except Exception as exc:
+        raw.issues.append(
+            ConfigIssue("code", f"importing {path} failed: {_where_in(exc, path)}", raw.where(("code",)))
+        )
+
+
+def _where_in(exc: BaseException, path: Path) -> str:
+    """``Type: message (at file:line)`` for the deepest frame of the user's file."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(path)]
+    at = f" (at {path.name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{at}"
+
+
+def import_user_module(path: Path) -> None:
+    """Import a user file once per process under a name derived from its path (stable across ranks)."""
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    module_name = f"posttrain_user_{path.stem}_{digest}"
+    if module_name in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    except Exception:
+        del sys.modules[module_name]
+        raise
