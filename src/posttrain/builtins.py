@@ -14,6 +14,7 @@ def register_builtins() -> None:
     import posttrain.models.huggingface
     import posttrain.models.liger
     import posttrain.optim.adamw
+    import posttrain.optim.deepspeed_adam
     import posttrain.optim.megatron
     import posttrain.optim.schedulers
     import posttrain.tokenizers.huggingface  # noqa: F401

@@ -152,13 +152,13 @@ class TrainerSpec:
 
 
 def hf_components(data: str) -> dict[str, tuple[str, ...]]:
-    """What the built-in trainers accept: HF model and tokenizer, their own data factory, torch AdamW, the
-    HF scheduler family, and both checkpoint engines (export first, the default)."""
+    """What the built-in trainers accept: HF model (or Liger's) and tokenizer, their own data factory, torch
+    AdamW or DeepSpeed's CPU/fused Adam, the HF scheduler family, and both checkpoint engines (export first, the default)."""
     return {
         "model": ("huggingface", "liger"),
         "tokenizer": ("huggingface",),
         "data": (data,),
-        "optimizer": ("adamw",),
+        "optimizer": ("adamw", "cpu_adam", "fused_adam"),
         "scheduler": ("huggingface", "megatron"),
         "checkpoint": ("huggingface", "deepspeed"),
     }

@@ -49,3 +49,20 @@ def test_qlora_4bit(base_config: dict) -> None:
     trainable = [n for n, p in result.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert result.state.history[-1]["loss"] < result.state.history[0]["loss"]
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "zero"),
+    [("fused_adam", {"stage": 2}), ("cpu_adam", {"stage": 2, "offload_optimizer": {"device": "cpu"}})],
+)
+def test_deepspeed_optimizers_on_cuda(base_config: dict, optimizer: str, zero: dict) -> None:
+    config = merge(
+        base_config,
+        train_iters=15,
+        optimizer={"type": optimizer, "lr": 3e-3},
+        model={"dtype": "bfloat16"},
+        deepspeed={"zero_optimization": zero},
+        logger={"output_dir": base_config["logger"]["output_dir"] + f"-{optimizer}"},
+    )
+    history = train(config).state.history
+    assert history[-1]["loss"] < history[0]["loss"]

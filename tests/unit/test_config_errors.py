@@ -348,6 +348,28 @@ def test_bad_process_counts_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture
             "num_cycles",
         ),
         (["type=dpo", "ref_model={name_or_path: m, save_name: x}"], "ref_model.save_name", "never saved"),
+        (["deepspeed.zero_optimization.stage=5"], "deepspeed.zero_optimization.stage", "DeepSpeedZeroConfig"),
+        (
+            ["deepspeed.zero_optimization.offload_optimizr={device: cpu}"],
+            "deepspeed.zero_optimization.offload_optimizr",
+            "did you mean 'offload_optimizer'?",
+        ),
+        (["deepspeed.bf16.enabld=true"], "deepspeed.bf16.enabld", "did you mean 'enabled'?"),
+        (["deepspeed.gradient_clip=1.0"], "deepspeed.gradient_clip", "did you mean 'gradient_clipping'?"),
+        (["optimizer.type=cpu_adam"], "optimizer.type", "offload_optimizer.device: cpu"),
+        (
+            [
+                "optimizer.type=fused_adam",
+                "deepspeed.zero_optimization={stage: 2, offload_optimizer: {device: cpu}}",
+            ],
+            "optimizer.type",
+            "use cpu_adam",
+        ),
+        (
+            ["deepspeed.zero_optimization={stage: 0, offload_optimizer: {device: cpu}}"],
+            "deepspeed.zero_optimization.stage",
+            "cannot offload the optimizer",
+        ),
     ],
 )
 def test_settings_that_would_be_ignored_are_refused(

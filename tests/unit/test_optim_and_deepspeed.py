@@ -94,6 +94,20 @@ def test_deepspeed_defaults_follow_dtype(tmp_path) -> None:
     assert build_deepspeed_config(cfg, world_size=1, hidden_size=8)["zero_optimization"]["stage"] == 0
     cfg = config(tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
     assert build_deepspeed_config(cfg, world_size=1, hidden_size=8)["zero_optimization"]["stage"] == 2
+    # optimizer offload needs stage >= 1, parameter offload stage 3; "auto" precision follows model.dtype
+    cfg = config(
+        tmp_path,
+        optimizer={"type": "cpu_adam"},
+        model={"name_or_path": "m", "dtype": "bfloat16"},
+        deepspeed={
+            "zero_optimization": {"offload_optimizer": {"device": "cpu"}},
+            "bf16": {"enabled": "auto"},
+        },
+    )
+    ds = build_deepspeed_config(cfg, world_size=1, hidden_size=8)
+    assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"] == {"enabled": True}
+    cfg = config(tmp_path, deepspeed={"zero_optimization": {"offload_param": {"device": "cpu"}}})
+    assert build_deepspeed_config(cfg, world_size=1, hidden_size=8)["zero_optimization"]["stage"] == 3
 
 
 def test_disagreeing_deepspeed_batch_is_refused(tmp_path) -> None:

@@ -5,18 +5,19 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from posttrain.config.deepspeed_block import offload_device
 from posttrain.config.trainer import TrainerConfig
 
 
-def zero_defaults(hidden_size: int, world_size: int) -> dict[str, Any]:
+def zero_defaults(hidden_size: int, world_size: int, offload: bool = False) -> dict[str, Any]:
     """ZeRO defaults recommended by the DeepSpeed team, scaled by the model's hidden size.
 
     Stage 2 as in the seed when there are several processes. A single process has nothing to partition, and
     stage 2's bucketed gradient reduction then only costs time (about 9% of a step on the benchmark model),
-    so it gets stage 0 unless the user sets a stage.
+    so it gets stage 0 unless the user sets a stage or offloads the optimizer (which needs stage 1 or more).
     """
     return {
-        "stage": 2 if world_size > 1 else 0,
+        "stage": 2 if world_size > 1 or offload else 0,
         "stage3_param_persistence_threshold": 10 * hidden_size,
         "stage3_max_live_parameters": 2 * hidden_size * hidden_size,
         "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
@@ -38,12 +39,18 @@ def build_deepspeed_config(config: TrainerConfig, *, world_size: int, hidden_siz
     # parallelism (models/sequence_parallel.py says why), so its batch counts every process too.
     ds["train_batch_size"] = config.micro_batch_size * config.gradient_accumulation_steps * world_size
     ds.setdefault("steps_per_print", 10**9)  # posttrain prints its own metrics
-    ds["zero_optimization"] = {**zero_defaults(hidden_size, world_size), **ds.get("zero_optimization", {})}
+    offload = offload_device(ds, "optimizer") != "none"
+    zero = {**zero_defaults(hidden_size, world_size, offload), **ds.get("zero_optimization", {})}
+    if offload_device(ds, "param") != "none" and "stage" not in ds.get("zero_optimization", {}):
+        zero["stage"] = 3
+    ds["zero_optimization"] = zero
     dtype = config.model.dtype
-    if "bf16" not in ds and "bfloat16" not in ds:
-        ds["bf16"] = {"enabled": dtype == "bfloat16"}
-    if "fp16" not in ds:
-        ds["fp16"] = {"enabled": dtype == "float16"}
+    for key, wanted in (("bf16", "bfloat16"), ("fp16", "float16")):
+        block = ds.get("bfloat16" if key == "bf16" and "bfloat16" in ds else key)
+        if block is None:
+            ds[key] = {"enabled": dtype == wanted}
+        elif block.get("enabled") == "auto":
+            block["enabled"] = dtype == wanted
     ds.setdefault("gradient_clipping", 1.0)
     ds.setdefault("prescale_gradients", False)
     ds.setdefault("wall_clock_breakdown", False)

@@ -10,6 +10,7 @@ from pydantic import Field, PrivateAttr, SerializeAsAny, field_validator
 from posttrain.config.base import BaseConfig, Problem, unsupported
 from posttrain.config.checkpoint import CheckpointConfig
 from posttrain.config.data import DataConfig
+from posttrain.config.deepspeed_block import deepspeed_problems
 from posttrain.config.human import HumanFloat, HumanInt, coerce_tree
 from posttrain.config.logger import LoggerConfig
 from posttrain.config.model import ModelConfig
@@ -306,25 +307,14 @@ class TrainerConfig(BaseConfig):
         yield from self._batch_problems()
         if sum(c.auto_resume for c in self.checkpoint) > 1:
             yield Problem("checkpoint", "at most one checkpoint engine may set auto_resume: true")
-        if self.deepspeed.get("train_batch_size") not in (None, "auto"):
-            yield Problem(
-                "deepspeed.train_batch_size",
-                "is derived from micro_batch_size x gradient_accumulation_steps x processes; set those "
-                "(or total_train_batch_size) instead",
-            )
-        for block, where in (("optimizer", "optimizer:"), ("scheduler", "scheduler:")):
-            if block in self.deepspeed:
-                yield Problem(
-                    f"deepspeed.{block}",
-                    f"posttrain builds the {block} from the top-level {where} section (types and settings "
-                    f"there); move these settings to it",
-                )
-        ds_batch = self.deepspeed.get("train_micro_batch_size_per_gpu")
-        if ds_batch not in (None, "auto", self.micro_batch_size):
-            yield Problem("deepspeed.train_micro_batch_size_per_gpu", "set micro_batch_size instead")
-        ds_gas = self.deepspeed.get("gradient_accumulation_steps")
-        if ds_gas not in (None, "auto", self.gradient_accumulation_steps):
-            yield Problem("deepspeed.gradient_accumulation_steps", "set gradient_accumulation_steps instead")
+        yield from deepspeed_problems(
+            self.deepspeed,
+            {
+                "micro_batch_size": self.micro_batch_size,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps,
+                "optimizer": self.optimizer.type,
+            },
+        )
         if self.scheduler.lr is not None and self.scheduler.lr != self.optimizer.lr:
             yield Problem(
                 "scheduler.lr",

@@ -1,0 +1,53 @@
+"""Optimizers ``cpu_adam`` and ``fused_adam``: DeepSpeed's own Adam kernels (ArcticTraining's names).
+
+``cpu_adam`` steps on the host, for ZeRO optimizer offload (``deepspeed.zero_optimization.offload_optimizer``
+with ``device: cpu``): the optimizer state lives in host memory and the step runs there, vectorised.
+``fused_adam`` is one fused kernel over all parameters on the accelerator. Both are AdamW (decoupled weight
+decay) with the same parameter groups as ``adamw``, and both compile their op the first time they are used
+(about 80 s on a 2-core machine; cached in ``TORCH_EXTENSIONS_DIR``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.config.optimizer import OptimizerConfig
+from posttrain.context import RunContext
+from posttrain.optim.adamw import param_groups
+from posttrain.registry import OPTIMIZERS
+
+
+def _groups(config: OptimizerConfig, model: torch.nn.Module) -> list[dict]:
+    return param_groups(
+        model, config.weight_decay, config.lr, config.lora_plus_scale, config.layerwise_lr_decay_bound
+    )
+
+
+@OPTIMIZERS.register("cpu_adam", config=OptimizerConfig)
+def build_cpu_adam(config: OptimizerConfig, model: torch.nn.Module, ctx: RunContext) -> torch.optim.Optimizer:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(
+        _groups(config, model),
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        adamw_mode=True,
+    )
+
+
+@OPTIMIZERS.register("fused_adam", config=OptimizerConfig)
+def build_fused_adam(
+    config: OptimizerConfig, model: torch.nn.Module, ctx: RunContext
+) -> torch.optim.Optimizer:
+    from deepspeed.ops.adam import FusedAdam
+
+    return FusedAdam(
+        _groups(config, model),
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        adam_w_mode=True,
+    )
