@@ -117,6 +117,8 @@ def _model_and_deepspeed(
     config in time to create the model partitioned."""
     config, dist = ctx.config, ctx.dist
     early = model_facts(config)
+    if early is not None:
+        _resolve_auto_dtype(config, early.dtype)
     sp = config.sequence_parallel_size
     if sp > 1 and early is not None:  # before loading any weights
         check_sequence_parallel(sp, early, config.model.attn_implementation)
@@ -133,6 +135,7 @@ def _model_and_deepspeed(
     model = MODEL_FACTORIES.get(config.model.type).obj(config.model, ctx)
     _fit_embeddings(model, tokenizer)
     facts = facts_from_model(model, early)
+    _resolve_auto_dtype(config, str(next(model.parameters()).dtype))
     if ds_config is None:
         ds_config = deepspeed_config(facts.hidden_size if facts else None)
     if sp > 1:
@@ -142,6 +145,16 @@ def _model_and_deepspeed(
             unwrap(model), sp, config.model.attn_implementation, config.micro_batch_size
         )
     return model, facts, ds_config, zero3
+
+
+def _resolve_auto_dtype(config: TrainerConfig, found: str | None) -> None:
+    """``model.dtype: auto`` becomes the checkpoint's dtype (float32 when it names none), so that DeepSpeed's
+    mixed precision and the throughput meter follow it."""
+    if config.model.dtype != "auto":
+        return
+    name = (found or "float32").removeprefix("torch.")
+    config.model.dtype = name if name in ("float32", "bfloat16", "float16") else "float32"
+    say(f"model.dtype auto: {config.model.dtype} (the checkpoint's)")
 
 
 def run(config: TrainerConfig) -> RunResult:

@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from posttrain.config import load_config
+from posttrain.run import run
 from tests.integration.helpers import merge, metrics, train
 
 pytestmark = pytest.mark.integration
@@ -135,3 +137,25 @@ def test_zero3_creates_the_model_partitioned(base_config: dict, tmp_path: Path) 
     assert all(hasattr(p, "ds_id") for p in params)  # created under deepspeed.zero.Init
     assert sum(p.numel() for p in params) == 0  # only partition placeholders live on the module
     assert sum(p.ds_numel for p in params) > 100_000
+
+
+def test_model_loading_arguments_and_the_token_never_written(base_config, monkeypatch, capsys) -> None:
+    secret = "hf_posttrain_test_secret_4f2a"
+    monkeypatch.setenv("POSTTRAIN_TEST_TOKEN", secret)
+    config = merge(
+        base_config,
+        train_iters=2,
+        model={
+            "dtype": "auto",
+            "revision": "main",
+            "token_env": "POSTTRAIN_TEST_TOKEN",
+            "low_cpu_mem_usage": True,
+        },
+    )
+    loaded = load_config(data=config)
+    assert loaded.model.hub_arguments() == {"trust_remote_code": False, "revision": "main", "token": secret}
+    result = run(loaded)
+    assert next(result.model.parameters()).dtype == torch.float32  # the tiny checkpoint's own dtype
+    assert "model.dtype auto: float32" in capsys.readouterr().out
+    written = [p for p in Path(config["logger"]["output_dir"]).rglob("*") if p.is_file()]
+    assert written and not [p for p in written if secret.encode() in p.read_bytes()]

@@ -355,6 +355,7 @@ def test_bad_process_counts_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture
             "did you mean 'offload_optimizer'?",
         ),
         (["deepspeed.bf16.enabld=true"], "deepspeed.bf16.enabld", "did you mean 'enabled'?"),
+        (["model.low_cpu_mem_usage=false"], "model.low_cpu_mem_usage", "always loads"),
         (["deepspeed.gradient_clip=1.0"], "deepspeed.gradient_clip", "did you mean 'gradient_clipping'?"),
         (["optimizer.type=cpu_adam"], "optimizer.type", "offload_optimizer.device: cpu"),
         (

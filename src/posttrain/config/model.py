@@ -24,9 +24,13 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3
 
 def canonical_dtype(value: str) -> str:
     key = value.lower().removeprefix("torch.")
+    if key == "auto":
+        return key
     if key not in DTYPE_ALIASES:
         allowed = ", ".join(sorted(DTYPE_ALIASES))
-        raise ValueError(f"unknown dtype {value!r}; allowed: {allowed} (optionally prefixed with 'torch.')")
+        raise ValueError(
+            f"unknown dtype {value!r}; allowed: auto, {allowed} (optionally prefixed with 'torch.')"
+        )
     return DTYPE_ALIASES[key]
 
 
@@ -39,7 +43,24 @@ class ModelConfig(BaseConfig):
 
     dtype: str = "bfloat16"
     """Data type of the model weights: ``float32``/``fp32``, ``bfloat16``/``bf16`` or ``float16``/``fp16``
-    (a ``torch.`` prefix is accepted). Mixed precision in DeepSpeed follows it."""
+    (a ``torch.`` prefix is accepted), or ``auto``: the checkpoint's own (``dtype`` in its ``config.json``,
+    float32 when it names none). Mixed precision in DeepSpeed follows it."""
+
+    trust_remote_code: bool = False
+    """Run the modelling (and tokenizer) code a hub repository ships with its weights. Off by default: that
+    code runs with your permissions; turn it on only for repositories you trust."""
+
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of the model and its tokenizer. Null: the default branch. A
+    commit hash makes a run reproducible."""
+
+    token_env: str = "HF_TOKEN"
+    """Environment variable holding the hub token for gated or private models (read when loading; the token
+    itself is never written to the config, logs or checkpoints)."""
+
+    low_cpu_mem_usage: bool = True
+    """Load the weights without first building a randomly initialised full-size copy. transformers 5 always
+    loads this way, so only ``true`` is accepted."""
 
     save_name: str | None = None
     """Name to use when saving the model (the export directory's name under the checkpoint's output_dir)."""
@@ -108,7 +129,25 @@ class ModelConfig(BaseConfig):
             raise ValueError(f"unknown BitsAndBytesConfig argument {named}")
         return value
 
+    def hub_arguments(self) -> dict[str, Any]:
+        """Keyword arguments of every ``from_pretrained`` call for this model (config, weights, tokenizer)."""
+        import os
+
+        arguments: dict[str, Any] = {"trust_remote_code": self.trust_remote_code}
+        if self.revision is not None:
+            arguments["revision"] = self.revision
+        token = os.environ.get(self.token_env) if self.token_env else None
+        if token:
+            arguments["token"] = token
+        return arguments
+
     def problems(self) -> Iterator[Problem]:
+        if not self.low_cpu_mem_usage:
+            yield Problem(
+                "low_cpu_mem_usage",
+                "false cannot be honoured: transformers 5 always loads weights without a random full-size "
+                "copy; remove the key",
+            )
         if self.peft_config is not None and self.peft_pretrained is not None:
             yield Problem(
                 "peft_pretrained", "set peft_config (new adapters) or peft_pretrained (a saved one), not both"

@@ -28,6 +28,7 @@ class ModelFacts:
     attention_heads: int | None
     kv_heads: int | None
     vocab_size: int | None
+    dtype: str | None = None  # the checkpoint's weight dtype (``model.dtype: auto``), e.g. "bfloat16"
     mlp: tuple[str, ...] = ()  # MLP class names of the built model
     gated_mlp: bool | None = None  # None: not known before the model is built
 
@@ -56,7 +57,14 @@ def facts_from_hf_config(config: Any) -> ModelFacts:
         attention_heads=heads,
         kv_heads=_int(text, "num_key_value_heads") or heads,
         vocab_size=_int(text, "vocab_size"),
+        dtype=_dtype_name(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)),
     )
+
+
+def _dtype_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    return str(value).removeprefix("torch.")
 
 
 def mlp_modules(model: Any) -> list[Any]:

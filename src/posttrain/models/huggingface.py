@@ -27,7 +27,9 @@ class HuggingFaceModelFactory:
         from transformers import AutoConfig
 
         try:
-            return facts_from_hf_config(AutoConfig.from_pretrained(config.name_or_path))
+            return facts_from_hf_config(
+                AutoConfig.from_pretrained(config.name_or_path, **config.hub_arguments())
+            )
         except (OSError, ValueError):
             return None
 
@@ -36,8 +38,9 @@ class HuggingFaceModelFactory:
 
         return AutoModelForCausalLM.from_pretrained(
             config.name_or_path,
-            dtype=TORCH_DTYPES[config.dtype],
+            dtype=TORCH_DTYPES.get(config.dtype, "auto"),
             attn_implementation=config.attn_implementation,
+            **config.hub_arguments(),
             **_quantization(config),
         )
 

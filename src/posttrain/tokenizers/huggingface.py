@@ -17,7 +17,10 @@ from posttrain.tokenizers.padding import ensure_pad_token
 def build_huggingface_tokenizer(config: TokenizerConfig, ctx: RunContext) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.name_or_path or ctx.config.model.name_or_path)
+    # the model's hub settings (revision, remote code, token) apply to the tokenizer read beside it
+    tokenizer = AutoTokenizer.from_pretrained(
+        config.name_or_path or ctx.config.model.name_or_path, **ctx.config.model.hub_arguments()
+    )
     added = apply_chat_template(tokenizer, config.chat_template)
     if added:
         say(f"chat template {config.chat_template}: added special tokens {', '.join(added)}")
