@@ -29,3 +29,9 @@ def test_every_field_has_a_docstring() -> None:  # the file is current (test abo
     assert len(rows) > 150
     missing = [row for row in rows if row.rstrip().endswith("|  |")]
     assert not missing, missing
+
+
+def test_every_section_has_a_heading() -> None:
+    headings = {line for line in REFERENCE.read_text().splitlines() if line.startswith("## ")}
+    for key in ("logger", "wandb", "tracking", "tensorboard", "metrics", "profiling"):
+        assert f"## `{key}:`" in headings

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from posttrain.config.base import nested_model
 from posttrain.config.trainer import TrainerConfig
 from posttrain.registry import DATA_SOURCES, SLOT_REGISTRIES, TRAINERS
 
@@ -78,6 +79,10 @@ def reference_markdown() -> str:
         extra = set(cls.model_fields) - base_keys
         if extra:
             out += section(f"Top level, `type: {name}` only", cls, skip=base_keys)
+    for key, field in TrainerConfig.model_fields.items():  # sections without a `type:` (logger, wandb...)
+        nested = nested_model(field.annotation)
+        if nested is not None and key not in SLOT_REGISTRIES:
+            out += section(f"`{key}:`", nested)
     for slot, registry in SLOT_REGISTRIES.items():
         for name in registry.names():
             out += section(f"`{slot}:` with `type: {name}`", registry.get(name).config)
