@@ -1,7 +1,8 @@
 """Preference pairs -> token ids + labels for the chosen and the rejected answer.
 
 Rows hold ``prompt``, ``chosen``, ``rejected`` (SiloGen: ``prompt_messages``, ``chosen_messages``,
-``rejected_messages``), each a message list or a plain string (a string prompt is one user message, a string
+``rejected_messages``; ERNIEKit: ``messages`` for the prompt, or its ``src``/``tgt``/``response``/``sort`` rows,
+see ``row_formats``), each a message list or a plain string (a string prompt is one user message, a string
 answer one assistant message). Labels are set only on the answer's assistant tokens, end-of-turn included,
 never on assistant turns inside the prompt. A prompt longer than ``max_prompt_length`` tokens keeps its
 first (``keep_start``) or last (``keep_end``) tokens.
@@ -16,6 +17,7 @@ import torch
 
 from posttrain.config.data import DataConfig
 from posttrain.config.dpo import DPODataConfig
+from posttrain.data.row_formats import erniekit_pair, is_erniekit
 from posttrain.data.sft import (
     IGNORE_INDEX,
     RowError,
@@ -91,6 +93,10 @@ def format_pair(
     truncation: str = "keep_end",
     check_end_of_turn: bool = True,
 ) -> Sample:
+    if is_erniekit(row):
+        row = erniekit_pair(row)
+    elif "messages" in row and "prompt" not in row:  # ERNIEKit's chatml preference rows
+        row = {**row, "prompt": row["messages"]}
     prompt = _messages(_field(row, "prompt"), "user", "prompt")
     out: Sample = {}
     for name in ("chosen", "rejected"):

@@ -22,8 +22,12 @@ class RowError(ValueError):
     """A row that cannot be formatted; the caller adds the file and row number."""
 
 
-def check_messages(row: dict[str, Any]) -> list[dict[str, str]]:
-    messages = row.get("messages")
+def check_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The row's conversation, checked. ``messages`` rows, or ERNIEKit's ``src``/``tgt`` rows. An assistant
+    message may carry ``train: false`` (context only: not trained)."""
+    from posttrain.data.row_formats import erniekit_messages, is_erniekit
+
+    messages = erniekit_messages(row) if is_erniekit(row) else row.get("messages")
     if messages is None:
         raise RowError(f"missing 'messages' (keys present: {', '.join(map(str, row)) or 'none'})")
     if not isinstance(messages, list) or not messages:
@@ -37,10 +41,40 @@ def check_messages(row: dict[str, Any]) -> list[dict[str, str]]:
             raise RowError(f"messages[{index}].role {role!r} is not one of {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise RowError(f"messages[{index}].content must be a string")
-        clean.append({"role": role, "content": content})
+        train = message.get("train", True)
+        if not isinstance(train, bool) or (role != "assistant" and not train):
+            raise RowError(f"messages[{index}].train must be true or false, on an assistant message")
+        clean.append(
+            {"role": role, "content": content}
+            if train
+            else {"role": role, "content": content, "train": False}
+        )
     if not any(m["role"] == "assistant" for m in clean):
         raise RowError("the conversation has no assistant message, so nothing would be trained")
+    if not any(m["role"] == "assistant" and m.get("train", True) for m in clean):
+        raise RowError("every assistant message has train: false (label 0), so nothing would be trained")
     return clean
+
+
+def drop_context_turns(mask: np.ndarray, messages: list[dict[str, Any]]) -> np.ndarray:
+    """Unmark the assistant turns written with ``train: false``: the k-th run of the mask is the k-th
+    assistant message."""
+    flags = [m.get("train", True) for m in messages if m["role"] == "assistant"]
+    if all(flags):
+        return mask
+    mask = np.asarray(mask, dtype=bool).copy()
+    following = np.append(mask[1:], False)
+    preceding = np.insert(mask[:-1], 0, False)
+    starts, ends = np.flatnonzero(mask & ~preceding), np.flatnonzero(mask & ~following)
+    if len(starts) != len(flags):
+        raise RowError(
+            f"{len(flags)} assistant messages but {len(starts)} assistant spans in the rendered text, so the "
+            "turns marked train: false cannot be located"
+        )
+    for start, end, train in zip(starts, ends, flags, strict=True):
+        if not train:
+            mask[start : end + 1] = False
+    return mask
 
 
 def has_generation_markers(tokenizer: Any) -> bool:
@@ -177,12 +211,13 @@ def format_sft_batch(
                 pieces.append((np.array(ids, dtype=np.int64), np.array(mask, dtype=bool)))
             except RowError as exc:
                 pieces.append(exc)
-    for index, piece in zip(where, pieces, strict=True):
+    for index, messages, piece in zip(where, conversations, pieces, strict=True):
         if isinstance(piece, RowError):
             out[index] = piece
             continue
         ids, mask = piece
         try:
+            mask = drop_context_turns(mask, messages)
             if check_end_of_turn:
                 check_turn_ends(tokenizer, ids, mask)
             out[index] = {"input_ids": ids, "labels": _labels(ids, mask, mask_inputs)}
