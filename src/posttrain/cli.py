@@ -102,6 +102,22 @@ def _parser() -> argparse.ArgumentParser:
     tiny.add_argument("--vocab-size", type=int, default=2048)
     tiny.add_argument("--heads", type=int, default=4)
 
+    convert = sub.add_parser(
+        "convert",
+        help="convert a SiloGen, ERNIEKit or Megatron-Bridge config to a posttrain config, one line per key",
+    )
+    convert.add_argument("source", type=Path, nargs="?", help="the other system's config file")
+    convert.add_argument(
+        "--from",
+        dest="system",
+        choices=("silogen", "erniekit", "megatron-bridge"),
+        help="the source system (detected from the keys when left out)",
+    )
+    convert.add_argument("-o", "--out", type=Path, help="write the posttrain config here (default: print it)")
+    convert.add_argument(
+        "--docs", action="store_true", help="print the key-mapping page of --from (docs/from-<system>.md)"
+    )
+
     schema = sub.add_parser(
         "schema", help="print the JSON schema of the config file (every registered component's config)"
     )
@@ -234,7 +250,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: must be >= 1 (the number of processes on this machine)")
     config = _load(args.config, args.overrides)  # validate once before starting any process
-    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+    # launcher arguments always reach a launcher: `--nproc 1 --launcher-args '--nnodes 2 ...'` is one process
+    # on each of two nodes in one run, not a world-size-1 run on each
+    if (args.nproc > 1 or args.launcher_args.strip()) and "LOCAL_RANK" not in os.environ:
         return _launch(args, config.kill_switch_path)
     from posttrain.run import run
 
@@ -303,6 +321,22 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from posttrain.convert import run as convert
+
+    if args.docs:
+        if args.system is None:
+            raise UserError("--docs needs --from silogen|erniekit|megatron-bridge")
+        print(convert.docs_page(args.system), end="")
+        return 0
+    if args.source is None:
+        raise UserError(
+            "name the config file to convert: posttrain convert FILE [--from SYSTEM] [-o run.yaml]"
+        )
+    print(convert.main(args.source, args.system, args.out), end="")
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     if args.markdown:
         from posttrain.config.reference import reference_markdown
@@ -324,6 +358,7 @@ COMMANDS = {
     "init": cmd_init,
     "tiny-model": cmd_tiny_model,
     "schema": cmd_schema,
+    "convert": cmd_convert,
 }
 
 

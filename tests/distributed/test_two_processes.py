@@ -58,7 +58,7 @@ def test_two_processes_match_one_under_every_zero_stage(base_config: dict, tmp_p
     assert (tmp_path / "two-z0" / "logs" / "rank-1.log").is_file()  # file_output_ranks: "*"
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+@pytest.mark.parametrize("launcher", ["deepspeed"])  # torchrun: the two-node test below
 def test_cli_nproc_two(base_config: dict, tmp_path: Path, launcher: str) -> None:
     config = merge(base_config, train_iters=2, micro_batch_size=2, loss_log_interval=1)
     path = tmp_path / "run.yaml"
@@ -84,3 +84,42 @@ def test_a_bad_row_stops_both_ranks_with_its_file_and_row(base_config: dict, tmp
     output = done.stdout + done.stderr
     assert done.returncode == 2 and "bad.jsonl row 2: missing 'messages'" in output, output[-3000:]
     assert "Traceback" not in output and "ChildFailedError" not in output
+
+
+def test_launcher_args_reach_the_launcher_with_one_process_per_node(
+    base_config: dict, tmp_path: Path
+) -> None:
+    """`--nproc 1 --launcher-args '--nnodes 2 --node_rank N ...'` on two "nodes" (here two commands on one
+    machine) is one run of world size 2, not two runs of world size 1."""
+    from posttrain.dist import free_port
+
+    config = merge(base_config, train_iters=2, micro_batch_size=2)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "posttrain",
+                "train",
+                str(path),
+                "--nproc",
+                "1",
+                "--launcher-args",
+                f"--nnodes 2 --node_rank {rank} --master_addr 127.0.0.1 --master_port {port}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=child_env(),
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "world size 2" in outputs[0] and "global batch 4" in outputs[0]
+    assert "[rank 1]" not in outputs[1]  # logger.print_output_ranks: [0]
+    lines = (tmp_path / "run" / "train-log-metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2  # one run wrote its two steps once (two world-size-1 runs would write four)

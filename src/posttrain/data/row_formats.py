@@ -5,6 +5,7 @@
 - ERNIEKit ``erniekit`` preference rows: ``src`` (n user turns), ``tgt`` (the n-1 assistant turns between
   them), ``response`` (candidate answers to the last user turn, each a list holding one string) and ``sort``
   (one score per response; the highest is chosen, the lowest rejected).
+- Megatron-Bridge fine-tuning rows: ``input`` (the prompt) and ``output`` (the answer).
 - ERNIEKit ``chatml`` rows, and SiloGen's: ``messages`` (SFT), or ``messages`` as the prompt with ``chosen``
   and ``rejected`` (preference), which the formatters read as they are.
 """
@@ -32,6 +33,15 @@ def _head(row: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(system, str):
         raise RowError("erniekit row: 'system' must be a string")
     return [{"role": "system", "content": system}]
+
+
+def is_prompt_completion(row: dict[str, Any]) -> bool:
+    """Megatron-Bridge's fine-tuning rows: ``{"input": ..., "output": ...}``."""
+    return "messages" not in row and isinstance(row.get("input"), str) and isinstance(row.get("output"), str)
+
+
+def prompt_completion_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": row["input"]}, {"role": "assistant", "content": row["output"]}]
 
 
 def is_erniekit(row: dict[str, Any]) -> bool:

@@ -25,9 +25,14 @@ class RowError(ValueError):
 def check_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
     """The row's conversation, checked. ``messages`` rows, or ERNIEKit's ``src``/``tgt`` rows. An assistant
     message may carry ``train: false`` (context only: not trained)."""
-    from posttrain.data.row_formats import erniekit_messages, is_erniekit
+    from posttrain.data import row_formats as formats
 
-    messages = erniekit_messages(row) if is_erniekit(row) else row.get("messages")
+    if formats.is_erniekit(row):
+        messages = formats.erniekit_messages(row)
+    elif formats.is_prompt_completion(row):
+        messages = formats.prompt_completion_messages(row)
+    else:
+        messages = row.get("messages")
     if messages is None:
         raise RowError(f"missing 'messages' (keys present: {', '.join(map(str, row)) or 'none'})")
     if not isinstance(messages, list) or not messages:

@@ -1,0 +1,222 @@
+"""The rule table and the conversion it drives.
+
+A source config is flattened to dotted keys (mappings are walked, lists are values). Every key is matched
+against the system's rules (``*`` matches one key segment; the first matching rule wins) and gets exactly one
+line: mapped to a posttrain key, approximated, not needed, or not supported. A key that no rule matches is
+reported as unknown to the converter, so nothing is dropped without a line.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+#: how a source key was carried over
+SAME, APPROX, NOT_NEEDED, UNSUPPORTED, UNKNOWN, DEFAULT = (
+    "mapped",
+    "approximated",
+    "not needed",
+    "not supported",
+    "unknown",
+    "source default",
+)
+
+
+@dataclass
+class Conversion:
+    """The posttrain config being built and the line of every source key."""
+
+    system: str
+    config: dict[str, Any] = field(default_factory=dict)
+    lines: list[tuple[str, str, str]] = field(default_factory=list)  # (source key, verdict, detail)
+    scratch: dict[str, Any] = field(default_factory=dict)  # values that several keys combine into
+    comments: dict[str, list[str]] = field(
+        default_factory=dict
+    )  # top-level key -> where its values came from
+
+    def set(self, path: str, value: Any, source: str = "") -> None:
+        """Set ``a.b.c`` in the config (creating mappings on the way); ``source`` is noted for the comments."""
+        target = self.config
+        parts = path.split(".")
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+        target[parts[-1]] = value
+        if source:
+            self.comments.setdefault(parts[0], []).append(f"{path} <- {source}")
+
+    def get(self, path: str, default: Any = None) -> Any:
+        target: Any = self.config
+        for part in path.split("."):
+            if not isinstance(target, dict) or part not in target:
+                return default
+            target = target[part]
+        return target
+
+    def has(self, path: str) -> bool:
+        marker = object()
+        return self.get(path, marker) is not marker
+
+    def line(self, key: str, verdict: str, detail: str) -> None:
+        self.lines.append((key, verdict, detail))
+
+
+Apply = Callable[[Conversion, str, Any], str | None]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one source key (pattern) is carried over.
+
+    ``target``: the posttrain key the value goes to (``value`` transforms it first), or a description of
+    where it goes when ``apply`` does the work. ``verdict``: mapped, approximated, not needed, not supported.
+    ``note``: the approximation, or why the key is not needed or not supported. ``apply(conversion, key,
+    value)`` does custom work and may return a more precise detail for the line, or raise ``Unsupported``
+    for a value it cannot carry over (the line then says why).
+    """
+
+    source: str
+    target: str = ""
+    verdict: str = SAME
+    note: str = ""
+    value: Callable[[Any], Any] | None = None
+    apply: Apply | None = None
+    only_if: Callable[[Any], bool] | None = None
+    """Values outside this are not supported (``note`` says why); e.g. a parallel size other than 1."""
+    whole: bool = False
+    """The value is taken whole (a mapping such as ``peft_kwargs`` is not walked key by key)."""
+
+
+class Unsupported(Exception):
+    """A value a rule cannot carry over; the message says why."""
+
+
+@dataclass(frozen=True)
+class System:
+    """A source system: its rules, its defaults that differ from posttrain's, and the hooks that prepare the
+    flat keys and finish the config."""
+
+    name: str
+    title: str
+    rules: tuple[Rule, ...]
+    defaults: tuple[tuple[Any, ...], ...] = ()
+    """(posttrain key, the source system's default, why it is stated[, the trainer types it applies to]) for
+    defaults that differ from posttrain's."""
+    unwrap: Callable[[dict[str, Any], Conversion], dict[str, Any]] = lambda data, conv: data
+    finish: Callable[[Conversion], None] = lambda conv: None
+
+    def rule_for(self, key: str) -> Rule | None:
+        for rule in self.rules:
+            if matches(rule.source, key):
+                return rule
+        return None
+
+    def flatten(self, data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            path = f"{prefix}{key}"
+            rule = self.rule_for(path)
+            if isinstance(value, dict) and value and not (rule is not None and rule.whole):
+                out.update(self.flatten(value, f"{path}."))
+            else:
+                out[path] = value
+        return out
+
+
+def matches(pattern: str, key: str) -> bool:
+    """Segment by segment: ``*`` never crosses a dot."""
+    parts, segments = pattern.split("."), key.split(".")
+    return len(parts) == len(segments) and all(
+        fnmatch.fnmatchcase(segment, part) for part, segment in zip(parts, segments, strict=True)
+    )
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 50 else text[:47] + "..."
+
+
+def convert(system: System, data: dict[str, Any]) -> Conversion:
+    conv = Conversion(system.name)
+    flat = system.flatten(system.unwrap(data, conv))
+    for key, value in flat.items():
+        rule = system.rule_for(key)
+        if rule is None:
+            conv.line(
+                key,
+                UNKNOWN,
+                f"{_show(value)}: not a {system.title} key the converter knows; not carried over",
+            )
+            continue
+        _apply(conv, rule, key, value)
+    system.finish(conv)
+    for path, value, why, *types in system.defaults:
+        if types and conv.config.get("type") not in types[0]:
+            continue
+        if not conv.has(path):
+            conv.set(path, value, f"{system.title}'s default")
+            conv.line(f"({path})", DEFAULT, f"{value!r} written: {why}")
+    return conv
+
+
+def _apply(conv: Conversion, rule: Rule, key: str, value: Any) -> None:
+    shown = _show(value)
+    if rule.only_if is not None and not rule.only_if(value):
+        conv.line(key, UNSUPPORTED, f"{shown}: {rule.note}")
+        return
+    if rule.only_if is not None and rule.verdict == UNSUPPORTED:
+        conv.line(key, NOT_NEEDED, f"{shown}: the default; nothing to carry over")
+        return
+    if rule.verdict in (NOT_NEEDED, UNSUPPORTED) and rule.apply is None:
+        conv.line(key, rule.verdict, f"{shown}: {rule.note}" if rule.note else shown)
+        return
+    try:
+        if rule.apply is not None:
+            detail = rule.apply(conv, key, value)
+        else:
+            conv.set(rule.target, rule.value(value) if rule.value else value, key)
+            detail = None
+    except Unsupported as exc:
+        conv.line(key, UNSUPPORTED, f"{shown}: {exc}")
+        return
+    where = detail or rule.target
+    note = f" ({rule.note})" if rule.note and rule.verdict == APPROX else ""
+    conv.line(key, rule.verdict, f"{shown} -> {where}{note}" if where else f"{shown}{note}")
+
+
+def render_lines(conv: Conversion) -> str:
+    width = max((len(key) for key, _, _ in conv.lines), default=0)
+    return "\n".join(f"{key:<{width}}  {verdict:<13} {detail}" for key, verdict, detail in conv.lines)
+
+
+def rules_markdown(system: System, intro: str) -> str:
+    """The key mapping of ``system`` as a Markdown page (``docs/from-<system>.md``)."""
+    out = [
+        f"# From {system.title}",
+        "",
+        intro.strip(),
+        "",
+        f"Generated from the converter's table (`src/posttrain/convert/{system.name.replace('-', '_')}.py`) by "
+        "`posttrain convert --docs`; a test keeps it current. `*` matches one key segment; the first matching "
+        "row applies; a key no row matches is reported as unknown (never dropped without a line).",
+        "",
+        "| source key | posttrain | how |",
+        "|---|---|---|",
+    ]
+    for rule in system.rules:
+        how = rule.verdict + (f": {rule.note}" if rule.note else "")
+        out.append(
+            f"| `{rule.source}` | {f'`{rule.target}`' if rule.target else ''} | {how} |".replace("||", "| |")
+        )
+    if system.defaults:
+        out += [
+            "",
+            f"Defaults of {system.title} that differ from posttrain's are written into the converted config:",
+            "",
+        ]
+        out += ["| posttrain key | written value | why |", "|---|---|---|"]
+        for path, value, why, *types in system.defaults:
+            only = f" (`type: {'/'.join(types[0])}` only)" if types else ""
+            out.append(f"| `{path}` | `{value!r}` | {why}{only} |")
+    return "\n".join(out) + "\n"

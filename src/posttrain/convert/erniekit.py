@@ -1,0 +1,525 @@
+"""ERNIEKit (PaddleNLP-style) run configs: the flat files of ``examples/configs`` and the nested
+``model_args``/``trainer_args`` form."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posttrain.convert.base import (
+    APPROX,
+    NOT_NEEDED,
+    SAME,
+    UNSUPPORTED,
+    Conversion,
+    Rule,
+    System,
+    Unsupported,
+)
+
+_STAGES = {"SFT": "sft", "DPO": "dpo", "PT": "causal"}
+_SCHEDULES = {"linear": "linear", "cosine": "cosine", "polynomial": "polynomial", "constant": "constant"}
+_FORMATS = ("erniekit", "chatml")
+_PADDLE = "a PaddlePaddle performance or precision setting without a posttrain equivalent"
+
+
+def _unwrap(data: dict[str, Any], conv: Conversion) -> dict[str, Any]:
+    """The nested form groups the same keys under ``model_args``, ``trainer_args`` (and ``data_args``)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in ("model_args", "trainer_args", "data_args", "finetuning_args") and isinstance(value, dict):
+            out.update(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _listed(value: Any) -> list[str]:
+    if isinstance(value, list):
+        return [str(v).strip() for v in value]
+    return [part.strip() for part in str(value).split(",") if part.strip()]
+
+
+def _dataset(part: str):
+    def apply(conv: Conversion, key: str, value: Any) -> str:
+        side, what = key.split("_dataset_")
+        conv.scratch[(side, what)] = _listed(value)
+        return f"data.{'sources' if side == 'train' else 'eval_sources'} ({part})"
+
+    return apply
+
+
+def _stage(conv: Conversion, key: str, value: Any) -> str:
+    name = str(value).upper()
+    if name not in _STAGES:
+        raise Unsupported(f"one of {', '.join(_STAGES)}")
+    conv.config["type"] = _STAGES[name]
+    return f"type: {_STAGES[name]}"
+
+
+def _fine_tuning(conv: Conversion, key: str, value: Any) -> str:
+    if str(value).lower() == "lora":
+        conv.scratch["lora"] = True
+        return "model.peft_config (LoRA)"
+    if str(value).lower() == "full":
+        return "full fine-tuning (no peft_config)"
+    raise Unsupported("Full or LoRA")
+
+
+def _lora_flag(conv: Conversion, key: str, value: Any) -> str:
+    if value:
+        conv.scratch["lora"] = True
+    return "model.peft_config (LoRA)" if value else "no LoRA"
+
+
+def _lora(name: str):
+    def apply(conv: Conversion, key: str, value: Any) -> str:
+        conv.scratch[name] = value
+        return f"model.peft_config.{ {'lora_rank': 'r', 'rslora': 'use_rslora'}.get(name, name) }"
+
+    return apply
+
+
+def _scheduler(conv: Conversion, key: str, value: Any) -> str:
+    if value == "constant_with_warmup":
+        conv.set("scheduler.lr_decay_style", "constant", key)
+        return "scheduler.lr_decay_style: constant (with lr_warmup_iters)"
+    if value not in _SCHEDULES:
+        raise Unsupported(f"one of {', '.join(_SCHEDULES)}, constant_with_warmup")
+    conv.set("scheduler.lr_decay_style", _SCHEDULES[value], key)
+    return "scheduler.lr_decay_style"
+
+
+def _beta(index: int):
+    def apply(conv: Conversion, key: str, value: Any) -> str:
+        betas = list(conv.get("optimizer.betas", [0.9, 0.999]))
+        betas[index] = value
+        conv.set("optimizer.betas", betas, key)
+        return f"optimizer.betas[{index}]"
+
+    return apply
+
+
+def _sharding(conv: Conversion, key: str, value: Any) -> str:
+    stage = str(value).replace("stage", "").strip()
+    if stage not in ("1", "2", "3"):
+        raise Unsupported("stage1, stage2 or stage3")
+    conv.set("deepspeed.zero_optimization.stage", int(stage), key)
+    return "deepspeed.zero_optimization.stage (ZeRO shards like Paddle's sharding stages)"
+
+
+def _compute_type(conv: Conversion, key: str, value: Any) -> str:
+    kinds = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    if value not in kinds:
+        raise Unsupported(f"{value}: FP8 and weight-only quantised training are not supported (use bf16)")
+    conv.set("model.dtype", kinds[value], key)
+    return "model.dtype"
+
+
+def _bf16(conv: Conversion, key: str, value: Any) -> str:
+    if value:
+        conv.set("model.dtype", "bfloat16", key)
+    return "model.dtype"
+
+
+def _offload(conv: Conversion, key: str, value: Any) -> str:
+    if not value:
+        return "no optimizer offload"
+    conv.set("optimizer.type", "cpu_adam", key)
+    conv.set("deepspeed.zero_optimization.offload_optimizer", {"device": "cpu"}, key)
+    return "optimizer.type: cpu_adam + deepspeed.zero_optimization.offload_optimizer.device: cpu"
+
+
+def _steps(conv: Conversion, key: str, value: Any) -> str:
+    if value is None or int(value) <= 0:
+        return "no step limit (num_train_epochs decides)"
+    conv.set("train_iters", int(value), key)
+    return "train_iters"
+
+
+def _save(name: str):
+    def apply(conv: Conversion, key: str, value: Any) -> str:
+        conv.scratch[name] = value
+        return "checkpoint (deepspeed engine)"
+
+    return apply
+
+
+def _eval_strategy(conv: Conversion, key: str, value: Any) -> str:
+    if value == "no":
+        conv.scratch["no_eval"] = True
+        return "no evaluation"
+    if value == "steps":
+        return "eval_interval (eval_steps)"
+    if value == "epoch":
+        conv.scratch["eval_epoch"] = True
+        return "eval_at_end (posttrain evaluates every eval_interval steps and at the end)"
+    raise Unsupported("steps, epoch or no")
+
+
+def _flash(conv: Conversion, key: str, value: Any) -> str:
+    attention = "flash_attention_2" if value else "sdpa"
+    conv.set("model.attn_implementation", attention, key)
+    return f"model.attn_implementation: {attention}"
+
+
+def _packing(conv: Conversion, key: str, value: Any) -> str:
+    conv.scratch["packing"] = bool(value)
+    return "data.pack_samples (sft and causal; dpo does not pack)"
+
+
+def _mix_strategy(conv: Conversion, key: str, value: Any) -> str:
+    conv.scratch["mix"] = "concatenate" if value == "concat" else "weighted"
+    return f"data.mix: {conv.scratch['mix']}"
+
+
+def _do_train(conv: Conversion, key: str, value: Any) -> str:
+    if not value:
+        conv.set("skip_train", True, key)
+        return "skip_train: true"
+    return "training runs"
+
+
+def _finish(conv: Conversion) -> None:
+    conv.config.setdefault("type", "sft")
+    for side, target in (("train", "sources"), ("eval", "eval_sources")):
+        paths = conv.scratch.get((side, "path"), [])
+        probs = conv.scratch.get((side, "prob"), [])
+        kinds = conv.scratch.get((side, "type"), [])
+        if not paths:
+            continue
+        for kind in kinds:
+            if kind not in _FORMATS:
+                conv.line(
+                    f"{side}_dataset_type", UNSUPPORTED, f"{kind!r}: posttrain reads erniekit and chatml rows"
+                )
+        sources = []
+        for index, path in enumerate(paths):
+            source: dict[str, Any] = {"name_or_path": path}
+            if side == "train" and index < len(probs) and len(paths) > 1:
+                source["sampling_weight"] = float(probs[index])
+            sources.append(source)
+        conv.set(f"data.{target}", sources, f"{side}_dataset_path/_prob/_type")
+        if side == "train" and len(paths) > 1:
+            conv.set("data.mix", conv.scratch.get("mix", "weighted"), "train_dataset_prob")
+    if conv.scratch.get("packing") and conv.config["type"] != "dpo":
+        conv.set("data.pack_samples", True, "packing")
+        conv.set("micro_batch_size", 1, "packing (a packed sequence holds many samples)")
+    if conv.scratch.get("lora"):
+        rank = conv.scratch.get("lora_rank", 8)
+        alpha = conv.scratch.get("lora_alpha", -1)
+        peft: dict[str, Any] = {"r": rank, "lora_alpha": rank if alpha in (-1, None) else alpha}
+        peft["target_modules"] = "all-linear"
+        if conv.scratch.get("rslora"):
+            peft["use_rslora"] = True
+        conv.set("model.peft_config", peft, "fine_tuning: LoRA, lora_rank, lora_alpha, rslora")
+    has_eval = conv.has("data.eval_sources")
+    if not has_eval or conv.scratch.get("no_eval"):
+        conv.config.pop("eval_interval", None)
+        conv.set("eval_at_end", has_eval and not conv.scratch.get("no_eval"), "do_eval / eval data")
+    if conv.scratch.get("eval_epoch"):
+        conv.config.pop("eval_interval", None)
+    out = conv.get("logger.output_dir", "runs/converted")
+    engines: list[dict[str, Any]] = [
+        {"type": "huggingface", "output_dir": f"{out}/export", "save_end_of_training": True}
+    ]
+    if conv.scratch.get("save_steps") and conv.scratch.get("save_strategy", "steps") == "steps":
+        engine = {
+            "type": "deepspeed",
+            "output_dir": f"{out}/checkpoints",
+            "save_every_n_steps": int(conv.scratch["save_steps"]),
+            "auto_resume": True,
+        }
+        if conv.scratch.get("save_total_limit"):
+            engine["save_total_limit"] = int(conv.scratch["save_total_limit"])
+        engines.append(engine)
+    conv.set("checkpoint", engines, "output_dir, save_steps, save_strategy, save_total_limit")
+    conv.config.setdefault("scheduler", {})["type"] = "megatron"
+
+
+RULES = (
+    Rule("stage", "type", SAME, apply=_stage),
+    Rule("fine_tuning", "model.peft_config", SAME, apply=_fine_tuning),
+    Rule("lora", "model.peft_config", SAME, apply=_lora_flag),
+    Rule("lora_rank", "model.peft_config.r", SAME, apply=_lora("lora_rank")),
+    Rule(
+        "lora_alpha",
+        "model.peft_config.lora_alpha",
+        SAME,
+        "-1 means alpha = rank (scaling 1)",
+        apply=_lora("lora_alpha"),
+    ),
+    Rule("rslora", "model.peft_config.use_rslora", SAME, apply=_lora("rslora")),
+    Rule("lora_plus_scale", "optimizer.lora_plus_scale", SAME),
+    Rule("rslora_plus", "", UNSUPPORTED, "rsLoRA+ is not built in", only_if=lambda v: not v),
+    Rule("model_name_or_path", "model.name_or_path", SAME),
+    Rule("train_dataset_path", "data.sources", SAME, apply=_dataset("paths")),
+    Rule("train_dataset_prob", "data.sources[].sampling_weight", SAME, apply=_dataset("weights")),
+    Rule(
+        "train_dataset_type", "data.sources (row format, read from the rows)", SAME, apply=_dataset("formats")
+    ),
+    Rule("eval_dataset_path", "data.eval_sources", SAME, apply=_dataset("paths")),
+    Rule("eval_dataset_prob", "", NOT_NEEDED, "every eval row is used", apply=_dataset("weights")),
+    Rule("eval_dataset_type", "data.eval_sources (row format)", SAME, apply=_dataset("formats")),
+    Rule(
+        "mix_strategy",
+        "data.mix",
+        APPROX,
+        "random and interleave_* become a weighted mix in which every row is used at least once; concat concatenates",
+        apply=_mix_strategy,
+    ),
+    Rule("num_samples_each_epoch", "", NOT_NEEDED, "the weighted mix sizes itself from the data"),
+    Rule("random_shuffle", "", NOT_NEEDED, "posttrain always shuffles (seeded)", only_if=lambda v: v is True),
+    Rule("max_seq_len", "data.max_length", SAME),
+    Rule("max_prompt_len", "data.max_prompt_length", SAME),
+    Rule("batch_size", "micro_batch_size", SAME),
+    Rule("per_device_train_batch_size", "micro_batch_size", SAME),
+    Rule("per_device_eval_batch_size", "", NOT_NEEDED, "evaluation uses micro_batch_size"),
+    Rule("gradient_accumulation_steps", "gradient_accumulation_steps", SAME),
+    Rule("max_steps", "train_iters", SAME, apply=_steps),
+    Rule("num_train_epochs", "epochs", SAME, value=int),
+    Rule("warmup_steps", "scheduler.lr_warmup_iters", SAME),
+    Rule("learning_rate", "optimizer.lr", SAME),
+    Rule("min_lr", "scheduler.min_lr", SAME),
+    Rule("lr_scheduler_type", "scheduler.lr_decay_style", SAME, apply=_scheduler),
+    Rule(
+        "num_cycles",
+        "",
+        UNSUPPORTED,
+        "cosine decays over half a wave to min_lr; other cycle counts are not built in",
+        only_if=lambda v: v == 0.5,
+    ),
+    Rule("lr_end", "scheduler.min_lr", APPROX, "the polynomial schedule decays to min_lr"),
+    Rule("power", "scheduler.power", SAME),
+    Rule("layerwise_lr_decay_bound", "optimizer.layerwise_lr_decay_bound", SAME),
+    Rule("weight_decay", "optimizer.weight_decay", SAME),
+    Rule("adam_beta1", "optimizer.betas", SAME, apply=_beta(0)),
+    Rule("adam_beta2", "optimizer.betas", SAME, apply=_beta(1)),
+    Rule("adam_epsilon", "optimizer.eps", SAME),
+    Rule("optim", "", NOT_NEEDED, "AdamW (decoupled weight decay) is posttrain's default optimizer"),
+    Rule("offload_optim", "optimizer.type: cpu_adam", SAME, apply=_offload),
+    Rule(
+        "tensorwise_offload_optimizer",
+        "optimizer.type: cpu_adam",
+        APPROX,
+        "ZeRO offloads the whole optimizer state to the host",
+        apply=_offload,
+    ),
+    Rule("seed", "seed", SAME),
+    Rule("sharding", "deepspeed.zero_optimization.stage", SAME, apply=_sharding),
+    Rule("sharding_parallel_degree", "", NOT_NEEDED, "ZeRO shards over every data-parallel process"),
+    Rule("sharding_parallel_config", "", NOT_NEEDED, _PADDLE),
+    Rule(
+        "tensor_parallel_degree",
+        "",
+        UNSUPPORTED,
+        "tensor parallelism is not supported; posttrain shards with ZeRO (sharding) and splits long sequences with sequence_parallel_size",
+        only_if=lambda v: int(v) <= 1,
+    ),
+    Rule(
+        "pipeline_parallel_degree",
+        "",
+        UNSUPPORTED,
+        "pipeline parallelism is not supported; use ZeRO stage 3",
+        only_if=lambda v: int(v) <= 1,
+    ),
+    Rule(
+        "virtual_pp_degree",
+        "",
+        UNSUPPORTED,
+        "pipeline parallelism is not supported",
+        only_if=lambda v: int(v) <= 1,
+    ),
+    Rule(
+        "sequence_parallel",
+        "",
+        NOT_NEEDED,
+        "Paddle's sequence parallelism belongs to tensor parallelism (degree 1 here); posttrain's Ulysses version is sequence_parallel_size",
+    ),
+    Rule("tensor_parallel_*", "", NOT_NEEDED, "tensor parallelism settings"),
+    Rule("pipeline_parallel_config", "", NOT_NEEDED, "pipeline parallelism settings"),
+    Rule("pp_seg_method", "", NOT_NEEDED, "pipeline parallelism settings"),
+    Rule("add_tail_layers", "", NOT_NEEDED, "pipeline parallelism settings"),
+    Rule("moe_*", "", NOT_NEEDED, "MoE communication settings of Paddle"),
+    Rule("compute_type", "model.dtype", SAME, apply=_compute_type),
+    Rule("bf16", "model.dtype", SAME, apply=_bf16),
+    Rule(
+        "fp16",
+        "model.dtype",
+        SAME,
+        apply=lambda c, k, v: c.set("model.dtype", "float16", k) or "model.dtype" if v else "model.dtype",
+    ),
+    Rule("fp16_opt_level", "", NOT_NEEDED, "DeepSpeed's bf16/fp16 follows model.dtype"),
+    Rule("amp_*", "", NOT_NEEDED, "DeepSpeed's bf16/fp16 follows model.dtype"),
+    Rule("scale_loss", "", NOT_NEEDED, "DeepSpeed scales the fp16 loss dynamically"),
+    Rule("recompute", "model.disable_activation_checkpoint", SAME, value=lambda v: not v),
+    Rule("recompute_granularity", "", APPROX, "posttrain checkpoints whole decoder layers (full)"),
+    Rule("recompute_use_reentrant", "", NOT_NEEDED, "posttrain checkpoints without re-entrance"),
+    Rule("release_grads", "", NOT_NEEDED, "DeepSpeed frees gradients after each step"),
+    Rule("use_flash_attention", "model.attn_implementation", SAME, apply=_flash),
+    Rule(
+        "use_sparse_flash_attn",
+        "",
+        NOT_NEEDED,
+        "packed rows attend within their own sample through position ids",
+    ),
+    Rule(
+        "use_attn_mask_startend_row_indices",
+        "",
+        NOT_NEEDED,
+        "packed rows attend within their own sample through position ids",
+    ),
+    Rule(
+        "use_sparse_head_and_loss_fn",
+        "tiled_loss_compute",
+        APPROX,
+        "the LM head and loss run in chunks of labelled rows (auto from 8,192 tokens)",
+    ),
+    Rule(
+        "use_fused_head_and_loss_fn",
+        "tiled_loss_compute",
+        APPROX,
+        "the LM head and loss run in chunks of labelled rows (auto from 8,192 tokens)",
+    ),
+    Rule("fuse_rope", "", NOT_NEEDED, _PADDLE),
+    Rule("fuse_linear", "", NOT_NEEDED, _PADDLE),
+    Rule("fuse_*", "", NOT_NEEDED, _PADDLE),
+    Rule("packing", "data.pack_samples", SAME, apply=_packing),
+    Rule(
+        "greedy_intokens",
+        "data.packing",
+        APPROX,
+        "best-fit packing (posttrain's default) fills sequences greedily",
+    ),
+    Rule("dataloader_num_workers", "data.dl_num_workers", SAME),
+    Rule(
+        "distributed_dataloader",
+        "",
+        NOT_NEEDED,
+        "each process reads its own shard of the memory-mapped sample store",
+    ),
+    Rule("do_train", "skip_train", SAME, apply=_do_train),
+    Rule(
+        "do_eval",
+        "eval_at_end",
+        SAME,
+        apply=lambda c, k, v: (
+            (c.scratch.update(no_eval=True) or "no evaluation") if not v else "evaluation on"
+        ),
+    ),
+    Rule("eval_steps", "eval_interval", SAME),
+    Rule("evaluation_strategy", "eval_interval", SAME, apply=_eval_strategy),
+    Rule("max_evaluate_steps", "eval_iters", SAME, value=lambda v: max(int(v), 0)),
+    Rule("save_steps", "checkpoint[deepspeed].save_every_n_steps", SAME, apply=_save("save_steps")),
+    Rule("save_strategy", "checkpoint[deepspeed]", SAME, apply=_save("save_strategy")),
+    Rule("save_total_limit", "checkpoint[deepspeed].save_total_limit", SAME, apply=_save("save_total_limit")),
+    Rule("output_dir", "logger.output_dir", SAME),
+    Rule("logging_dir", "tensorboard.log_dir", SAME),
+    Rule("logging_steps", "", NOT_NEEDED, "every optimizer step is logged to train-log-metrics.jsonl"),
+    Rule("disable_tqdm", "logger.progress_bar", SAME, value=lambda v: not v),
+    Rule(
+        "unified_checkpoint*",
+        "",
+        NOT_NEEDED,
+        "posttrain writes DeepSpeed checkpoints and safetensors exports",
+    ),
+    Rule("disable_ckpt_quant", "", NOT_NEEDED, "checkpoints are not quantised"),
+    Rule(
+        "ignore_save_lr_and_optim",
+        "",
+        UNSUPPORTED,
+        "a resumable checkpoint always holds the optimizer state",
+        only_if=lambda v: not v,
+    ),
+    Rule(
+        "ignore_load_lr_and_optim",
+        "",
+        UNSUPPORTED,
+        "resuming always restores the optimizer state",
+        only_if=lambda v: not v,
+    ),
+    Rule("continue_training", "", NOT_NEEDED, "the weights of model_name_or_path are always loaded"),
+    Rule("from_hf_hub", "", NOT_NEEDED, "model_name_or_path is a Hugging Face name or a local directory"),
+    Rule(
+        "from_aistudio", "", UNSUPPORTED, "posttrain loads Hugging Face checkpoints", only_if=lambda v: not v
+    ),
+    Rule(
+        "from_modelscope",
+        "",
+        UNSUPPORTED,
+        "posttrain loads Hugging Face checkpoints",
+        only_if=lambda v: not v,
+    ),
+    Rule("beta", "beta", SAME),
+    Rule("simpo_gamma", "simpo_gamma", SAME),
+    Rule(
+        "loss_type",
+        "loss_type",
+        SAME,
+        only_if=lambda v: v in ("sigmoid", "ipo", "hinge", "simpo", "orpo"),
+        note="posttrain's preference losses are sigmoid, ipo, hinge, simpo and orpo (kto_pair is not built in)",
+    ),
+    Rule("pref_loss_ratio", "pref_loss_ratio", SAME),
+    Rule("sft_loss_ratio", "sft_loss_ratio", SAME),
+    Rule("label_smoothing", "label_smoothing", SAME),
+    Rule("reference_free", "reference_free", SAME),
+    Rule(
+        "offset_alpha", "", UNSUPPORTED, "score-based DPO offsets are not built in", only_if=lambda v: not v
+    ),
+    Rule(
+        "ref_model_update_steps",
+        "",
+        UNSUPPORTED,
+        "the reference model is never updated",
+        only_if=lambda v: int(v) < 0,
+    ),
+    Rule(
+        "hidden_dropout_prob",
+        "",
+        UNSUPPORTED,
+        "dropout comes from the model's config.json",
+        only_if=lambda v: not v,
+    ),
+    Rule(
+        "attention_probs_dropout_prob",
+        "",
+        UNSUPPORTED,
+        "dropout comes from the model's config.json",
+        only_if=lambda v: not v,
+    ),
+    Rule(
+        "dropout_warmup_steps", "", UNSUPPORTED, "dropout schedules are not built in", only_if=lambda v: not v
+    ),
+    Rule(
+        "weight_quantize_algo",
+        "",
+        UNSUPPORTED,
+        "weight-only quantised (wint4/8, FP8) training is not supported; QLoRA is model.quantization_config",
+        only_if=lambda v: not v,
+    ),
+    Rule("apply_hadamard", "", NOT_NEEDED, "an FP8 setting"),
+    Rule(
+        "use_lowprecision_moment",
+        "",
+        UNSUPPORTED,
+        "optimizer moments stay in float32",
+        only_if=lambda v: not v,
+    ),
+    Rule("apply_online_actscale_step", "", NOT_NEEDED, "an FP8 setting"),
+    Rule("optim_shard_num", "", NOT_NEEDED, "DeepSpeed writes one optimizer shard per process"),
+    Rule("use_sp_callback", "", NOT_NEEDED, _PADDLE),
+)
+
+ERNIEKIT = System(
+    name="erniekit",
+    title="ERNIEKit",
+    rules=RULES,
+    defaults=(
+        ("optimizer.weight_decay", 0.0, "ERNIEKit's default weight_decay is 0 (posttrain's 0.1)"),
+        ("scheduler.lr_warmup_iters", 0, "ERNIEKit warms up only over warmup_steps"),
+        ("scheduler.lr_decay_style", "linear", "ERNIEKit's default lr_scheduler_type"),
+        ("model.disable_activation_checkpoint", True, "ERNIEKit recomputes only with recompute: true"),
+        ("seed", 42, "ERNIEKit's default seed"),
+    ),
+    unwrap=_unwrap,
+    finish=_finish,
+)

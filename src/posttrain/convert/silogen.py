@@ -1,0 +1,508 @@
+"""SiloGen finetuning engine configs (also nested under ``finetuning_config:`` in a Helm values file)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import yaml
+
+from posttrain.convert.base import (
+    NOT_NEEDED,
+    SAME,
+    UNSUPPORTED,
+    Conversion,
+    Rule,
+    System,
+    Unsupported,
+)
+
+_DISTRIBUTED = {
+    "auto-deepspeed-stage1": 1,
+    "auto-deepspeed-stage3": 3,
+    "auto-ddp": 0,
+    "auto-single-process": 0,
+}
+_MIX = {"CONCATENATION": "concatenate", "PRECOMPUTE_WEIGHTED_MIX": "weighted"}
+_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
+
+
+def _unwrap(data: dict[str, Any], conv: Conversion) -> dict[str, Any]:
+    """A Helm values file holds the engine config under ``finetuning_config`` beside chart keys."""
+    if not isinstance(data.get("finetuning_config"), dict):
+        return data
+    conv.scratch["helm"] = True
+    # chart blocks (resources, image, storage...) are reported whole, one line each
+    chart = {
+        key: yaml.safe_dump(value, default_flow_style=True).strip() if isinstance(value, dict) else value
+        for key, value in data.items()
+        if key != "finetuning_config"
+    }
+    return {**chart, **data["finetuning_config"]}
+
+
+def _datasets(conv: Conversion, key: str, value: Any) -> str:
+    if not isinstance(value, list):
+        raise Unsupported("expected a list of {path, sampling_weight}")
+    side = "sources" if key.startswith("data_conf.training_data") else "eval_sources"
+    sources = []
+    for item in value:
+        if not isinstance(item, dict) or "path" not in item:
+            raise Unsupported("each dataset needs a path")
+        source: dict[str, Any] = {"name_or_path": item["path"]}
+        if "sampling_weight" in item and side == "sources":
+            source["sampling_weight"] = item["sampling_weight"]
+        sources.append(source)
+    conv.set(f"data.{side}", sources, key)
+    return f"data.{side} ({len(sources)} files)"
+
+
+def _mix(conv: Conversion, key: str, value: Any) -> str:
+    if key.startswith("data_conf.validation_data"):
+        conv.scratch["validation"] = value
+        if value == "NONE":
+            return "no eval data"
+        if value == "CONCATENATION":
+            return "data.eval_sources"
+        if value == "AUTO_SPLIT":
+            conv.scratch.setdefault("split_ratio", 0.2)
+            return "data.train_eval_split"
+        raise Unsupported("validation_data.type is AUTO_SPLIT, CONCATENATION or NONE")
+    if value not in _MIX:
+        raise Unsupported(f"training_data.type is one of {', '.join(_MIX)}")
+    conv.set("data.mix", _MIX[value], key)
+    return "data.mix"
+
+
+def _split(conv: Conversion, key: str, value: Any) -> str:
+    conv.scratch["split_ratio"] = value
+    return "data.train_eval_split"
+
+
+def _dtype(conv: Conversion, key: str, value: Any) -> str:
+    conv.set("model.dtype", "auto" if value == "auto" else str(value).removeprefix("torch."), key)
+    return "model.dtype"
+
+
+def _precision(conv: Conversion, key: str, value: Any) -> str | None:
+    if value:
+        conv.set("model.dtype", "bfloat16" if key.endswith("bf16") else "float16", key)
+        return "model.dtype"
+    return "model.dtype stays as written"
+
+
+def _peft_type(conv: Conversion, key: str, value: Any) -> str:
+    if value == "NO_PEFT":
+        return "no adapter (full fine-tuning)"
+    if value == "PRETRAINED_PEFT":
+        conv.scratch["pretrained_peft"] = True
+        return "model.peft_pretrained"
+    conv.set("model.peft_config.peft_type", value, key)
+    return "model.peft_config.peft_type"
+
+
+def _peft_name(conv: Conversion, key: str, value: Any) -> str:
+    conv.set("model.peft_pretrained", value, key)
+    return "model.peft_pretrained"
+
+
+def _task_type(conv: Conversion, key: str, value: Any) -> str:
+    if value != "CAUSAL_LM":
+        raise Unsupported("posttrain trains causal language models (CAUSAL_LM) only")
+    return "implied (posttrain adapters are CAUSAL_LM)"
+
+
+def _quant_type(conv: Conversion, key: str, value: Any) -> str:
+    if value == "no-quantization":
+        return "no quantisation"
+    conv.scratch["quantized"] = True
+    return "model.quantization_config"
+
+
+def _resume(conv: Conversion, key: str, value: Any) -> str:
+    if value is False:
+        return "no resume"
+    if value in (True, "auto"):
+        conv.scratch["resume"] = True
+        return "checkpoint (deepspeed engine) auto_resume: true"
+    raise Unsupported(
+        "resuming from a named path: posttrain resumes from its own checkpoint directory (auto_resume)"
+    )
+
+
+def _output_dir(conv: Conversion, key: str, value: Any) -> str:
+    conv.set("logger.output_dir", value, key)
+    conv.scratch["output_dir"] = value
+    return "logger.output_dir (and the checkpoint directories under it)"
+
+
+def _save(conv: Conversion, key: str, value: Any) -> str:
+    conv.scratch[key.rsplit(".", 1)[-1]] = value
+    return "checkpoint (deepspeed engine)"
+
+
+def _epochs(conv: Conversion, key: str, value: Any) -> str:
+    if value is None:
+        return "not overridden"
+    if float(value) != int(value):
+        conv.set("epochs", math.ceil(value), key)
+        return (
+            f"epochs: {math.ceil(value)} (fractional epochs are rounded up; set train_iters to stop earlier)"
+        )
+    conv.set("epochs", int(value), key)
+    return "epochs"
+
+
+def _steps(conv: Conversion, key: str, value: Any) -> str:
+    if value is None or value <= 0:
+        return "no step limit (epochs decide)"
+    conv.set("train_iters", value, key)
+    return "train_iters"
+
+
+def _beta(index: int):
+    def apply(conv: Conversion, key: str, value: Any) -> str:
+        betas = list(conv.get("optimizer.betas", [0.9, 0.999]))
+        betas[index] = value
+        conv.set("optimizer.betas", betas, key)
+        return f"optimizer.betas[{index}]"
+
+    return apply
+
+
+def _optim(conv: Conversion, key: str, value: Any) -> str:
+    if value not in _OPTIMIZERS:
+        raise Unsupported(f"posttrain's optimizers are adamw, cpu_adam and fused_adam (got {value})")
+    return "optimizer.type: adamw"
+
+
+def _eval_strategy(conv: Conversion, key: str, value: Any) -> str:
+    if value == "no":
+        conv.scratch["no_eval"] = True
+        return "no periodic evaluation (a held-out split is still evaluated once at the end)"
+    if value == "steps":
+        return "eval_interval (eval_steps)"
+    raise Unsupported("posttrain evaluates every eval_interval steps (and at the end); use eval_steps")
+
+
+def _report_to(conv: Conversion, key: str, value: Any) -> str:
+    targets = [value] if isinstance(value, str) else list(value or [])
+    done = []
+    for target in targets:
+        if target == "wandb":
+            conv.set("wandb.enable", True, key)
+            done.append("wandb.enable")
+        elif target == "tensorboard":
+            conv.set("tensorboard.enable", True, key)
+            done.append("tensorboard.enable")
+        elif target == "mlflow":
+            done.append("tracking (see the tracking block)")
+        elif target not in ("none", "all"):
+            raise Unsupported(f"{target}: posttrain reports to wandb, mlflow (tracking) and tensorboard")
+    return ", ".join(done) or "no trackers"
+
+
+def _chat_template(conv: Conversion, key: str, value: Any) -> str:
+    if value == "poro":
+        raise Unsupported("the poro preset is not built in; set tokenizer.chat_template to its Jinja text")
+    conv.set("tokenizer.chat_template", value, key)
+    return "tokenizer.chat_template"
+
+
+def _padding_side(conv: Conversion, key: str, value: Any) -> str:
+    if value != "right":
+        raise Unsupported("posttrain pads on the right (labels and positions depend on it)")
+    return "posttrain pads on the right"
+
+
+def _merge_adapter(conv: Conversion, key: str, value: Any) -> str:
+    conv.scratch["merge"] = bool(value)
+    return "checkpoint (huggingface export) save_merged"
+
+
+def _gpus(conv: Conversion, key: str, value: Any) -> str:
+    conv.scratch["nproc"] = value
+    return f"the launch: posttrain train run.yaml --nproc {value}"
+
+
+def _distributed(conv: Conversion, key: str, value: Any) -> str:
+    if value not in _DISTRIBUTED:
+        raise Unsupported(f"one of {', '.join(_DISTRIBUTED)}")
+    conv.set("deepspeed.zero_optimization.stage", _DISTRIBUTED[value], key)
+    return "deepspeed.zero_optimization.stage"
+
+
+def _basemodel(conv: Conversion, key: str, value: Any) -> str:
+    conv.scratch["basemodel"] = value
+    return "model.name_or_path (when run_conf.model is the chart's default path)"
+
+
+def _finish(conv: Conversion) -> None:
+    method = conv.scratch.get("method", "sft")
+    conv.config.setdefault("type", method)
+    if method != "sft" and conv.has("data.mask_inputs"):
+        conv.config["data"].pop("mask_inputs")
+        conv.line("(data.mask_inputs)", NOT_NEEDED, "preference tuning trains the answers only")
+    model = conv.get("model.name_or_path")
+    if "basemodel" in conv.scratch and model in (None, "/local_resources/basemodel"):
+        conv.set("model.name_or_path", conv.scratch["basemodel"], "basemodel")
+    if not conv.has("model.name_or_path"):
+        conv.set("model.name_or_path", "/local_resources/basemodel", "SiloGen's default run_conf.model")
+    if conv.scratch.get("validation") == "AUTO_SPLIT":
+        ratio = float(conv.scratch.get("split_ratio", 0.2))
+        conv.set("data.train_eval_split", [round(1 - ratio, 6), ratio], "data_conf.validation_data.ratio")
+        if "split_seed" in conv.scratch:
+            conv.set("data.split_seed", conv.scratch["split_seed"], "data_conf.validation_data.seed")
+    has_eval = conv.scratch.get("validation") in ("AUTO_SPLIT", "CONCATENATION")
+    if has_eval and not conv.scratch.get("no_eval") and not conv.has("eval_interval"):
+        conv.set("eval_interval", 0, "SiloGen evaluates at the end")
+    if not has_eval:
+        conv.set("eval_at_end", False, "no validation data")
+    out = conv.scratch.get("output_dir", "runs/converted")
+    engines = []
+    if conv.scratch.get("resume") or conv.scratch.get("save_steps"):
+        engine: dict[str, Any] = {"type": "deepspeed", "output_dir": f"{out}/checkpoints"}
+        if conv.scratch.get("save_strategy", "steps") == "steps" and conv.scratch.get("save_steps"):
+            engine["save_every_n_steps"] = conv.scratch["save_steps"]
+        if conv.scratch.get("save_total_limit"):
+            engine["save_total_limit"] = conv.scratch["save_total_limit"]
+        engine["auto_resume"] = bool(conv.scratch.get("resume"))
+        engines.append(engine)
+    final = {
+        "type": "huggingface",
+        "output_dir": f"{out}/{conv.scratch.get('final_checkpoint_name', 'checkpoint-final')}",
+        "save_end_of_training": True,
+    }
+    if conv.scratch.get("merge"):
+        final["save_merged"] = True
+    conv.set("checkpoint", [final, *engines], "run_conf / training_args save settings")
+    if conv.scratch.get("quantized") and conv.has("model.quantization_config"):
+        conv.set("model.quantization_config", conv.get("model.quantization_config"))
+
+
+def _attention(conv: Conversion, key: str, value: Any) -> str:
+    if value is None:
+        return "transformers' choice (posttrain: sdpa)"
+    conv.set("model.attn_implementation", value, key)
+    return "model.attn_implementation"
+
+
+def _quant_key(conv: Conversion, key: str, value: Any) -> str:
+    name = key.rsplit(".", 1)[-1]
+    conv.set(f"model.quantization_config.{name}", value, key)
+    return f"model.quantization_config.{name}"
+
+
+def _chart_key(conv: Conversion, key: str, value: Any) -> str:
+    if not conv.scratch.get("helm"):
+        raise Unsupported("not a SiloGen finetuning config key")
+    return "not needed: a Helm chart key outside the finetuning config"
+
+
+def _scratch(name: str, where: str):
+    def apply(conv: Conversion, key: str, value: Any) -> str:
+        conv.scratch[name] = value
+        return where
+
+    return apply
+
+
+RULES = (
+    Rule("method", "type", SAME, apply=lambda c, k, v: c.scratch.update(method=v) or "type"),
+    Rule("data_conf.training_data.type", "data.mix", SAME, apply=_mix),
+    Rule("data_conf.training_data.datasets", "data.sources", SAME, apply=_datasets),
+    Rule("data_conf.training_data.seed", "data.mix_seed", SAME),
+    Rule("data_conf.*.data_type", "", NOT_NEEDED, "set by the trainer type"),
+    Rule("data_conf.validation_data.type", "data.eval_sources / data.train_eval_split", SAME, apply=_mix),
+    Rule("data_conf.validation_data.datasets", "data.eval_sources", SAME, apply=_datasets),
+    Rule("data_conf.validation_data.ratio", "data.train_eval_split", SAME, apply=_split),
+    Rule(
+        "data_conf.validation_data.seed",
+        "data.split_seed",
+        SAME,
+        apply=_scratch("split_seed", "data.split_seed"),
+    ),
+    Rule("data_conf.chat_template_name", "tokenizer.chat_template", SAME, apply=_chat_template),
+    Rule("data_conf.padding_side", "", SAME, apply=_padding_side),
+    Rule("data_conf.missing_pad_token_strategy", "tokenizer.missing_pad_token_strategy", SAME),
+    Rule("training_args.learning_rate", "optimizer.lr", SAME),
+    Rule("training_args.weight_decay", "optimizer.weight_decay", SAME),
+    Rule("training_args.adam_beta1", "optimizer.betas", SAME, apply=_beta(0)),
+    Rule("training_args.adam_beta2", "optimizer.betas", SAME, apply=_beta(1)),
+    Rule("training_args.adam_epsilon", "optimizer.eps", SAME),
+    Rule("training_args.optim", "optimizer.type", SAME, apply=_optim),
+    Rule("training_args.lr_scheduler_type", "scheduler.name", SAME),
+    Rule("training_args.lr_scheduler_kwargs", "scheduler.scheduler_kwargs", SAME, whole=True),
+    Rule("training_args.warmup_ratio", "scheduler.warmup_ratio", SAME),
+    Rule(
+        "training_args.warmup_steps",
+        "",
+        UNSUPPORTED,
+        "the huggingface scheduler takes warmup_ratio (set it from your step count)",
+        only_if=lambda v: not v,
+    ),
+    Rule("training_args.num_train_epochs", "epochs", SAME, apply=_epochs),
+    Rule("training_args.max_steps", "train_iters", SAME, apply=_steps),
+    Rule("training_args.per_device_train_batch_size", "micro_batch_size", SAME),
+    Rule("training_args.gradient_accumulation_steps", "gradient_accumulation_steps", SAME),
+    Rule("training_args.per_device_eval_batch_size", "", NOT_NEEDED, "evaluation uses micro_batch_size"),
+    Rule("training_args.max_grad_norm", "deepspeed.gradient_clipping", SAME),
+    Rule("training_args.seed", "seed", SAME),
+    Rule("training_args.data_seed", "data.seed", SAME),
+    Rule("training_args.bf16", "model.dtype", SAME, apply=_precision),
+    Rule("training_args.fp16", "model.dtype", SAME, apply=_precision),
+    Rule("training_args.tf32", "", NOT_NEEDED, "a GPU matmul setting; PyTorch's default applies"),
+    Rule(
+        "training_args.gradient_checkpointing",
+        "model.disable_activation_checkpoint",
+        SAME,
+        value=lambda v: not v,
+    ),
+    Rule(
+        "training_args.gradient_checkpointing_kwargs",
+        "",
+        NOT_NEEDED,
+        "posttrain checkpoints without re-entrance",
+        whole=True,
+    ),
+    Rule(
+        "training_args.logging_steps",
+        "",
+        NOT_NEEDED,
+        "every optimizer step is logged to train-log-metrics.jsonl",
+    ),
+    Rule("training_args.logging_first_step", "", NOT_NEEDED, "every optimizer step is logged"),
+    Rule("training_args.logging_dir", "tensorboard.log_dir", SAME),
+    Rule("training_args.eval_strategy", "eval_interval", SAME, apply=_eval_strategy),
+    Rule("training_args.evaluation_strategy", "eval_interval", SAME, apply=_eval_strategy),
+    Rule("training_args.eval_steps", "eval_interval", SAME),
+    Rule("training_args.save_strategy", "checkpoint", SAME, apply=_save),
+    Rule("training_args.save_steps", "checkpoint[deepspeed].save_every_n_steps", SAME, apply=_save),
+    Rule("training_args.save_total_limit", "checkpoint[deepspeed].save_total_limit", SAME, apply=_save),
+    Rule("training_args.output_dir", "logger.output_dir", SAME, apply=_output_dir),
+    Rule("training_args.report_to", "wandb / tensorboard / tracking", SAME, apply=_report_to),
+    Rule("training_args.run_name", "wandb.name", SAME),
+    Rule("training_args.dataloader_num_workers", "data.dl_num_workers", SAME),
+    Rule(
+        "training_args.remove_unused_columns", "", NOT_NEEDED, "posttrain keeps only what the formatter needs"
+    ),
+    Rule("training_args.ddp_*", "", NOT_NEEDED, "DeepSpeed does the data-parallel reduction"),
+    Rule("training_args.overwrite_output_dir", "", NOT_NEEDED, "checkpoints are written atomically"),
+    Rule("training_args.disable_tqdm", "logger.progress_bar", SAME, value=lambda v: not v),
+    Rule("training_args.push_to_hub", "", UNSUPPORTED, "posttrain never uploads", only_if=lambda v: not v),
+    Rule("training_args.*", "", UNSUPPORTED, "a TrainingArguments key without a posttrain equivalent"),
+    Rule("batchsize_conf.total_train_batch_size", "total_train_batch_size", SAME),
+    Rule("batchsize_conf.max_per_device_train_batch_size", "max_per_device_train_batch_size", SAME),
+    Rule(
+        "batchsize_conf.per_device_eval_batch_size",
+        "",
+        NOT_NEEDED,
+        "evaluation uses the training micro-batch",
+    ),
+    Rule("peft_conf.peft_type", "model.peft_config / model.peft_pretrained", SAME, apply=_peft_type),
+    Rule("peft_conf.name_or_path", "model.peft_pretrained", SAME, apply=_peft_name),
+    Rule("peft_conf.task_type", "", SAME, apply=_task_type),
+    Rule(
+        "peft_conf.peft_kwargs.*",
+        "model.peft_config.*",
+        SAME,
+        apply=lambda c, k, v: (
+            c.set(f"model.peft_config.{k.rsplit('.', 1)[-1]}", v, k)
+            or f"model.peft_config.{k.rsplit('.', 1)[-1]}"
+        ),
+    ),
+    Rule("quant_conf.quantization_type", "model.quantization_config", SAME, apply=_quant_type),
+    Rule("quant_conf.*", "model.quantization_config.*", SAME, apply=_quant_key),
+    Rule("run_conf.model", "model.name_or_path", SAME),
+    Rule("run_conf.model_args.torch_dtype", "model.dtype", SAME, apply=_dtype),
+    Rule("run_conf.model_args.attn_implementation", "model.attn_implementation", SAME, apply=_attention),
+    Rule("run_conf.model_args.trust_remote_code", "model.trust_remote_code", SAME),
+    Rule("run_conf.model_args.revision", "model.revision", SAME),
+    Rule(
+        "run_conf.model_args.low_cpu_mem_usage",
+        "",
+        NOT_NEEDED,
+        "transformers 5 always loads with low CPU memory",
+    ),
+    Rule(
+        "run_conf.model_args.device_map",
+        "",
+        NOT_NEEDED,
+        "DeepSpeed places the model on each process's device",
+    ),
+    Rule("run_conf.model_args.use_cache", "", NOT_NEEDED, "the KV cache is off in training"),
+    Rule(
+        "run_conf.model_args.token",
+        "model.token_env",
+        UNSUPPORTED,
+        "a token in a config file leaks; export HF_TOKEN (model.token_env)",
+        only_if=lambda v: v is None,
+    ),
+    Rule(
+        "run_conf.model_args.*",
+        "",
+        UNSUPPORTED,
+        "a from_pretrained argument posttrain does not pass",
+        only_if=lambda v: v in (None, False, "main", {}),
+    ),
+    Rule("run_conf.tokenizer", "tokenizer.name_or_path", SAME),
+    Rule(
+        "run_conf.use_fast_tokenizer",
+        "",
+        UNSUPPORTED,
+        "posttrain needs a fast tokenizer (offsets for the label mask)",
+        only_if=lambda v: v is True,
+    ),
+    Rule("run_conf.resume_from_checkpoint", "checkpoint[deepspeed].auto_resume", SAME, apply=_resume),
+    Rule(
+        "run_conf.final_checkpoint_name",
+        "checkpoint[huggingface].output_dir",
+        SAME,
+        apply=_scratch("final_checkpoint_name", "checkpoint[huggingface].output_dir"),
+    ),
+    Rule("sft_args.max_seq_length", "data.max_length", SAME),
+    Rule("sft_args.train_on_completions_only", "data.mask_inputs", SAME),
+    Rule(
+        "sft_args.save_name_if_new_basemodel",
+        "",
+        NOT_NEEDED,
+        "the export directory is checkpoint[huggingface].output_dir",
+    ),
+    Rule("tracking.*", "tracking.*", SAME, apply=lambda c, k, v: c.set(k, v, k) or k),
+    Rule("overrides.num_train_epochs", "epochs", SAME, apply=_epochs),
+    Rule("overrides.lr_multiplier", "optimizer.lr_multiplier", SAME),
+    Rule("overrides.lr_batch_size_scaling", "optimizer.lr_batch_size_scaling", SAME),
+    Rule("finetuningGpus", "--nproc", SAME, apply=_gpus),
+    Rule("distributedType", "deepspeed.zero_optimization.stage", SAME, apply=_distributed),
+    Rule("basemodel", "model.name_or_path", SAME, apply=_basemodel),
+    Rule("mergeAdapter", "checkpoint[huggingface].save_merged", SAME, apply=_merge_adapter),
+    Rule(
+        "*",
+        "",
+        NOT_NEEDED,
+        "a Helm chart key outside the finetuning config (resources, image, storage)",
+        apply=_chart_key,
+    ),
+)
+
+SILOGEN = System(
+    name="silogen",
+    title="SiloGen",
+    rules=RULES,
+    defaults=(
+        (
+            "data.mask_inputs",
+            False,
+            "SiloGen trains on every token unless sft_args.train_on_completions_only",
+            ("sft",),
+        ),
+        ("tokenizer.chat_template", "mistral-with-system", "SiloGen's default chat_template_name"),
+        ("optimizer.lr", 5e-5, "TrainingArguments' default learning_rate"),
+        ("optimizer.weight_decay", 0.0, "TrainingArguments' default weight_decay"),
+        ("scheduler.warmup_ratio", 0.0, "TrainingArguments has no warmup by default"),
+        ("epochs", 3, "TrainingArguments' default num_train_epochs"),
+        ("model.dtype", "auto", "SiloGen's default torch_dtype: auto"),
+    ),
+    unwrap=_unwrap,
+    finish=_finish,
+)
