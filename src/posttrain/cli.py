@@ -127,10 +127,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(config: Path, overrides: list[str]):  # -> TrainerConfig
+def _load(config: Path, overrides: list[str], warn: bool = True):  # -> TrainerConfig
+    """Load and validate; print a warning for every written key whose mode is off (``train`` leaves that to
+    the run's rank 0, so that it is printed once however the run is launched)."""
     from posttrain.config import load_config
+    from posttrain.config.mode_keys import inert_warnings
 
-    return load_config(config, overrides)
+    loaded = load_config(config, overrides)
+    if warn:
+        for warning in inert_warnings(loaded):
+            print(f"warning: {warning}", file=sys.stderr)
+    return loaded
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -249,7 +256,7 @@ def _run_relaying_signals(command: list[str], kill_switch: str) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: must be >= 1 (the number of processes on this machine)")
-    config = _load(args.config, args.overrides)  # validate once before starting any process
+    config = _load(args.config, args.overrides, warn=False)  # validate once before starting any process
     # launcher arguments always reach a launcher: `--nproc 1 --launcher-args '--nnodes 2 ...'` is one process
     # on each of two nodes in one run, not a world-size-1 run on each
     if (args.nproc > 1 or args.launcher_args.strip()) and "LOCAL_RANK" not in os.environ:

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from posttrain.config.deepspeed import build_deepspeed_config
+from posttrain.config.mode_keys import inert_warnings
 from posttrain.config.provenance import write_resolved_config
 from posttrain.config.trainer import TrainerConfig
 from posttrain.context import RunContext
@@ -176,6 +177,8 @@ def _run(config: TrainerConfig, dist: DistInfo) -> RunResult:
         write_resolved_config(config, ctx.output_dir, dist.world_size)
     barrier(dist)
     setup_logging(config.logger, dist.rank)
+    for warning in inert_warnings(config):
+        get_logger().warning(warning)
     seed_everything(config.seed)
     spec = TRAINERS.get(config.type).obj
 

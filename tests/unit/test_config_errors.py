@@ -197,12 +197,46 @@ def test_cross_field_errors(tmp_path: Path) -> None:
     split = GOOD.replace("train.jsonl", "train.jsonl\n  train_eval_split: [0.9, 0.1]")
     error = errors_of(split + "eval_at_end: false\n", tmp_path)
     assert "eval data is configured but never used" in error.render()
-    error = errors_of(GOOD + "skip_train: true\nmanual_gc_interval: 5\n", tmp_path)
-    assert "skip_train: evaluates only" in error.render() and "only used with manual_gc" in error.render()
+    error = errors_of(GOOD + "skip_train: true\n", tmp_path)
+    assert "skip_train: evaluates only" in error.render()
     error = errors_of(GOOD + "total_train_batch_size: 8\nmicro_batch_size: 2\n", tmp_path)
     assert "derived from total_train_batch_size" in error.render()
-    error = errors_of(GOOD + "max_per_device_train_batch_size: 2\n", tmp_path)
-    assert "only used with total_train_batch_size" in error.render()
+
+
+def test_keys_of_another_mode_are_warned_about_the_same_way(tmp_path: Path, capsys) -> None:
+    from posttrain.config.mode_keys import inert_warnings
+
+    path = tmp_path / "run.yaml"
+    path.write_text(GOOD)
+    written = [
+        "manual_gc_interval=5",
+        "max_per_device_train_batch_size=2",
+        "optimizer.lora_plus_scale=16",
+        "profiling.profile_step_start=3",
+        "wandb.project=p",
+        "tensorboard.log_dir=tb",
+        "data.sources[0].sample_seed=3",
+    ]
+    warnings = inert_warnings(load_config(path, written))
+    assert len(warnings) == len(written), warnings
+    assert "manual_gc_interval has no effect: it is used only with manual_gc: true" in warnings
+    assert "optimizer.lora_plus_scale has no effect: it is used only with LoRA adapters" in " ".join(warnings)
+    assert inert_warnings(load_config(path)) == []  # defaults are never reported
+    on = [
+        "manual_gc=true",
+        "manual_gc_interval=5",
+        "wandb.enable=true",
+        "wandb.project=p",
+        "wandb.mode=offline",
+    ]
+    assert inert_warnings(load_config(path, on)) == []
+    dpo = ["type=dpo", "loss_type=ipo", "label_smoothing=0.1", "simpo_gamma=1"]
+    assert {w.split()[0] for w in inert_warnings(load_config(path, dpo))} == {
+        "label_smoothing",
+        "simpo_gamma",
+    }
+    assert main(["validate", str(path), "manual_gc_interval=5"]) == 0
+    assert "warning: manual_gc_interval has no effect" in capsys.readouterr().err
 
 
 def test_overrides_validated_like_the_file(tmp_path: Path) -> None:

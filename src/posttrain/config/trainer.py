@@ -244,8 +244,6 @@ class TrainerConfig(BaseConfig):
                     "max_per_device_train_batch_size",
                     "data.pack_samples=true needs 1 (a packed sequence already holds many samples)",
                 )
-        elif self.max_per_device_train_batch_size is not None:
-            yield Problem("max_per_device_train_batch_size", "only used with total_train_batch_size")
         elif packed and self.micro_batch_size != 1:
             yield Problem(
                 "micro_batch_size",
@@ -302,8 +300,6 @@ class TrainerConfig(BaseConfig):
             yield Problem(
                 "skip_train", "evaluates only, so it needs data.eval_sources or data.train_eval_split"
             )
-        if self.manual_gc_interval and not self.manual_gc:
-            yield Problem("manual_gc_interval", "only used with manual_gc: true")
         yield from self._batch_problems()
         if sum(c.auto_resume for c in self.checkpoint) > 1:
             yield Problem("checkpoint", "at most one checkpoint engine may set auto_resume: true")
