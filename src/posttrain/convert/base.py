@@ -124,6 +124,78 @@ class System:
         return out
 
 
+def adam_beta(index: int) -> Apply:
+    """Adam's beta1 (index 0) or beta2 (1), written as one ``optimizer.betas`` pair."""
+
+    def apply(conv: Conversion, key: str, value: Any) -> str:
+        betas = list(conv.get("optimizer.betas", [0.9, 0.999]))
+        betas[index] = value
+        conv.set("optimizer.betas", betas, key)
+        return f"optimizer.betas[{index}]"
+
+    return apply
+
+
+def remember(name: str, where: str) -> Apply:
+    """Keep the value for the system's ``finish`` hook, which combines it with others; ``where`` says where
+    it ends up."""
+
+    def apply(conv: Conversion, key: str, value: Any) -> str:
+        conv.scratch[name] = value
+        return where
+
+    return apply
+
+
+def to(path: str, detail: str = "") -> Apply:
+    """Write the value to ``path``; ``detail`` adds what the line should say about it."""
+
+    def apply(conv: Conversion, key: str, value: Any) -> str:
+        conv.set(path, value, key)
+        return f"{path} ({detail})" if detail else path
+
+    return apply
+
+
+def accept(allowed: tuple[Any, ...], why: str, detail: str) -> Apply:
+    """A key whose only supported values need nothing written (posttrain's defaults)."""
+
+    def apply(conv: Conversion, key: str, value: Any) -> str:
+        if value not in allowed:
+            raise Unsupported(why)
+        return detail
+
+    return apply
+
+
+def precision_flag(conv: Conversion, key: str, value: Any) -> str:
+    """``bf16: true`` / ``fp16: true`` switches: the weights' dtype, which DeepSpeed's precision follows."""
+    if value:
+        conv.set("model.dtype", "float16" if key.endswith("fp16") else "bfloat16", key)
+    return "model.dtype"
+
+
+def optimizer_offload(conv: Conversion, key: str, value: Any) -> str:
+    """An optimizer-offload switch: DeepSpeed's CPU Adam with ZeRO's optimizer offload."""
+    if not value:
+        return "no optimizer offload"
+    conv.set("optimizer.type", "cpu_adam", key)
+    conv.set("deepspeed.zero_optimization.offload_optimizer", {"device": "cpu"}, key)
+    return "optimizer.type: cpu_adam + deepspeed.zero_optimization.offload_optimizer.device: cpu"
+
+
+def step_limit(otherwise: str) -> Apply:
+    """``max_steps``-like keys: a positive value is ``train_iters``; 0 or -1 leaves the epochs in charge."""
+
+    def apply(conv: Conversion, key: str, value: Any) -> str:
+        if value is None or int(value) <= 0:
+            return otherwise
+        conv.set("train_iters", int(value), key)
+        return "train_iters"
+
+    return apply
+
+
 def matches(pattern: str, key: str) -> bool:
     """Segment by segment: ``*`` never crosses a dot."""
     parts, segments = pattern.split("."), key.split(".")

@@ -14,6 +14,11 @@ from posttrain.convert.base import (
     Rule,
     System,
     Unsupported,
+    adam_beta,
+    optimizer_offload,
+    precision_flag,
+    remember,
+    step_limit,
 )
 
 _STAGES = {"SFT": "sft", "DPO": "dpo", "PT": "causal"}
@@ -89,16 +94,6 @@ def _scheduler(conv: Conversion, key: str, value: Any) -> str:
     return "scheduler.lr_decay_style"
 
 
-def _beta(index: int):
-    def apply(conv: Conversion, key: str, value: Any) -> str:
-        betas = list(conv.get("optimizer.betas", [0.9, 0.999]))
-        betas[index] = value
-        conv.set("optimizer.betas", betas, key)
-        return f"optimizer.betas[{index}]"
-
-    return apply
-
-
 def _sharding(conv: Conversion, key: str, value: Any) -> str:
     stage = str(value).replace("stage", "").strip()
     if stage not in ("1", "2", "3"):
@@ -113,35 +108,6 @@ def _compute_type(conv: Conversion, key: str, value: Any) -> str:
         raise Unsupported(f"{value}: FP8 and weight-only quantised training are not supported (use bf16)")
     conv.set("model.dtype", kinds[value], key)
     return "model.dtype"
-
-
-def _bf16(conv: Conversion, key: str, value: Any) -> str:
-    if value:
-        conv.set("model.dtype", "bfloat16", key)
-    return "model.dtype"
-
-
-def _offload(conv: Conversion, key: str, value: Any) -> str:
-    if not value:
-        return "no optimizer offload"
-    conv.set("optimizer.type", "cpu_adam", key)
-    conv.set("deepspeed.zero_optimization.offload_optimizer", {"device": "cpu"}, key)
-    return "optimizer.type: cpu_adam + deepspeed.zero_optimization.offload_optimizer.device: cpu"
-
-
-def _steps(conv: Conversion, key: str, value: Any) -> str:
-    if value is None or int(value) <= 0:
-        return "no step limit (num_train_epochs decides)"
-    conv.set("train_iters", int(value), key)
-    return "train_iters"
-
-
-def _save(name: str):
-    def apply(conv: Conversion, key: str, value: Any) -> str:
-        conv.scratch[name] = value
-        return "checkpoint (deepspeed engine)"
-
-    return apply
 
 
 def _eval_strategy(conv: Conversion, key: str, value: Any) -> str:
@@ -275,7 +241,7 @@ RULES = (
     Rule("per_device_train_batch_size", "micro_batch_size", SAME),
     Rule("per_device_eval_batch_size", "", NOT_NEEDED, "evaluation uses micro_batch_size"),
     Rule("gradient_accumulation_steps", "gradient_accumulation_steps", SAME),
-    Rule("max_steps", "train_iters", SAME, apply=_steps),
+    Rule("max_steps", "train_iters", SAME, apply=step_limit("no step limit (num_train_epochs decides)")),
     Rule("num_train_epochs", "epochs", SAME, value=int),
     Rule("warmup_steps", "scheduler.lr_warmup_iters", SAME),
     Rule("learning_rate", "optimizer.lr", SAME),
@@ -292,17 +258,17 @@ RULES = (
     Rule("power", "scheduler.power", SAME),
     Rule("layerwise_lr_decay_bound", "optimizer.layerwise_lr_decay_bound", SAME),
     Rule("weight_decay", "optimizer.weight_decay", SAME),
-    Rule("adam_beta1", "optimizer.betas", SAME, apply=_beta(0)),
-    Rule("adam_beta2", "optimizer.betas", SAME, apply=_beta(1)),
+    Rule("adam_beta1", "optimizer.betas", SAME, apply=adam_beta(0)),
+    Rule("adam_beta2", "optimizer.betas", SAME, apply=adam_beta(1)),
     Rule("adam_epsilon", "optimizer.eps", SAME),
     Rule("optim", "", NOT_NEEDED, "AdamW (decoupled weight decay) is posttrain's default optimizer"),
-    Rule("offload_optim", "optimizer.type: cpu_adam", SAME, apply=_offload),
+    Rule("offload_optim", "optimizer.type: cpu_adam", SAME, apply=optimizer_offload),
     Rule(
         "tensorwise_offload_optimizer",
         "optimizer.type: cpu_adam",
         APPROX,
         "ZeRO offloads the whole optimizer state to the host",
-        apply=_offload,
+        apply=optimizer_offload,
     ),
     Rule("seed", "seed", SAME),
     Rule("sharding", "deepspeed.zero_optimization.stage", SAME, apply=_sharding),
@@ -341,12 +307,12 @@ RULES = (
     Rule("add_tail_layers", "", NOT_NEEDED, "pipeline parallelism settings"),
     Rule("moe_*", "", NOT_NEEDED, "MoE communication settings of Paddle"),
     Rule("compute_type", "model.dtype", SAME, apply=_compute_type),
-    Rule("bf16", "model.dtype", SAME, apply=_bf16),
+    Rule("bf16", "model.dtype", SAME, apply=precision_flag),
     Rule(
         "fp16",
         "model.dtype",
         SAME,
-        apply=lambda c, k, v: c.set("model.dtype", "float16", k) or "model.dtype" if v else "model.dtype",
+        apply=precision_flag,
     ),
     Rule("fp16_opt_level", "", NOT_NEEDED, "DeepSpeed's bf16/fp16 follows model.dtype"),
     Rule("amp_*", "", NOT_NEEDED, "DeepSpeed's bf16/fp16 follows model.dtype"),
@@ -409,9 +375,24 @@ RULES = (
     Rule("eval_steps", "eval_interval", SAME),
     Rule("evaluation_strategy", "eval_interval", SAME, apply=_eval_strategy),
     Rule("max_evaluate_steps", "eval_iters", SAME, value=lambda v: max(int(v), 0)),
-    Rule("save_steps", "checkpoint[deepspeed].save_every_n_steps", SAME, apply=_save("save_steps")),
-    Rule("save_strategy", "checkpoint[deepspeed]", SAME, apply=_save("save_strategy")),
-    Rule("save_total_limit", "checkpoint[deepspeed].save_total_limit", SAME, apply=_save("save_total_limit")),
+    Rule(
+        "save_steps",
+        "checkpoint[deepspeed].save_every_n_steps",
+        SAME,
+        apply=remember("save_steps", "checkpoint (deepspeed engine)"),
+    ),
+    Rule(
+        "save_strategy",
+        "checkpoint[deepspeed]",
+        SAME,
+        apply=remember("save_strategy", "checkpoint (deepspeed engine)"),
+    ),
+    Rule(
+        "save_total_limit",
+        "checkpoint[deepspeed].save_total_limit",
+        SAME,
+        apply=remember("save_total_limit", "checkpoint (deepspeed engine)"),
+    ),
     Rule("output_dir", "logger.output_dir", SAME),
     Rule("logging_dir", "tensorboard.log_dir", SAME),
     Rule("logging_steps", "", NOT_NEEDED, "every optimizer step is logged to train-log-metrics.jsonl"),

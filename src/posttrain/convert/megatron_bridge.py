@@ -13,6 +13,12 @@ from posttrain.convert.base import (
     Rule,
     System,
     Unsupported,
+    accept,
+    adam_beta,
+    optimizer_offload,
+    precision_flag,
+    remember,
+    to,
 )
 
 _ARCHITECTURE = (
@@ -29,16 +35,6 @@ def _one(what: str, instead: str) -> Rule:
         f"{what.replace('_', ' ')} other than 1 is not supported; {instead}",
         only_if=lambda v: v in (None, 1, False),
     )
-
-
-def _global_batch(conv: Conversion, key: str, value: Any) -> str:
-    conv.set("total_train_batch_size", value, key)
-    return "total_train_batch_size"
-
-
-def _micro_batch(conv: Conversion, key: str, value: Any) -> str:
-    conv.scratch["micro"] = value
-    return "max_per_device_train_batch_size (with total_train_batch_size) or micro_batch_size"
 
 
 def _blend(conv: Conversion, key: str, value: Any) -> str:
@@ -67,14 +63,6 @@ def _is_number(value: Any) -> bool:
 def _dataset_root(conv: Conversion, key: str, value: Any) -> str:
     conv.scratch["dataset_root"] = str(value).rstrip("/")
     return "data.sources: <dataset_root>/training.jsonl, data.eval_sources: <dataset_root>/validation.jsonl"
-
-
-def _scratch(name: str, where: str):
-    def apply(conv: Conversion, key: str, value: Any) -> str:
-        conv.scratch[name] = value
-        return where
-
-    return apply
 
 
 def _peft_target(conv: Conversion, key: str, value: Any) -> str:
@@ -110,34 +98,6 @@ def _mixed_precision(conv: Conversion, key: str, value: Any) -> str:
     else:
         conv.set("model.dtype", "float32", key)
     return "model.dtype"
-
-
-def _precision_flag(conv: Conversion, key: str, value: Any) -> str:
-    if value:
-        conv.set("model.dtype", "bfloat16" if key.endswith("bf16") else "float16", key)
-    return "model.dtype"
-
-
-def _checkpoint_save(conv: Conversion, key: str, value: Any) -> str:
-    conv.scratch["save"] = value
-    return "checkpoint[deepspeed].output_dir (auto_resume: true) and logger.output_dir"
-
-
-def _pretrained(conv: Conversion, key: str, value: Any) -> str:
-    conv.set("model.name_or_path", value, key)
-    return "model.name_or_path (a Hugging Face checkpoint directory: export Megatron checkpoints with AutoBridge first)"
-
-
-def _optimizer(conv: Conversion, key: str, value: Any) -> str:
-    if value != "adam":
-        raise Unsupported("posttrain's optimizers are Adam variants (adamw, cpu_adam, fused_adam)")
-    return "optimizer.type: adamw, the default (Megatron's adam has decoupled weight decay)"
-
-
-def _tokenizer_type(conv: Conversion, key: str, value: Any) -> str:
-    if value not in ("HuggingFaceTokenizer", None):
-        raise Unsupported("posttrain loads Hugging Face tokenizers (HuggingFaceTokenizer)")
-    return "tokenizer.type: huggingface, the default"
 
 
 def _schedule_key(conv: Conversion, key: str, value: Any) -> str:
@@ -238,8 +198,15 @@ RULES = (
     Rule("_target_", "", NOT_NEEDED, "a Hydra class path"),
     Rule("rng.seed", "seed", SAME),
     Rule("rng.*", "", NOT_NEEDED, "posttrain seeds Python, NumPy and PyTorch from seed on every rank"),
-    Rule("train.micro_batch_size", "micro_batch_size", SAME, apply=_micro_batch),
-    Rule("train.global_batch_size", "total_train_batch_size", SAME, apply=_global_batch),
+    Rule(
+        "train.micro_batch_size",
+        "micro_batch_size",
+        SAME,
+        apply=remember(
+            "micro", "max_per_device_train_batch_size (with total_train_batch_size) or micro_batch_size"
+        ),
+    ),
+    Rule("train.global_batch_size", "total_train_batch_size", SAME, apply=to("total_train_batch_size")),
     Rule("train.rampup_batch_size", "rampup_batch_size", SAME),
     Rule("train.train_iters", "train_iters", SAME),
     Rule("train.exit_interval", "exit_interval", SAME),
@@ -271,32 +238,25 @@ RULES = (
         NOT_NEEDED,
         "a Megatron training-loop detail (memory levels, weight-hash checks, sync intervals)",
     ),
-    Rule("optimizer.optimizer", "optimizer.type", SAME, apply=_optimizer),
+    Rule(
+        "optimizer.optimizer",
+        "optimizer.type",
+        SAME,
+        apply=accept(
+            ("adam",),
+            "posttrain's optimizers are Adam variants (adamw, cpu_adam, fused_adam)",
+            "optimizer.type: adamw, the default (Megatron's adam has decoupled weight decay)",
+        ),
+    ),
     Rule("optimizer.lr", "optimizer.lr", SAME),
     Rule("optimizer.min_lr", "scheduler.min_lr", SAME),
     Rule("optimizer.weight_decay", "optimizer.weight_decay", SAME),
-    Rule(
-        "optimizer.adam_beta1",
-        "optimizer.betas",
-        SAME,
-        apply=lambda c, k, v: (
-            c.set("optimizer.betas", [v, c.get("optimizer.betas", [0.9, 0.999])[1]], k)
-            or "optimizer.betas[0]"
-        ),
-    ),
-    Rule(
-        "optimizer.adam_beta2",
-        "optimizer.betas",
-        SAME,
-        apply=lambda c, k, v: (
-            c.set("optimizer.betas", [c.get("optimizer.betas", [0.9, 0.999])[0], v], k)
-            or "optimizer.betas[1]"
-        ),
-    ),
+    Rule("optimizer.adam_beta1", "optimizer.betas", SAME, apply=adam_beta(0)),
+    Rule("optimizer.adam_beta2", "optimizer.betas", SAME, apply=adam_beta(1)),
     Rule("optimizer.adam_eps", "optimizer.eps", SAME),
     Rule("optimizer.clip_grad", "deepspeed.gradient_clipping", SAME),
-    Rule("optimizer.bf16", "model.dtype", SAME, apply=_precision_flag),
-    Rule("optimizer.fp16", "model.dtype", SAME, apply=_precision_flag),
+    Rule("optimizer.bf16", "model.dtype", SAME, apply=precision_flag),
+    Rule("optimizer.fp16", "model.dtype", SAME, apply=precision_flag),
     Rule(
         "optimizer.use_distributed_optimizer",
         "deepspeed.zero_optimization.stage",
@@ -312,15 +272,7 @@ RULES = (
         "optimizer.optimizer_cpu_offload",
         "optimizer.type: cpu_adam",
         SAME,
-        apply=lambda c, k, v: (
-            (
-                c.set("optimizer.type", "cpu_adam", k)
-                or c.set("deepspeed.zero_optimization.offload_optimizer", {"device": "cpu"}, k)
-                or "optimizer.type: cpu_adam + offload_optimizer"
-            )
-            if v
-            else "no offload"
-        ),
+        apply=optimizer_offload,
     ),
     Rule(
         "optimizer.*",
@@ -366,14 +318,14 @@ RULES = (
         "dataset.split",
         "data.sources[].split_ratio",
         SAME,
-        apply=_scratch("split", "data.sources[].split_ratio (train) and data.eval_sources (valid)"),
+        apply=remember("split", "data.sources[].split_ratio (train) and data.eval_sources (valid)"),
     ),
     Rule("dataset.dataset_root", "data.sources", SAME, apply=_dataset_root),
     Rule(
         "dataset.do_validation",
         "data.eval_sources",
         SAME,
-        apply=_scratch("do_validation", "data.eval_sources"),
+        apply=remember("do_validation", "data.eval_sources"),
     ),
     Rule("dataset.seq_length", "data.max_length", SAME),
     Rule("dataset.sequence_length", "data.max_length", SAME),
@@ -396,25 +348,30 @@ RULES = (
         NOT_NEEDED,
         "a Megatron data-loading detail (mmap, caches, sharding, builder threads); posttrain builds a memory-mapped sample store",
     ),
-    Rule("checkpoint.save", "checkpoint[deepspeed].output_dir", SAME, apply=_checkpoint_save),
+    Rule(
+        "checkpoint.save",
+        "checkpoint[deepspeed].output_dir",
+        SAME,
+        apply=remember("save", "checkpoint[deepspeed].output_dir (auto_resume: true) and logger.output_dir"),
+    ),
     Rule(
         "checkpoint.save_interval",
         "checkpoint[deepspeed].save_every_n_steps",
         SAME,
-        apply=_scratch("save_interval", "checkpoint[deepspeed].save_every_n_steps"),
+        apply=remember("save_interval", "checkpoint[deepspeed].save_every_n_steps"),
     ),
     Rule(
         "checkpoint.most_recent_k",
         "checkpoint[deepspeed].save_total_limit",
         SAME,
-        apply=_scratch("most_recent_k", "checkpoint[deepspeed].save_total_limit"),
+        apply=remember("most_recent_k", "checkpoint[deepspeed].save_total_limit"),
     ),
     Rule(
         "checkpoint.pretrained_checkpoint",
         "model.name_or_path",
         APPROX,
-        "must be a Hugging Face checkpoint",
-        apply=_pretrained,
+        "must be a Hugging Face checkpoint directory (export Megatron checkpoints with Megatron-Bridge's AutoBridge first)",
+        apply=to("model.name_or_path"),
     ),
     Rule(
         "checkpoint.load",
@@ -516,7 +473,16 @@ RULES = (
             c.scratch.update(tokenizer=v) or c.set("tokenizer.name_or_path", v, k) or "tokenizer.name_or_path"
         ),
     ),
-    Rule("tokenizer.tokenizer_type", "tokenizer.type", SAME, apply=_tokenizer_type),
+    Rule(
+        "tokenizer.tokenizer_type",
+        "tokenizer.type",
+        SAME,
+        apply=accept(
+            ("HuggingFaceTokenizer", None),
+            "posttrain loads Hugging Face tokenizers (HuggingFaceTokenizer)",
+            "tokenizer.type: huggingface, the default",
+        ),
+    ),
     Rule(
         "tokenizer.*",
         "",

@@ -15,6 +15,12 @@ from posttrain.convert.base import (
     Rule,
     System,
     Unsupported,
+    accept,
+    adam_beta,
+    precision_flag,
+    remember,
+    step_limit,
+    to,
 )
 
 _DISTRIBUTED = {
@@ -74,21 +80,9 @@ def _mix(conv: Conversion, key: str, value: Any) -> str:
     return "data.mix"
 
 
-def _split(conv: Conversion, key: str, value: Any) -> str:
-    conv.scratch["split_ratio"] = value
-    return "data.train_eval_split"
-
-
 def _dtype(conv: Conversion, key: str, value: Any) -> str:
     conv.set("model.dtype", "auto" if value == "auto" else str(value).removeprefix("torch."), key)
     return "model.dtype"
-
-
-def _precision(conv: Conversion, key: str, value: Any) -> str | None:
-    if value:
-        conv.set("model.dtype", "bfloat16" if key.endswith("bf16") else "float16", key)
-        return "model.dtype"
-    return "model.dtype stays as written"
 
 
 def _peft_type(conv: Conversion, key: str, value: Any) -> str:
@@ -99,17 +93,6 @@ def _peft_type(conv: Conversion, key: str, value: Any) -> str:
         return "model.peft_pretrained"
     conv.set("model.peft_config.peft_type", value, key)
     return "model.peft_config.peft_type"
-
-
-def _peft_name(conv: Conversion, key: str, value: Any) -> str:
-    conv.set("model.peft_pretrained", value, key)
-    return "model.peft_pretrained"
-
-
-def _task_type(conv: Conversion, key: str, value: Any) -> str:
-    if value != "CAUSAL_LM":
-        raise Unsupported("posttrain trains causal language models (CAUSAL_LM) only")
-    return "implied (posttrain adapters are CAUSAL_LM)"
 
 
 def _quant_type(conv: Conversion, key: str, value: Any) -> str:
@@ -153,29 +136,6 @@ def _epochs(conv: Conversion, key: str, value: Any) -> str:
     return "epochs"
 
 
-def _steps(conv: Conversion, key: str, value: Any) -> str:
-    if value is None or value <= 0:
-        return "no step limit (epochs decide)"
-    conv.set("train_iters", value, key)
-    return "train_iters"
-
-
-def _beta(index: int):
-    def apply(conv: Conversion, key: str, value: Any) -> str:
-        betas = list(conv.get("optimizer.betas", [0.9, 0.999]))
-        betas[index] = value
-        conv.set("optimizer.betas", betas, key)
-        return f"optimizer.betas[{index}]"
-
-    return apply
-
-
-def _optim(conv: Conversion, key: str, value: Any) -> str:
-    if value not in _OPTIMIZERS:
-        raise Unsupported(f"posttrain's optimizers are adamw, cpu_adam and fused_adam (got {value})")
-    return "optimizer.type: adamw"
-
-
 def _eval_strategy(conv: Conversion, key: str, value: Any) -> str:
     if value == "no":
         conv.scratch["no_eval"] = True
@@ -209,12 +169,6 @@ def _chat_template(conv: Conversion, key: str, value: Any) -> str:
     return "tokenizer.chat_template"
 
 
-def _padding_side(conv: Conversion, key: str, value: Any) -> str:
-    if value != "right":
-        raise Unsupported("posttrain pads on the right (labels and positions depend on it)")
-    return "posttrain pads on the right"
-
-
 def _merge_adapter(conv: Conversion, key: str, value: Any) -> str:
     conv.scratch["merge"] = bool(value)
     return "checkpoint (huggingface export) save_merged"
@@ -230,11 +184,6 @@ def _distributed(conv: Conversion, key: str, value: Any) -> str:
         raise Unsupported(f"one of {', '.join(_DISTRIBUTED)}")
     conv.set("deepspeed.zero_optimization.stage", _DISTRIBUTED[value], key)
     return "deepspeed.zero_optimization.stage"
-
-
-def _basemodel(conv: Conversion, key: str, value: Any) -> str:
-    conv.scratch["basemodel"] = value
-    return "model.name_or_path (when run_conf.model is the chart's default path)"
 
 
 def _finish(conv: Conversion) -> None:
@@ -299,14 +248,6 @@ def _chart_key(conv: Conversion, key: str, value: Any) -> str:
     return "not needed: a Helm chart key outside the finetuning config"
 
 
-def _scratch(name: str, where: str):
-    def apply(conv: Conversion, key: str, value: Any) -> str:
-        conv.scratch[name] = value
-        return where
-
-    return apply
-
-
 RULES = (
     Rule("method", "type", SAME, apply=lambda c, k, v: c.scratch.update(method=v) or "type"),
     Rule("data_conf.training_data.type", "data.mix", SAME, apply=_mix),
@@ -315,22 +256,43 @@ RULES = (
     Rule("data_conf.*.data_type", "", NOT_NEEDED, "set by the trainer type"),
     Rule("data_conf.validation_data.type", "data.eval_sources / data.train_eval_split", SAME, apply=_mix),
     Rule("data_conf.validation_data.datasets", "data.eval_sources", SAME, apply=_datasets),
-    Rule("data_conf.validation_data.ratio", "data.train_eval_split", SAME, apply=_split),
+    Rule(
+        "data_conf.validation_data.ratio",
+        "data.train_eval_split",
+        SAME,
+        apply=remember("split_ratio", "data.train_eval_split"),
+    ),
     Rule(
         "data_conf.validation_data.seed",
         "data.split_seed",
         SAME,
-        apply=_scratch("split_seed", "data.split_seed"),
+        apply=remember("split_seed", "data.split_seed"),
     ),
     Rule("data_conf.chat_template_name", "tokenizer.chat_template", SAME, apply=_chat_template),
-    Rule("data_conf.padding_side", "", SAME, apply=_padding_side),
+    Rule(
+        "data_conf.padding_side",
+        "",
+        SAME,
+        apply=accept(
+            ("right",),
+            "posttrain pads on the right (labels and positions depend on it)",
+            "posttrain pads on the right",
+        ),
+    ),
     Rule("data_conf.missing_pad_token_strategy", "tokenizer.missing_pad_token_strategy", SAME),
     Rule("training_args.learning_rate", "optimizer.lr", SAME),
     Rule("training_args.weight_decay", "optimizer.weight_decay", SAME),
-    Rule("training_args.adam_beta1", "optimizer.betas", SAME, apply=_beta(0)),
-    Rule("training_args.adam_beta2", "optimizer.betas", SAME, apply=_beta(1)),
+    Rule("training_args.adam_beta1", "optimizer.betas", SAME, apply=adam_beta(0)),
+    Rule("training_args.adam_beta2", "optimizer.betas", SAME, apply=adam_beta(1)),
     Rule("training_args.adam_epsilon", "optimizer.eps", SAME),
-    Rule("training_args.optim", "optimizer.type", SAME, apply=_optim),
+    Rule(
+        "training_args.optim",
+        "optimizer.type",
+        SAME,
+        apply=accept(
+            _OPTIMIZERS, "posttrain's optimizers are adamw, cpu_adam and fused_adam", "optimizer.type: adamw"
+        ),
+    ),
     Rule("training_args.lr_scheduler_type", "scheduler.name", SAME),
     Rule("training_args.lr_scheduler_kwargs", "scheduler.scheduler_kwargs", SAME, whole=True),
     Rule("training_args.warmup_ratio", "scheduler.warmup_ratio", SAME),
@@ -342,15 +304,15 @@ RULES = (
         only_if=lambda v: not v,
     ),
     Rule("training_args.num_train_epochs", "epochs", SAME, apply=_epochs),
-    Rule("training_args.max_steps", "train_iters", SAME, apply=_steps),
+    Rule("training_args.max_steps", "train_iters", SAME, apply=step_limit("no step limit (epochs decide)")),
     Rule("training_args.per_device_train_batch_size", "micro_batch_size", SAME),
     Rule("training_args.gradient_accumulation_steps", "gradient_accumulation_steps", SAME),
     Rule("training_args.per_device_eval_batch_size", "", NOT_NEEDED, "evaluation uses micro_batch_size"),
     Rule("training_args.max_grad_norm", "deepspeed.gradient_clipping", SAME),
     Rule("training_args.seed", "seed", SAME),
     Rule("training_args.data_seed", "data.seed", SAME),
-    Rule("training_args.bf16", "model.dtype", SAME, apply=_precision),
-    Rule("training_args.fp16", "model.dtype", SAME, apply=_precision),
+    Rule("training_args.bf16", "model.dtype", SAME, apply=precision_flag),
+    Rule("training_args.fp16", "model.dtype", SAME, apply=precision_flag),
     Rule("training_args.tf32", "", NOT_NEEDED, "a GPU matmul setting; PyTorch's default applies"),
     Rule(
         "training_args.gradient_checkpointing",
@@ -400,8 +362,17 @@ RULES = (
         "evaluation uses the training micro-batch",
     ),
     Rule("peft_conf.peft_type", "model.peft_config / model.peft_pretrained", SAME, apply=_peft_type),
-    Rule("peft_conf.name_or_path", "model.peft_pretrained", SAME, apply=_peft_name),
-    Rule("peft_conf.task_type", "", SAME, apply=_task_type),
+    Rule("peft_conf.name_or_path", "model.peft_pretrained", SAME, apply=to("model.peft_pretrained")),
+    Rule(
+        "peft_conf.task_type",
+        "",
+        SAME,
+        apply=accept(
+            ("CAUSAL_LM",),
+            "posttrain trains causal language models (CAUSAL_LM) only",
+            "implied (posttrain adapters are CAUSAL_LM)",
+        ),
+    ),
     Rule(
         "peft_conf.peft_kwargs.*",
         "model.peft_config.*",
@@ -458,7 +429,7 @@ RULES = (
         "run_conf.final_checkpoint_name",
         "checkpoint[huggingface].output_dir",
         SAME,
-        apply=_scratch("final_checkpoint_name", "checkpoint[huggingface].output_dir"),
+        apply=remember("final_checkpoint_name", "checkpoint[huggingface].output_dir"),
     ),
     Rule("sft_args.max_seq_length", "data.max_length", SAME),
     Rule("sft_args.train_on_completions_only", "data.mask_inputs", SAME),
@@ -474,7 +445,12 @@ RULES = (
     Rule("overrides.lr_batch_size_scaling", "optimizer.lr_batch_size_scaling", SAME),
     Rule("finetuningGpus", "--nproc", SAME, apply=_gpus),
     Rule("distributedType", "deepspeed.zero_optimization.stage", SAME, apply=_distributed),
-    Rule("basemodel", "model.name_or_path", SAME, apply=_basemodel),
+    Rule(
+        "basemodel",
+        "model.name_or_path",
+        SAME,
+        apply=remember("basemodel", "model.name_or_path (when run_conf.model is the chart's default path)"),
+    ),
     Rule("mergeAdapter", "checkpoint[huggingface].save_merged", SAME, apply=_merge_adapter),
     Rule(
         "*",

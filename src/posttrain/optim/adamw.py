@@ -67,16 +67,18 @@ def param_groups(
     ]
 
 
+def adam_arguments(config: OptimizerConfig, model: torch.nn.Module) -> tuple[list[dict], dict]:
+    """The parameter groups and hyper-parameters every Adam variant takes (``adamw``, ``cpu_adam``,
+    ``fused_adam``). ``config.lr`` is the effective LR (the run resolves multiplier and batch-size scaling
+    into it)."""
+    groups = param_groups(
+        model, config.weight_decay, config.lr, config.lora_plus_scale, config.layerwise_lr_decay_bound
+    )
+    hyper = {"lr": config.lr, "betas": config.betas, "eps": config.eps, "weight_decay": config.weight_decay}
+    return groups, hyper
+
+
 @OPTIMIZERS.register("adamw", config=OptimizerConfig)
 def build_adamw(config: OptimizerConfig, model: torch.nn.Module, ctx: RunContext) -> torch.optim.Optimizer:
-    """``config.lr`` is the effective LR (the run resolves multiplier and batch-size scaling into it)."""
-    return torch.optim.AdamW(
-        param_groups(
-            model, config.weight_decay, config.lr, config.lora_plus_scale, config.layerwise_lr_decay_bound
-        ),
-        lr=config.lr,
-        betas=config.betas,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        foreach=True,
-    )
+    groups, hyper = adam_arguments(config, model)
+    return torch.optim.AdamW(groups, **hyper, foreach=True)

@@ -13,28 +13,16 @@ import torch
 
 from posttrain.config.optimizer import OptimizerConfig
 from posttrain.context import RunContext
-from posttrain.optim.adamw import param_groups
+from posttrain.optim.adamw import adam_arguments
 from posttrain.registry import OPTIMIZERS
-
-
-def _groups(config: OptimizerConfig, model: torch.nn.Module) -> list[dict]:
-    return param_groups(
-        model, config.weight_decay, config.lr, config.lora_plus_scale, config.layerwise_lr_decay_bound
-    )
 
 
 @OPTIMIZERS.register("cpu_adam", config=OptimizerConfig)
 def build_cpu_adam(config: OptimizerConfig, model: torch.nn.Module, ctx: RunContext) -> torch.optim.Optimizer:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    return DeepSpeedCPUAdam(
-        _groups(config, model),
-        lr=config.lr,
-        betas=config.betas,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        adamw_mode=True,
-    )
+    groups, hyper = adam_arguments(config, model)
+    return DeepSpeedCPUAdam(groups, **hyper, adamw_mode=True)
 
 
 @OPTIMIZERS.register("fused_adam", config=OptimizerConfig)
@@ -43,11 +31,5 @@ def build_fused_adam(
 ) -> torch.optim.Optimizer:
     from deepspeed.ops.adam import FusedAdam
 
-    return FusedAdam(
-        _groups(config, model),
-        lr=config.lr,
-        betas=config.betas,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        adam_w_mode=True,
-    )
+    groups, hyper = adam_arguments(config, model)
+    return FusedAdam(groups, **hyper, adam_w_mode=True)
