@@ -94,6 +94,11 @@ def test_silogen_helm_values_file() -> None:
             "peft_conf": {"peft_type": "LORA", "peft_kwargs": {"r": 8}},
             "run_conf": {"model": "/local_resources/basemodel"},
             "sft_args": {"max_seq_length": 512},
+            "quant_conf": {
+                "quantization_type": "bits-and-bytes",
+                "load_in_4bit": True,
+                "bnb_4bit_quant_type": "nf4",
+            },
         },
     }
     assert detect(values) == "silogen"
@@ -103,6 +108,12 @@ def test_silogen_helm_values_file() -> None:
     assert config["deepspeed"]["zero_optimization"]["stage"] == 3
     assert config["checkpoint"][0]["save_merged"] is True
     assert config["data"]["mask_inputs"] is False  # SiloGen's default, stated
+    assert config["model"]["quantization_config"] == {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    plain = {
+        **values["finetuning_config"],
+        "quant_conf": {"quantization_type": "no-quantization", "load_in_4bit": False},
+    }
+    assert "quantization_config" not in convert(SYSTEMS["silogen"], plain).config["model"]
     verdicts = {key: verdict for key, verdict, _ in conv.lines}
     assert verdicts["storage"] == NOT_NEEDED and verdicts["finetuningGpus"] == SAME
 
