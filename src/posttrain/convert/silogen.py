@@ -227,7 +227,9 @@ def _finish(conv: Conversion) -> None:
     conv.set("checkpoint", [final, *engines], "run_conf / training_args save settings")
     if not conv.scratch.get("quantized") and conv.has("model.quantization_config"):
         conv.config["model"].pop("quantization_config")  # bits-and-bytes keys of a no-quantization dump
-        conv.line("(model.quantization_config)", NOT_NEEDED, "quant_conf.quantization_type is no-quantization")
+        conv.line(
+            "(model.quantization_config)", NOT_NEEDED, "quant_conf.quantization_type is no-quantization"
+        )
 
 
 def _attention(conv: Conversion, key: str, value: Any) -> str:
