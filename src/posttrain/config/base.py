@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -72,3 +73,32 @@ def nested_model(annotation: Any) -> type[BaseModel] | None:
         if found is not None:
             return found
     return None
+
+
+def model_at(cls: type[BaseModel] | None, loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The config class at ``loc`` below ``cls`` (list indices skipped), or None where it is not a model."""
+    for part in loc:
+        if cls is None:
+            return None
+        if isinstance(part, int):
+            continue
+        info = cls.model_fields.get(str(part))
+        cls = nested_model(info.annotation) if info else None
+    return cls
+
+
+def field_names(cls: type[BaseModel], *, deprecated: bool = True) -> set[str]:
+    """The keys ``cls`` accepts: field names and aliases (without fields marked deprecated, if asked)."""
+    fields = {
+        name: info
+        for name, info in cls.model_fields.items()
+        if deprecated
+        or not (isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("deprecated"))
+    }
+    return set(fields) | {info.alias for info in fields.values() if info.alias}
+
+
+def did_you_mean(key: str, allowed: list[str] | set[str] | frozenset[str]) -> str:
+    """``; did you mean 'x'?`` for the closest allowed key, or nothing."""
+    close = difflib.get_close_matches(str(key), sorted(allowed), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""

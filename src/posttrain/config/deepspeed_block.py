@@ -9,13 +9,12 @@ disagree with them.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from posttrain.config.base import Problem
+from posttrain.config.base import Problem, did_you_mean, field_names, model_at
 
 #: top-level keys DeepSpeed reads (its config reference); blocks with a model are checked further below
 TOP_LEVEL_KEYS = frozenset(
@@ -121,29 +120,13 @@ def _model_problems(key: str, cls: type[BaseModel], value: Any) -> Iterator[Prob
         for error in exc.errors():
             path = ".".join(str(part) for part in ("deepspeed", key, *error["loc"]))
             if error["type"] == "extra_forbidden":
-                allowed = sorted(_field_names(cls, error["loc"][:-1]))
-                close = difflib.get_close_matches(str(error["loc"][-1]), allowed, n=1, cutoff=0.6)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
+                owner = model_at(cls, tuple(error["loc"][:-1]))
+                allowed = sorted(field_names(owner, deprecated=False)) if owner else []
+                hint = did_you_mean(str(error["loc"][-1]), allowed)
                 yield Problem(path, f"unknown DeepSpeed key{hint} (allowed: {', '.join(allowed)})")
             else:
                 message = error["msg"].removeprefix("Value error, ")
                 yield Problem(path, f"{error.get('input')!r}: {message} (DeepSpeed's {cls.__name__})")
-
-
-def _field_names(cls: type[BaseModel], loc: tuple[Any, ...]) -> set[str]:
-    from posttrain.config.base import nested_model
-
-    owner: type[BaseModel] | None = cls
-    for part in loc:
-        info = owner.model_fields.get(str(part)) if owner else None
-        owner = nested_model(info.annotation) if info else None
-    if owner is None:
-        return set()
-    names = {
-        n for n, info in owner.model_fields.items() if not (info.json_schema_extra or {}).get("deprecated")
-    }
-    names.update(info.alias for info in owner.model_fields.values() if info.alias)
-    return names
 
 
 def zero_block(block: dict[str, Any]) -> dict[str, Any]:
@@ -167,10 +150,9 @@ def deepspeed_problems(block: dict[str, Any], settings: dict[str, Any]) -> Itera
         return
     for key in block:
         if key not in TOP_LEVEL_KEYS:
-            close = difflib.get_close_matches(str(key), sorted(TOP_LEVEL_KEYS), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
             yield Problem(
-                f"deepspeed.{key}", f"unknown DeepSpeed key{hint} (see DeepSpeed's config reference)"
+                f"deepspeed.{key}",
+                f"unknown DeepSpeed key{did_you_mean(str(key), TOP_LEVEL_KEYS)} (see DeepSpeed's config reference)",
             )
     if block.get("train_batch_size") not in (None, "auto"):
         yield Problem(

@@ -7,13 +7,12 @@ created or started.
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from posttrain.config.base import nested_model
+from posttrain.config.base import did_you_mean, field_names, model_at
 from posttrain.config.data import LOCAL_SUFFIXES
 from posttrain.config.errors import ConfigError, ConfigIssue, format_path
 from posttrain.config.trainer import TrainerConfig
@@ -56,11 +55,9 @@ class _Validator:
             full = (*loc, *err_loc)
             kind = error["type"]
             if kind == "extra_forbidden":
-                owner = _model_at(cls, err_loc[:-1])
-                allowed = sorted(_field_names(owner)) if owner else []
-                key = str(err_loc[-1])
-                close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
+                owner = model_at(cls, err_loc[:-1])
+                allowed = sorted(field_names(owner)) if owner else []
+                hint = did_you_mean(str(err_loc[-1]), allowed)
                 self.add(full, f"unknown key{hint} (allowed: {', '.join(allowed)})")
             elif kind == "missing":
                 self.add(full, "required key is missing")
@@ -104,23 +101,6 @@ class _Validator:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _model_at(cls: type[BaseModel] | None, loc: Loc) -> type[BaseModel] | None:
-    for part in loc:
-        if cls is None:
-            return None
-        if isinstance(part, int):
-            continue
-        info = cls.model_fields.get(part)
-        cls = nested_model(info.annotation) if info else None
-    return cls
-
-
-def _field_names(cls: type[BaseModel]) -> set[str]:
-    names = set(cls.model_fields)
-    names.update(info.alias for info in cls.model_fields.values() if info.alias)
-    return names
 
 
 def _source_dict(value: Any) -> Any:
