@@ -135,3 +135,12 @@ def test_cli_convert_writes_the_config_and_refuses_what_it_cannot_read(tmp_path:
     (tmp_path / "other.yaml").write_text("foo: 1\n")
     assert main(["convert", str(tmp_path / "other.yaml")]) == 2
     assert "--from silogen|erniekit|megatron-bridge" in capsys.readouterr().err
+
+
+def test_megatron_checkpoint_load_is_checked_whatever_the_key_order() -> None:
+    for checkpoint, verdict in (
+        ({"load": "/a", "save": "/a"}, "approximated"),
+        ({"load": "/b", "save": "/a"}, UNSUPPORTED),
+    ):
+        conv = convert(SYSTEMS["megatron-bridge"], {"checkpoint": checkpoint, "train": {"train_iters": 1}})
+        assert {key: v for key, v, _ in conv.lines}["checkpoint.load"] == verdict

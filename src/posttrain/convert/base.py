@@ -184,6 +184,30 @@ def optimizer_offload(conv: Conversion, key: str, value: Any) -> str:
     return "optimizer.type: cpu_adam + deepspeed.zero_optimization.offload_optimizer.device: cpu"
 
 
+def resumable_engine(out: str, every: Any = 0, keep: Any = 0, resume: bool = True) -> dict[str, Any]:
+    """The ``deepspeed`` checkpoint engine under ``out/checkpoints``: every ``every`` steps, the newest ``keep``
+    kept (0 or less: all), resuming from there when ``resume``."""
+    engine: dict[str, Any] = {"type": "deepspeed", "output_dir": f"{out}/checkpoints"}
+    if every:
+        engine["save_every_n_steps"] = int(every)
+    if keep and int(keep) > 0:
+        engine["save_total_limit"] = int(keep)
+    engine["auto_resume"] = resume
+    return engine
+
+
+def export_engine(out: str, name: str = "export", merged: bool = False) -> dict[str, Any]:
+    """The ``huggingface`` export at the end of training, under ``out/name``."""
+    engine: dict[str, Any] = {
+        "type": "huggingface",
+        "output_dir": f"{out}/{name}",
+        "save_end_of_training": True,
+    }
+    if merged:
+        engine["save_merged"] = True
+    return engine
+
+
 def step_limit(otherwise: str) -> Apply:
     """``max_steps``-like keys: a positive value is ``train_iters``; 0 or -1 leaves the epochs in charge."""
 

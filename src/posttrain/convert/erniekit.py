@@ -15,9 +15,11 @@ from posttrain.convert.base import (
     System,
     Unsupported,
     adam_beta,
+    export_engine,
     optimizer_offload,
     precision_flag,
     remember,
+    resumable_engine,
     step_limit,
 )
 
@@ -185,19 +187,11 @@ def _finish(conv: Conversion) -> None:
     if conv.scratch.get("eval_epoch"):
         conv.config.pop("eval_interval", None)
     out = conv.get("logger.output_dir", "runs/converted")
-    engines: list[dict[str, Any]] = [
-        {"type": "huggingface", "output_dir": f"{out}/export", "save_end_of_training": True}
-    ]
+    engines = [export_engine(out)]
     if conv.scratch.get("save_steps") and conv.scratch.get("save_strategy", "steps") == "steps":
-        engine = {
-            "type": "deepspeed",
-            "output_dir": f"{out}/checkpoints",
-            "save_every_n_steps": int(conv.scratch["save_steps"]),
-            "auto_resume": True,
-        }
-        if conv.scratch.get("save_total_limit"):
-            engine["save_total_limit"] = int(conv.scratch["save_total_limit"])
-        engines.append(engine)
+        engines.append(
+            resumable_engine(out, conv.scratch["save_steps"], conv.scratch.get("save_total_limit"))
+        )
     conv.set("checkpoint", engines, "output_dir, save_steps, save_strategy, save_total_limit")
     conv.config.setdefault("scheduler", {})["type"] = "megatron"
 

@@ -15,9 +15,11 @@ from posttrain.convert.base import (
     Unsupported,
     accept,
     adam_beta,
+    export_engine,
     optimizer_offload,
     precision_flag,
     remember,
+    resumable_engine,
     to,
 )
 
@@ -110,6 +112,21 @@ def _schedule_key(conv: Conversion, key: str, value: Any) -> str:
     return key
 
 
+def _unwrap(data: dict[str, Any], conv: Conversion) -> dict[str, Any]:
+    """``checkpoint.save`` is known before any key is converted, so ``checkpoint.load`` is checked against it
+    whatever the order of the two keys in the file."""
+    checkpoint = data.get("checkpoint")
+    if isinstance(checkpoint, dict):
+        conv.scratch["save"] = checkpoint.get("save")
+    return data
+
+
+def _load(conv: Conversion, key: str, value: Any) -> str:
+    if value not in (None, conv.scratch.get("save")):
+        raise Unsupported("resuming from another directory than checkpoint.save; copy the checkpoint there")
+    return "checkpoint[deepspeed].auto_resume"
+
+
 def _finish(conv: Conversion) -> None:
     blend, root = conv.scratch.get("blend"), conv.scratch.get("dataset_root")
     if root:
@@ -170,21 +187,10 @@ def _finish(conv: Conversion) -> None:
         conv.config.pop("eval_iters", None)
         conv.set("eval_at_end", False, "no validation data")
     save = conv.scratch.get("save")
-    engines: list[dict[str, Any]] = []
     if save:
         conv.set("logger.output_dir", save, "checkpoint.save")
-        engine: dict[str, Any] = {
-            "type": "deepspeed",
-            "output_dir": f"{save}/checkpoints",
-            "auto_resume": True,
-        }
-        if conv.scratch.get("save_interval"):
-            engine["save_every_n_steps"] = conv.scratch["save_interval"]
-        if conv.scratch.get("most_recent_k", -1) and conv.scratch.get("most_recent_k", -1) > 0:
-            engine["save_total_limit"] = conv.scratch["most_recent_k"]
-        engines.append(engine)
-        engines.append({"type": "huggingface", "output_dir": f"{save}/export", "save_end_of_training": True})
-        conv.set("checkpoint", engines, "checkpoint.save, save_interval, most_recent_k")
+        engine = resumable_engine(save, conv.scratch.get("save_interval"), conv.scratch.get("most_recent_k"))
+        conv.set("checkpoint", [engine, export_engine(save)], "checkpoint.save, save_interval, most_recent_k")
     conv.config.setdefault("scheduler", {})["type"] = "megatron"
     if conv.has("model.peft_config"):
         conv.get("model.peft_config").setdefault("target_modules", "all-linear")
@@ -352,7 +358,8 @@ RULES = (
         "checkpoint.save",
         "checkpoint[deepspeed].output_dir",
         SAME,
-        apply=remember("save", "checkpoint[deepspeed].output_dir (auto_resume: true) and logger.output_dir"),
+        # read up front by _unwrap
+        apply=lambda c, k, v: "checkpoint[deepspeed].output_dir (auto_resume: true) and logger.output_dir",
     ),
     Rule(
         "checkpoint.save_interval",
@@ -378,13 +385,7 @@ RULES = (
         "",
         APPROX,
         "auto_resume continues from checkpoint.save (same directory) when it holds a checkpoint",
-        apply=lambda c, k, v: (
-            "checkpoint[deepspeed].auto_resume"
-            if v in (None, c.scratch.get("save"))
-            else (_ for _ in ()).throw(
-                Unsupported("resuming from another directory than checkpoint.save; copy the checkpoint there")
-            )
-        ),
+        apply=_load,
     ),
     Rule(
         "checkpoint.finetune",
@@ -534,5 +535,6 @@ MEGATRON_BRIDGE = System(
         ("scheduler.lr_decay_style", "linear", "Megatron-Bridge's default lr_decay_style"),
         ("seed", 1234, "Megatron-Bridge's default rng.seed"),
     ),
+    unwrap=_unwrap,
     finish=_finish,
 )

@@ -17,8 +17,10 @@ from posttrain.convert.base import (
     Unsupported,
     accept,
     adam_beta,
+    export_engine,
     precision_flag,
     remember,
+    resumable_engine,
     step_limit,
     to,
 )
@@ -30,6 +32,7 @@ _DISTRIBUTED = {
     "auto-single-process": 0,
 }
 _MIX = {"CONCATENATION": "concatenate", "PRECOMPUTE_WEIGHTED_MIX": "weighted"}
+_DEEPSPEED = "checkpoint (deepspeed engine)"
 _OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
 
 
@@ -89,8 +92,7 @@ def _peft_type(conv: Conversion, key: str, value: Any) -> str:
     if value == "NO_PEFT":
         return "no adapter (full fine-tuning)"
     if value == "PRETRAINED_PEFT":
-        conv.scratch["pretrained_peft"] = True
-        return "model.peft_pretrained"
+        return "model.peft_pretrained (from name_or_path)"
     conv.set("model.peft_config.peft_type", value, key)
     return "model.peft_config.peft_type"
 
@@ -111,17 +113,6 @@ def _resume(conv: Conversion, key: str, value: Any) -> str:
     raise Unsupported(
         "resuming from a named path: posttrain resumes from its own checkpoint directory (auto_resume)"
     )
-
-
-def _output_dir(conv: Conversion, key: str, value: Any) -> str:
-    conv.set("logger.output_dir", value, key)
-    conv.scratch["output_dir"] = value
-    return "logger.output_dir (and the checkpoint directories under it)"
-
-
-def _save(conv: Conversion, key: str, value: Any) -> str:
-    conv.scratch[key.rsplit(".", 1)[-1]] = value
-    return "checkpoint (deepspeed engine)"
 
 
 def _epochs(conv: Conversion, key: str, value: Any) -> str:
@@ -175,7 +166,6 @@ def _merge_adapter(conv: Conversion, key: str, value: Any) -> str:
 
 
 def _gpus(conv: Conversion, key: str, value: Any) -> str:
-    conv.scratch["nproc"] = value
     return f"the launch: posttrain train run.yaml --nproc {value}"
 
 
@@ -207,24 +197,17 @@ def _finish(conv: Conversion) -> None:
         conv.set("eval_interval", 0, "SiloGen evaluates at the end")
     if not has_eval:
         conv.set("eval_at_end", False, "no validation data")
-    out = conv.scratch.get("output_dir", "runs/converted")
-    engines = []
+    out = conv.get("logger.output_dir", "runs/converted")
+    name = conv.scratch.get("final_checkpoint_name", "checkpoint-final")
+    engines = [export_engine(out, name, merged=bool(conv.scratch.get("merge")))]
     if conv.scratch.get("resume") or conv.scratch.get("save_steps"):
-        engine: dict[str, Any] = {"type": "deepspeed", "output_dir": f"{out}/checkpoints"}
-        if conv.scratch.get("save_strategy", "steps") == "steps" and conv.scratch.get("save_steps"):
-            engine["save_every_n_steps"] = conv.scratch["save_steps"]
-        if conv.scratch.get("save_total_limit"):
-            engine["save_total_limit"] = conv.scratch["save_total_limit"]
-        engine["auto_resume"] = bool(conv.scratch.get("resume"))
-        engines.append(engine)
-    final = {
-        "type": "huggingface",
-        "output_dir": f"{out}/{conv.scratch.get('final_checkpoint_name', 'checkpoint-final')}",
-        "save_end_of_training": True,
-    }
-    if conv.scratch.get("merge"):
-        final["save_merged"] = True
-    conv.set("checkpoint", [final, *engines], "run_conf / training_args save settings")
+        every = conv.scratch.get("save_steps") if conv.scratch.get("save_strategy", "steps") == "steps" else 0
+        engines.append(
+            resumable_engine(
+                out, every, conv.scratch.get("save_total_limit"), bool(conv.scratch.get("resume"))
+            )
+        )
+    conv.set("checkpoint", engines, "run_conf / training_args save settings")
     if not conv.scratch.get("quantized") and conv.has("model.quantization_config"):
         conv.config["model"].pop("quantization_config")  # bits-and-bytes keys of a no-quantization dump
         conv.line(
@@ -341,10 +324,25 @@ RULES = (
     Rule("training_args.eval_strategy", "eval_interval", SAME, apply=_eval_strategy),
     Rule("training_args.evaluation_strategy", "eval_interval", SAME, apply=_eval_strategy),
     Rule("training_args.eval_steps", "eval_interval", SAME),
-    Rule("training_args.save_strategy", "checkpoint", SAME, apply=_save),
-    Rule("training_args.save_steps", "checkpoint[deepspeed].save_every_n_steps", SAME, apply=_save),
-    Rule("training_args.save_total_limit", "checkpoint[deepspeed].save_total_limit", SAME, apply=_save),
-    Rule("training_args.output_dir", "logger.output_dir", SAME, apply=_output_dir),
+    Rule("training_args.save_strategy", "checkpoint", SAME, apply=remember("save_strategy", _DEEPSPEED)),
+    Rule(
+        "training_args.save_steps",
+        "checkpoint[deepspeed].save_every_n_steps",
+        SAME,
+        apply=remember("save_steps", _DEEPSPEED),
+    ),
+    Rule(
+        "training_args.save_total_limit",
+        "checkpoint[deepspeed].save_total_limit",
+        SAME,
+        apply=remember("save_total_limit", _DEEPSPEED),
+    ),
+    Rule(
+        "training_args.output_dir",
+        "logger.output_dir",
+        SAME,
+        apply=to("logger.output_dir", "and the checkpoint directories under it"),
+    ),
     Rule("training_args.report_to", "wandb / tensorboard / tracking", SAME, apply=_report_to),
     Rule("training_args.run_name", "wandb.name", SAME),
     Rule("training_args.dataloader_num_workers", "data.dl_num_workers", SAME),
