@@ -68,9 +68,7 @@ def drop_context_turns(mask: np.ndarray, messages: list[dict[str, Any]]) -> np.n
     if all(flags):
         return mask
     mask = np.asarray(mask, dtype=bool).copy()
-    following = np.append(mask[1:], False)
-    preceding = np.insert(mask[:-1], 0, False)
-    starts, ends = np.flatnonzero(mask & ~preceding), np.flatnonzero(mask & ~following)
+    starts, ends = turn_starts(mask), turn_ends(mask)
     if len(starts) != len(flags):
         raise RowError(
             f"{len(flags)} assistant messages but {len(starts)} assistant spans in the rendered text, so the "
@@ -124,10 +122,15 @@ def assistant_mask(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list
 def turn_ends(mask: Any) -> np.ndarray:
     """Positions where a run of mask 1 (an assistant turn) ends."""
     mask = np.asarray(mask, dtype=bool)
-    if len(mask) == 0:
-        return np.zeros(0, dtype=np.int64)
     following = np.append(mask[1:], False)
     return np.flatnonzero(mask & ~following)
+
+
+def turn_starts(mask: Any) -> np.ndarray:
+    """Positions where a run of mask 1 (an assistant turn) starts."""
+    mask = np.asarray(mask, dtype=bool)
+    preceding = np.insert(mask[:-1], 0, False)
+    return np.flatnonzero(mask & ~preceding)
 
 
 def check_turn_ends(tokenizer: Any, ids: Any, mask: Any, start: int = 0) -> None:
