@@ -25,13 +25,22 @@ class Engine:
     ) -> None:
         import deepspeed
 
+        # Plain fp32 without ZeRO: DeepSpeed would clip with a per-parameter norm loop and report no norm;
+        # here one foreach pass computes the norm and clips (the same operation, torch's clip_grad_norm_).
+        stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+        half = any(ds_config.get(key, {}).get("enabled") for key in ("bf16", "bfloat16", "fp16"))
+        self._own_norm = stage == 0 and not half
+        self._clip = float(ds_config.get("gradient_clipping", 0.0)) if self._own_norm else 0.0
+        if self._own_norm:
+            ds_config = {**ds_config, "gradient_clipping": 0.0}
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )
-        # DeepSpeed reports the gradient norm except for plain fp32 without ZeRO; then it is computed here.
-        self._own_norm = self.ds.zero_optimization_stage() == 0 and not (
-            self.ds.bfloat16_enabled() or self.ds.fp16_enabled()
-        )
+        if stage == 0 and self.ds.dp_world_size == 1:
+            # One process, unsharded: DeepSpeed's boundary all-reduce would flatten every gradient, reduce it
+            # over a group of one and copy it back, for nothing.
+            self.ds.enable_backward_allreduce = False
+        self._params = [p for p in self.ds.module.parameters() if p.requires_grad]
         self._norm: torch.Tensor | None = None
 
     @property
@@ -55,9 +64,17 @@ class Engine:
         optimizer = timers.section("optimizer") if timers is not None and last else nullcontext()
         with optimizer:
             if last and self._own_norm:
-                grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
-                self._norm = torch.nn.utils.get_total_norm(grads) if grads else None
+                self._norm = self._clip_own()
             self.ds.step()
+
+    def _clip_own(self) -> torch.Tensor | None:
+        params = [p for p in self._params if p.grad is not None]
+        if not params:
+            return None
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if self._clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self._clip, norm, foreach=True)
+        return norm
 
     def grad_norm(self) -> float:
         """Global gradient norm of the last optimizer step, before clipping."""

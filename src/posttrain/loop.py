@@ -246,6 +246,9 @@ def final_evaluation(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> d
 def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopState:
     """Train from ``state`` until the epochs or ``train_iters`` are done or an exit condition fires."""
     config = ctx.config
+    # from_pretrained hands the model over in eval mode: without this, dropout and activation
+    # checkpointing (which transformers applies only in training mode) would be off until the first eval.
+    inputs.engine.train(True)
     while state.epoch < config.epochs and not state.stop_reason and state.step < inputs.total_steps:
         inputs.set_epoch(state.epoch)
         for micro_batches in timed(_epoch_steps(ctx, inputs, state), inputs.meter):

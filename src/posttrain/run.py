@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from posttrain.config.deepspeed import build_deepspeed_config
+from posttrain.config.deepspeed import build_deepspeed_config, single_process_stage
 from posttrain.config.mode_keys import inert_warnings
 from posttrain.config.provenance import write_resolved_config
 from posttrain.config.trainer import TrainerConfig
@@ -129,7 +129,11 @@ def _model_and_deepspeed(
             raise UserError(
                 "cannot read the model's hidden size (config.hidden_size) to fill the DeepSpeed config"
             )
-        return build_deepspeed_config(config, world_size=dist.world_size, hidden_size=hidden)
+        built = build_deepspeed_config(config, world_size=dist.world_size, hidden_size=hidden)
+        note = single_process_stage(config.deepspeed.get("zero_optimization", {}).get("stage"), built)
+        if note:
+            say(note)
+        return built
 
     ds_config = deepspeed_config(early.hidden_size) if early and early.hidden_size else None
     zero3 = _zero3_init(ds_config) if ds_config else None

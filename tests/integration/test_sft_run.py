@@ -96,8 +96,10 @@ def test_activation_checkpointing_and_bf16_dtype_train(base_config: dict) -> Non
 def test_zero_stages_agree_on_one_process(base_config: dict, tmp_path: Path) -> None:
     from tests.integration.helpers import max_diff, weights
 
+    # stages 1 and 2 run as stage 0 on one process (tests/unit/test_optim_and_deepspeed.py); they are
+    # compared with stage 0 across two processes in tests/distributed
     results = {}
-    for stage in (0, 1, 2, 3):
+    for stage in (0, 3):
         config = merge(
             base_config,
             train_iters=2,
@@ -112,7 +114,7 @@ def test_zero_stages_agree_on_one_process(base_config: dict, tmp_path: Path) -> 
         norms = [h["grad_norm"] for h in result.state.history]
         saved = AutoModelForCausalLM.from_pretrained(tmp_path / f"ckpt{stage}" / "final", dtype=torch.float32)
         results[stage] = (norms, weights(saved))
-    for stage in (1, 2, 3):
+    for stage in (3,):
         assert results[stage][0] == pytest.approx(results[0][0], rel=1e-4), stage
         assert max_diff(results[stage][1], results[0][1]) < 1e-5, stage
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from posttrain.config import load_config
-from posttrain.config.deepspeed import build_deepspeed_config
+from posttrain.config.deepspeed import build_deepspeed_config, single_process_stage
 from posttrain.optim.adamw import param_groups
 
 
@@ -90,10 +90,17 @@ def test_deepspeed_defaults_follow_dtype(tmp_path) -> None:
     ds = build_deepspeed_config(cfg, world_size=2, hidden_size=8)
     assert ds["bf16"] == {"enabled": False} and ds["fp16"] == {"enabled": False}
     assert ds["zero_optimization"]["stage"] == 2 and ds["gradient_clipping"] == 1.0
-    # one process: nothing to partition, so stage 0 unless the user chose a stage
+    # one process: nothing to partition, so stage 0; a stage 1 or 2 the user chose runs as 0 (and says so)
     assert build_deepspeed_config(cfg, world_size=1, hidden_size=8)["zero_optimization"]["stage"] == 0
-    cfg = config(tmp_path, deepspeed={"zero_optimization": {"stage": 2}})
-    assert build_deepspeed_config(cfg, world_size=1, hidden_size=8)["zero_optimization"]["stage"] == 2
+    for stage in (1, 2):
+        cfg = config(tmp_path, deepspeed={"zero_optimization": {"stage": stage}})
+        one = build_deepspeed_config(cfg, world_size=1, hidden_size=8)
+        assert one["zero_optimization"]["stage"] == 0
+        assert f"stage {stage} with one process shards nothing" in single_process_stage(stage, one)
+        two = build_deepspeed_config(cfg, world_size=2, hidden_size=8)
+        assert two["zero_optimization"]["stage"] == stage and not single_process_stage(stage, two)
+    cfg = config(tmp_path, deepspeed={"zero_optimization": {"stage": 3}})
+    assert build_deepspeed_config(cfg, world_size=1, hidden_size=8)["zero_optimization"]["stage"] == 3
     # optimizer offload needs stage >= 1, parameter offload stage 3; "auto" precision follows model.dtype
     cfg = config(
         tmp_path,
