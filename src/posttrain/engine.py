@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from posttrain.models.compile import compiled_block_classes
+
 
 class Engine:
     """Owns the DeepSpeed engine built from the model, a client optimizer and scheduler, and a config dict.
@@ -33,6 +35,11 @@ class Engine:
         self._clip = float(ds_config.get("gradient_clipping", 0.0)) if self._own_norm else 0.0
         if self._own_norm:
             ds_config = {**ds_config, "gradient_clipping": 0.0}
+        compiled = compiled_block_classes(model)
+        if stage == 3 and compiled:
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(model, compiled)  # no ZeRO-3 hooks inside a compiled block
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
         )

@@ -266,6 +266,12 @@ class TrainerConfig(BaseConfig):
                 f"eager cannot run with sequence_parallel_size={sp} (it needs the whole attention mask); "
                 "use sdpa or flash_attention_2",
             )
+        if getattr(self.model, "compile", False):
+            yield Problem(
+                "model.compile",
+                f"true cannot run with sequence_parallel_size={sp} yet (the split attention's collectives "
+                "are not compiled); set model.compile: false or sequence_parallel_size: 1",
+            )
 
     def problems(self) -> Iterator[Problem]:
         yield from unsupported("expert_parallel_size", self.expert_parallel_size, 1, "expert parallelism")
