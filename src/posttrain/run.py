@@ -200,7 +200,8 @@ def _run(config: TrainerConfig, dist: DistInfo) -> RunResult:
             data.train_report.leaked,
         )
     pad_id = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
-    collator: Any = (spec.collator or Collator)(pad_id)
+    padding_free = getattr(config.data, "padding_free", False)
+    collator: Any = spec.collator(pad_id) if spec.collator else Collator(pad_id, padding_free)
     sp = config.sequence_parallel_size
     if sp > 1:
         collator = SequenceSlicer(collator, pad_id, sp, dist.rank % sp, config.micro_batch_size)

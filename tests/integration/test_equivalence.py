@@ -72,3 +72,27 @@ def test_packed_training_runs_and_reports(base_config, capsys) -> None:
     assert result.state.step == 3
     out = capsys.readouterr().out
     assert "packed into" in out and "sequences" in out
+
+
+def test_padding_free_batches_learn_what_padded_batches_learn(base_config, tiny_tokenizer) -> None:
+    from posttrain.config import ConfigError, load_config
+
+    config = merge(base_config, train_iters=4, data={"max_length": 128})
+    padded = train(config).state.history
+    flat_config = merge(config, data={"padding_free": True})
+    flat = train(flat_config).state.history
+    assert [r["loss"] for r in flat] == pytest.approx([r["loss"] for r in padded], abs=1e-5)
+    assert [r["tokens"] for r in flat] == [r["tokens"] for r in padded]
+    # one row per micro-batch, no padding, positions restarting per sample, first labels ignored
+    samples = [format_sft(row, tiny_tokenizer) for row in chat_rows(3, seed=5)]
+    batch = Collator(tiny_tokenizer.pad_token_id, padding_free=True)(samples)
+    lengths = [len(s["input_ids"]) for s in samples]
+    assert batch["input_ids"].shape == (1, sum(lengths)) and "attention_mask" not in batch
+    starts = [sum(lengths[:i]) for i in range(3)]
+    assert (batch["position_ids"][0] == 0).nonzero().squeeze(1).tolist() == starts
+    assert all(batch["labels"][0, s] == -100 for s in starts)
+    padded_batch = Collator(tiny_tokenizer.pad_token_id)(samples)
+    assert batch["num_target_tokens"] == padded_batch["num_target_tokens"]
+    for clash in ({"data": {"padding_free": True, "pack_samples": True}, "micro_batch_size": 1},):
+        with pytest.raises(ConfigError, match="padding_free"):
+            load_config(data=merge(config, **clash))

@@ -227,6 +227,21 @@ class SFTDataConfig(DataConfig):
     overlong_samples: Literal["drop", "truncate"] = "drop"
     """What to do with a sample longer than ``max_length``: drop it, or cut it to ``max_length`` tokens."""
 
+    padding_free: bool = False
+    """Flatten each micro-batch into one row without padding: the same samples, one after another, with
+    position ids restarting per sample and no attention across samples (as packing does, but the batches
+    stay those of the unpacked run, so the loss is the padded batch's). No compute is spent on padding; with
+    ``sdpa`` the samples of a row share one masked attention call. Not with ``pack_samples`` (already
+    padding-free)."""
+
+    def problems(self) -> Iterator[Problem]:
+        yield from super().problems()
+        if self.padding_free and self.pack_samples:
+            yield Problem(
+                "padding_free",
+                "pack_samples already puts several samples in one row without padding; set one of them",
+            )
+
 
 class CausalDataConfig(DataConfig):
     """Raw text for (continued) pretraining: one document per row."""

@@ -266,6 +266,12 @@ class TrainerConfig(BaseConfig):
                 f"eager cannot run with sequence_parallel_size={sp} (it needs the whole attention mask); "
                 "use sdpa or flash_attention_2",
             )
+        if getattr(self.data, "padding_free", False):
+            yield Problem(
+                "data.padding_free",
+                f"true cannot run with sequence_parallel_size={sp} yet; use pack_samples: true (packed rows "
+                "are split over the sequence-parallel processes) or padding_free: false",
+            )
         if getattr(self.model, "compile", False):
             yield Problem(
                 "model.compile",

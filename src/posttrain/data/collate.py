@@ -34,12 +34,20 @@ class Collator:
     how transformers recognises packed sequences. ``num_target_tokens`` (labels that are predicted, i.e.
     after the one-token shift) is counted here, on the CPU, so the loop never syncs with the device for it.
     Samples hold lists or numpy arrays of token ids.
+
+    ``padding_free``: the samples are laid one after another in a single row instead, with ``position_ids``
+    restarting per sample (so, as for packed rows, no token attends across samples) and each sample's first
+    label ignored (it would be predicted from the previous sample's last token; in a padded row the first
+    label is never predicted either). The counts are those of the padded batch.
     """
 
-    def __init__(self, pad_id: int) -> None:
+    def __init__(self, pad_id: int, padding_free: bool = False) -> None:
         self.pad_id = pad_id
+        self.padding_free = padding_free
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> Batch:
+        if self.padding_free and "position_ids" not in samples[0]:
+            return self.flat(samples)
         longest = max(len(s["input_ids"]) for s in samples)
         packed = "position_ids" in samples[0]
         input_ids = torch.full((len(samples), longest), self.pad_id, dtype=torch.long)
@@ -70,3 +78,21 @@ class Collator:
         else:
             batch["attention_mask"] = attention
         return batch
+
+    def flat(self, samples: Sequence[dict[str, Any]]) -> Batch:
+        ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]
+        labels = [torch.as_tensor(s["labels"], dtype=torch.long).clone() for s in samples]
+        for row in labels:
+            row[0] = IGNORE_INDEX
+        input_ids = torch.cat(ids).unsqueeze(0)
+        flat_labels = torch.cat(labels).unsqueeze(0)
+        target_tokens = int((flat_labels != IGNORE_INDEX).sum())
+        return Batch(
+            input_ids=input_ids,
+            labels=flat_labels,
+            position_ids=torch.cat([torch.arange(len(row)) for row in ids]).unsqueeze(0),
+            num_target_tokens=target_tokens,
+            num_loss_units=target_tokens,
+            num_input_tokens=input_ids.shape[1],
+            num_samples=len(samples),
+        )

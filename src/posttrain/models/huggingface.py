@@ -11,6 +11,7 @@ from posttrain.config.model import ModelConfig
 from posttrain.context import RunContext
 from posttrain.errors import UserError
 from posttrain.models.compile import compile_blocks
+from posttrain.models.document_attention import use_document_attention
 from posttrain.models.facts import ModelFacts, facts_from_hf_config
 from posttrain.models.memory import apply_activation_checkpointing, tile_mlps
 from posttrain.models.peft import apply_peft
@@ -54,6 +55,8 @@ class HuggingFaceModelFactory:
         model = apply_peft(model, config.peft_config, config.peft_pretrained)
         if trainer.tiled_mlp_compute:
             tile_mlps(model)
+        if getattr(trainer.data, "padding_free", False) and config.attn_implementation == "sdpa":
+            use_document_attention(model)
         if config.compile:
             compile_blocks(model)
         return model

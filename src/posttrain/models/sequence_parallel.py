@@ -18,7 +18,6 @@ packed-sequence mask does without sequence parallelism (and without an O(tokens^
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from posttrain.data.sft import IGNORE_INDEX
 from posttrain.errors import UserError
 from posttrain.methods.token_logps import target_labels
+from posttrain.models.document_attention import per_document
 from posttrain.models.facts import ModelFacts
 
 #: attention implementations Ulysses can wrap here (eager needs the full 4-D mask)
@@ -67,37 +67,6 @@ def check_sequence_parallel(sp: int, facts: ModelFacts | None, attention: str) -
         raise UserError("; ".join(problems))
 
 
-def _per_document(core: Callable[..., Any]) -> Callable[..., Any]:
-    """``sdpa`` over a packed row (batch 1): causal attention within each document, cut where the
-    gathered ``position_ids`` restart at 0."""
-
-    def attention(
-        module: Any,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        mask: Any,
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
-        positions = kwargs.get("position_ids")
-        if positions is None or query.shape[0] != 1:
-            return core(module, query, key, value, mask, *args, **kwargs)
-        starts = (positions[0] == 0).nonzero().squeeze(1).tolist()
-        if starts[:1] != [0]:
-            starts = [0, *starts]
-        if len(starts) == 1:
-            return core(module, query, key, value, mask, *args, **kwargs)
-        bounds = [*starts, query.shape[2]]
-        outputs = [
-            core(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, *args, **kwargs)[0]
-            for a, b in itertools.pairwise(bounds)
-        ]
-        return torch.cat(outputs, dim=1), None
-
-    return attention
-
-
 def _fit_batch(attention: Any, batch_size: int) -> None:
     """DeepSpeed fixes the micro-batch size at registration; eval and short last batches may differ."""
     if attention.batch_size == batch_size:
@@ -131,7 +100,7 @@ def install_sequence_parallel(model: torch.nn.Module, sp: int, attention_impl: s
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     original = ALL_ATTENTION_FUNCTIONS[attention_impl]
-    core = _per_document(original) if attention_impl == "sdpa" else original
+    core = per_document(original) if attention_impl == "sdpa" else original
     ulysses = UlyssesSPAttentionHF(
         attn=core,
         batch_size=micro_batch,
