@@ -36,8 +36,10 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
+import yaml
 
 MICRO_BATCH = 4
 MAX_LENGTH = 512
@@ -178,6 +181,176 @@ def work_default(work: Path, args: Any, **overrides: Any) -> dict[str, Any]:
     }
 
 
+def work_compile(work: Path, args: Any) -> dict[str, Any]:
+    """``model.compile: true`` against the bare eager loop; compilation shows in the first steps."""
+    config = user_config(work, args.steps, **{"model.compile": True})
+    eager = user_config(work, args.steps)
+    result = rounds(
+        "compile",
+        args.rounds,
+        {"bare": lambda: bare(eager, args.steps), "posttrain": lambda: posttrain_loop(config)},
+    )
+    bare_s, ours = median(result["bare"]), median(result["posttrain"])
+    first = result["posttrain"][0]
+    return {
+        "bare_eager_ms_per_step": round(bare_s * 1000, 1),
+        "posttrain_compiled_ms_per_step": round(ours * 1000, 1),
+        "ratio": round(ours / bare_s, 3),
+        "round_ratios": [
+            round(o.step_s / b.step_s, 3) for o, b in zip(result["posttrain"], result["bare"], strict=True)
+        ],
+        "first_step_s_first_round": round(first.first_step_s, 1),
+        "first_step_s_later_rounds": [round(t.first_step_s, 1) for t in result["posttrain"][1:]],
+        "final_loss": {side: round(r[-1].final_loss, 4) for side, r in result.items()},
+    }
+
+
+def work_padding_free(work: Path, args: Any) -> dict[str, Any]:
+    """Real tokens per second: padding-free against padded posttrain and the bare (padded) loop."""
+    padded = user_config(work, args.steps)
+    flat = user_config(work, args.steps, **{"data.padding_free": True})
+    result = rounds(
+        "padding-free",
+        args.rounds,
+        {
+            "bare": lambda: bare(padded, args.steps),
+            "padded": lambda: posttrain_loop(padded),
+            "padding_free": lambda: posttrain_loop(flat),
+        },
+    )
+    speed = {side: statistics.median(t.tokens_per_s for t in r) for side, r in result.items()}
+    return {
+        "tokens_per_s": {side: round(v, 1) for side, v in speed.items()},
+        "padding_free_over_padded": round(speed["padding_free"] / speed["padded"], 3),
+        "padding_free_over_bare": round(speed["padding_free"] / speed["bare"], 3),
+        "final_loss": {side: round(r[-1].final_loss, 4) for side, r in result.items()},
+    }
+
+
+def _fresh(command: list[str]) -> subprocess.CompletedProcess:
+    """Run ``command`` without the distributed variables this process set for its own process group."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode:
+        raise RuntimeError(f"{command[:6]} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done
+
+
+def _startup_posttrain(work: Path, config: dict[str, Any]) -> float:
+    path = work / "startup.yaml"
+    path.write_text(yaml.safe_dump(config))
+    metrics = Path(config["logger"]["output_dir"]) / "train-log-metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    started = time.time()
+    _fresh([sys.executable, "-m", "posttrain", "train", str(path)])
+    first = json.loads(metrics.read_text().splitlines()[0])
+    return first["time"] - first["step_time"] - started
+
+
+BARE_SCRIPT = """
+import json, sys, time
+from posttrain.config import load_config
+from posttrain.testing.bare_loop import bare_loop
+run = bare_loop(load_config(data=json.loads(sys.argv[1])), 2)
+print(run.ends[0])
+"""
+
+
+def _startup_bare(config: dict[str, Any]) -> float:
+    started = time.time()
+    done = _fresh([sys.executable, "-c", BARE_SCRIPT, json.dumps(config)])
+    return float(done.stdout.strip().splitlines()[-1]) - started
+
+
+def work_startup(work: Path, args: Any) -> dict[str, Any]:
+    """Seconds from process start to the first step (cache already built), each side in a fresh process."""
+    config = user_config(work, 2)
+    posttrain_loop(user_config(work, WARMUP_STEPS + 2))  # builds the data cache both sides open
+    bare_s, ours = [], []
+    for index in range(args.rounds):
+        bare_s.append(_startup_bare(config))
+        ours.append(_startup_posttrain(work, config))
+        print(f"startup round {index + 1}: bare {bare_s[-1]:.2f} s, posttrain {ours[-1]:.2f} s", flush=True)
+    b, o = statistics.median(bare_s), statistics.median(ours)
+    return {"bare_s": round(b, 2), "posttrain_s": round(o, 2), "difference_s": round(o - b, 2)}
+
+
+DDP_SCRIPT = """
+import itertools, json, os, sys, time
+import torch, torch.distributed as dist
+from posttrain.config import load_config
+from posttrain.testing import bare_loop as bl
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+config = load_config(data=json.loads(sys.argv[1]))
+steps = int(sys.argv[2])
+batches = bl.bare_batches(config, rank, world)
+model = torch.nn.parallel.DistributedDataParallel(bl.bare_model(config))
+optimizer, scheduler = bl.bare_optimizer(model.module, config, steps)
+ends = [time.time()]
+for batch in itertools.islice(batches, steps):
+    counts = torch.tensor([float(batch["num_target_tokens"])])
+    dist.all_reduce(counts)
+    # DDP averages gradients: scale so the result is the sum over ranks / all target tokens
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1),
+        batch["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum")
+    (nll * world / counts[0]).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+    optimizer.step(); scheduler.step(); optimizer.zero_grad(set_to_none=True)
+    loss = torch.stack([nll.detach()]); dist.all_reduce(loss); float(loss)
+    ends.append(time.time())
+if rank == 0:
+    print(json.dumps(ends))
+dist.destroy_process_group()
+"""
+
+
+def _ddp(config: dict[str, Any], steps: int, nproc: int) -> float:
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    done = _fresh([*command, "--no-python", sys.executable, "-c", DDP_SCRIPT, json.dumps(config), str(steps)])
+    ends = json.loads(done.stdout.strip().splitlines()[-1])
+    return timing(ends, [0] * (len(ends) - 1), [0.0] * (len(ends) - 1)).step_s
+
+
+def _posttrain_procs(work: Path, config: dict[str, Any], nproc: int) -> float:
+    path = work / f"procs{nproc}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    metrics = Path(config["logger"]["output_dir"]) / "train-log-metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    _fresh([sys.executable, "-m", "posttrain", "train", str(path), "--nproc", str(nproc)])
+    history = [json.loads(line) for line in metrics.read_text().splitlines()]
+    ends = [history[0]["time"] - history[0]["step_time"], *(h["time"] for h in history)]
+    return timing(ends, [0] * len(history), [0.0] * len(history)).step_s
+
+
+def work_two_process(work: Path, args: Any) -> dict[str, Any]:
+    """Per-sample time at two processes over one process, for posttrain and a hand-written DDP loop."""
+    config = user_config(work, args.steps)
+    posttrain_loop(config)  # the data cache
+    runs: dict[str, list[float]] = {"ddp1": [], "ddp2": [], "posttrain1": [], "posttrain2": []}
+    for index in range(args.rounds):
+        for nproc in (1, 2):
+            runs[f"ddp{nproc}"].append(_ddp(config, args.steps, nproc))
+            runs[f"posttrain{nproc}"].append(_posttrain_procs(work, config, nproc))
+        print(
+            f"two-process round {index + 1}: "
+            + ", ".join(f"{k} {v[-1] * 1000:.0f} ms/step" for k, v in runs.items()),
+            flush=True,
+        )
+    step = {k: statistics.median(v) for k, v in runs.items()}
+    # per-sample time: a step of n processes holds n micro-batches
+    ddp_scaling = step["ddp2"] / 2 / step["ddp1"]
+    ours_scaling = step["posttrain2"] / 2 / step["posttrain1"]
+    return {
+        "ms_per_step": {k: round(v * 1000, 1) for k, v in step.items()},
+        "ddp_per_sample_2_over_1": round(ddp_scaling, 3),
+        "posttrain_per_sample_2_over_1": round(ours_scaling, 3),
+        "posttrain_over_ddp_at_2": round(step["posttrain2"] / step["ddp2"], 3),
+    }
+
+
 def prepare(work: Path, steps: int) -> int:
     from posttrain.testing.data import write_jsonl
     from posttrain.testing.tiny import write_tiny_model
@@ -188,6 +361,14 @@ def prepare(work: Path, steps: int) -> int:
     from transformers import AutoModelForCausalLM
 
     return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(work / "model").parameters())
+
+
+WORK_FUNCTIONS = {
+    "compile": work_compile,
+    "padding-free": work_padding_free,
+    "startup": work_startup,
+    "two-process": work_two_process,
+}
 
 
 def main() -> None:
@@ -218,6 +399,8 @@ def main() -> None:
             summary[name] = work_default(work, args)
         elif name == "zero2":
             summary[name] = work_default(work, args, **{"deepspeed.zero_optimization.stage": 2})
+        else:
+            summary[name] = WORK_FUNCTIONS[name](work, args)
         print(json.dumps({name: summary[name]}), flush=True)
     print(json.dumps(summary, indent=2))
 

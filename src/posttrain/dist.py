@@ -11,6 +11,8 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
+from posttrain.utils.imports import import_deepspeed
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -52,8 +54,7 @@ def init_distributed() -> DistInfo:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     import importlib
 
-    import deepspeed
-
+    deepspeed = import_deepspeed()
     # `import deepspeed.comm.torch as m` would bind the real torch (an attribute of deepspeed.comm).
     ds_comm_torch = importlib.import_module("deepspeed.comm.torch")
     if os.environ.get("POSTTRAIN_DS_SHM_COMM") != "1":

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from posttrain.config.base import Problem, did_you_mean, field_names, model_at
+from posttrain.utils.imports import import_deepspeed
 
 #: top-level keys DeepSpeed reads (its config reference); blocks with a model are checked further below
 TOP_LEVEL_KEYS = frozenset(
@@ -90,6 +91,7 @@ _DERIVED = {
 
 
 def _models() -> dict[str, type[BaseModel]]:
+    import_deepspeed()
     from deepspeed.comm.config import CommsLoggerConfig
     from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config

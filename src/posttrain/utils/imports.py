@@ -1,0 +1,26 @@
+"""Imports that cost start-up time unless done with care."""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+
+def import_deepspeed() -> ModuleType:
+    """``import deepspeed`` without the 1.5 s it would spend importing mlflow.
+
+    DeepSpeed's autotuner, loaded with the package, imports mlflow whenever it is installed (it is, for
+    posttrain's ``mlflow`` tracker) to log autotuning experiments, which posttrain never runs. For the
+    first import only, mlflow is marked unimportable, so the autotuner records that it has none; posttrain's
+    own mlflow tracker imports it normally later."""
+    if "deepspeed" in sys.modules:
+        return sys.modules["deepspeed"]
+    hide = "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError
+    try:
+        import deepspeed
+    finally:
+        if hide:
+            del sys.modules["mlflow"]
+    return deepspeed
