@@ -357,7 +357,7 @@ def prepare(work: Path, steps: int) -> int:
 
     if not (work / "model").exists():
         write_tiny_model(work / "model", hidden_size=256, layers=8, vocab_size=2048, seed=0)
-    write_jsonl(work / "data.jsonl", long_rows(MICRO_BATCH * (steps + 2) * 2))
+    write_jsonl(work / "data.jsonl", long_rows(MICRO_BATCH * (steps + 2) * 3))
     from transformers import AutoModelForCausalLM
 
     return sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(work / "model").parameters())

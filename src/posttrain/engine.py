@@ -78,7 +78,8 @@ class Engine:
         params = [p for p in self._params if p.grad is not None]
         if not params:
             return None
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        # the sum of squared per-tensor norms, as DeepSpeed's clipping reduces them (same rounding)
+        norm = torch.stack(torch._foreach_norm([p.grad for p in params])).pow(2).sum().pow(0.5)
         if self._clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self._clip, norm, foreach=True)
         return norm

@@ -19,6 +19,21 @@ from posttrain.run import run
 
 captured: dict = {}
 plain_micro_step = Engine.micro_step
+plain_clip_own = Engine._clip_own
+
+
+def capture(engine: Engine) -> None:
+    if "grads" not in captured:
+        captured["grads"] = {
+            name: safe_get_full_grad(param).detach().float().cpu().clone()
+            for name, param in engine.ds.module.named_parameters()
+            if param.requires_grad
+        }
+
+
+def clip_own(self: Engine) -> object:
+    capture(self)  # posttrain clips unsharded fp32 gradients itself, before DeepSpeed's step
+    return plain_clip_own(self)
 
 
 def micro_step(self: Engine, loss: torch.Tensor, last: bool, timers: object = None) -> None:
@@ -26,11 +41,7 @@ def micro_step(self: Engine, loss: torch.Tensor, last: bool, timers: object = No
         real_step = self.ds.step
 
         def step(*args: object, **kwargs: object) -> object:
-            captured["grads"] = {
-                name: safe_get_full_grad(param).detach().float().cpu().clone()
-                for name, param in self.ds.module.named_parameters()
-                if param.requires_grad
-            }
+            capture(self)
             del self.ds.step
             return real_step(*args, **kwargs)
 
@@ -38,6 +49,7 @@ def micro_step(self: Engine, loss: torch.Tensor, last: bool, timers: object = No
     plain_micro_step(self, loss, last, timers)
 
 
+Engine._clip_own = clip_own
 Engine.micro_step = micro_step
 counts = {"sp_attention_calls": 0, "slices_without_labels": 0}
 plain_fit_batch = sequence_parallel._fit_batch
