@@ -162,47 +162,36 @@ def median(timings: list[Timing], attribute: str = "step_s") -> float:
     return statistics.median(getattr(t, attribute) for t in timings)
 
 
-def work_default(work: Path, args: Any, **overrides: Any) -> dict[str, Any]:
-    config = user_config(work, args.steps, **overrides)
+def compare(name: str, baseline: dict[str, Any], ours: dict[str, Any], args: Any) -> dict[str, Any]:
+    """Time per step of posttrain on ``ours`` against the bare loop on ``baseline``, in alternating rounds."""
     result = rounds(
-        "zero2" if overrides else "default",
+        name,
         args.rounds,
-        {"bare": lambda: bare(config, args.steps), "posttrain": lambda: posttrain_loop(config)},
+        {"bare": lambda: bare(baseline, args.steps), "posttrain": lambda: posttrain_loop(ours)},
     )
-    bare, ours = median(result["bare"]), median(result["posttrain"])
+    base, mine = median(result["bare"]), median(result["posttrain"])
     return {
-        "bare_ms_per_step": round(bare * 1000, 1),
-        "posttrain_ms_per_step": round(ours * 1000, 1),
-        "ratio": round(ours / bare, 3),
+        "bare_ms_per_step": round(base * 1000, 1),
+        "posttrain_ms_per_step": round(mine * 1000, 1),
+        "ratio": round(mine / base, 3),
         "round_ratios": [
             round(o.step_s / b.step_s, 3) for o, b in zip(result["posttrain"], result["bare"], strict=True)
         ],
         "final_loss": {side: round(r[-1].final_loss, 4) for side, r in result.items()},
+        "posttrain_first_steps_s": [round(t.first_step_s, 1) for t in result["posttrain"]],
     }
+
+
+def work_default(work: Path, args: Any, **overrides: Any) -> dict[str, Any]:
+    config = user_config(work, args.steps, **overrides)
+    return compare("zero2" if overrides else "default", config, config, args)
 
 
 def work_compile(work: Path, args: Any) -> dict[str, Any]:
-    """``model.compile: true`` against the bare eager loop; compilation shows in the first steps."""
-    config = user_config(work, args.steps, **{"model.compile": True})
-    eager = user_config(work, args.steps)
-    result = rounds(
-        "compile",
-        args.rounds,
-        {"bare": lambda: bare(eager, args.steps), "posttrain": lambda: posttrain_loop(config)},
-    )
-    bare_s, ours = median(result["bare"]), median(result["posttrain"])
-    first = result["posttrain"][0]
-    return {
-        "bare_eager_ms_per_step": round(bare_s * 1000, 1),
-        "posttrain_compiled_ms_per_step": round(ours * 1000, 1),
-        "ratio": round(ours / bare_s, 3),
-        "round_ratios": [
-            round(o.step_s / b.step_s, 3) for o, b in zip(result["posttrain"], result["bare"], strict=True)
-        ],
-        "first_step_s_first_round": round(first.first_step_s, 1),
-        "first_step_s_later_rounds": [round(t.first_step_s, 1) for t in result["posttrain"][1:]],
-        "final_loss": {side: round(r[-1].final_loss, 4) for side, r in result.items()},
-    }
+    """``model.compile: true`` against the bare eager loop; the compilation shows in the first step of each
+    round (the first round compiles, later ones find inductor's cache warm)."""
+    compiled = user_config(work, args.steps, **{"model.compile": True})
+    return compare("compile", user_config(work, args.steps), compiled, args)
 
 
 def work_padding_free(work: Path, args: Any) -> dict[str, Any]:
