@@ -27,8 +27,9 @@ class Engine:
     ) -> None:
         import deepspeed
 
-        # Plain fp32 without ZeRO: DeepSpeed would clip with a per-parameter norm loop and report no norm;
-        # here one foreach pass computes the norm and clips (the same operation, torch's clip_grad_norm_).
+        # Plain fp32 without ZeRO: DeepSpeed would clip with a per-parameter norm loop and an all-reduce of the
+        # norm, and report no norm; here one foreach pass computes the norm (reduced as DeepSpeed reduces it,
+        # so the rounding is the same) and another scales the gradients.
         stage = ds_config.get("zero_optimization", {}).get("stage", 0)
         half = any(ds_config.get(key, {}).get("enabled") for key in ("bf16", "bfloat16", "fp16"))
         self._own_norm = stage == 0 and not half
