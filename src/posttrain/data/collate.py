@@ -7,6 +7,7 @@ from typing import Any, NotRequired, TypedDict
 
 import torch
 
+from posttrain.data.packing import join_samples
 from posttrain.data.sft import IGNORE_INDEX
 
 
@@ -80,19 +81,6 @@ class Collator:
         return batch
 
     def flat(self, samples: Sequence[dict[str, Any]]) -> Batch:
-        ids = [torch.as_tensor(s["input_ids"], dtype=torch.long) for s in samples]
-        labels = [torch.as_tensor(s["labels"], dtype=torch.long).clone() for s in samples]
-        for row in labels:
-            row[0] = IGNORE_INDEX
-        input_ids = torch.cat(ids).unsqueeze(0)
-        flat_labels = torch.cat(labels).unsqueeze(0)
-        target_tokens = int((flat_labels != IGNORE_INDEX).sum())
-        return Batch(
-            input_ids=input_ids,
-            labels=flat_labels,
-            position_ids=torch.cat([torch.arange(len(row)) for row in ids]).unsqueeze(0),
-            num_target_tokens=target_tokens,
-            num_loss_units=target_tokens,
-            num_input_tokens=input_ids.shape[1],
-            num_samples=len(samples),
-        )
+        batch = self([join_samples(samples)])  # one packed row, collated as packed rows are
+        batch["num_samples"] = len(samples)
+        return batch

@@ -100,15 +100,18 @@ def with_positions(sample: Sample) -> Sample:
     }
 
 
+def join_samples(samples: Sequence[Sample]) -> Sample:
+    """One row holding ``samples`` one after another, each with its own positions (``with_positions``)."""
+    items = [with_positions(sample) for sample in samples]
+    return {key: [x for item in items for x in item[key]] for key in ("input_ids", "labels", "position_ids")}
+
+
 def _join(samples: list[Sample], bins: Bins) -> list[Sample]:
     offsets, members = bins
-    packed = []
-    for k in range(len(offsets) - 1):
-        items = [with_positions(samples[i]) for i in members[offsets[k] : offsets[k + 1]]]
-        packed.append(
-            {key: [x for item in items for x in item[key]] for key in ("input_ids", "labels", "position_ids")}
-        )
-    return packed
+    return [
+        join_samples([samples[i] for i in members[offsets[k] : offsets[k + 1]]])
+        for k in range(len(offsets) - 1)
+    ]
 
 
 def pack_sequential(samples: list[Sample], max_length: int) -> list[Sample]:
