@@ -281,14 +281,8 @@ ends = [time.time()]
 for batch in itertools.islice(batches, steps):
     counts = torch.tensor([float(batch["num_target_tokens"])])
     dist.all_reduce(counts)
-    # DDP averages gradients: scale so the result is the sum over ranks / all target tokens
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1),
-        batch["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum")
-    (nll * world / counts[0]).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-    optimizer.step(); scheduler.step(); optimizer.zero_grad(set_to_none=True)
-    loss = torch.stack([nll.detach()]); dist.all_reduce(loss); float(loss)
+    loss = bl.bare_step(model, batch, optimizer, scheduler, 1.0, units=float(counts[0]) / world)
+    dist.all_reduce(torch.tensor([loss]))  # the logged loss, over all ranks (as posttrain logs it)
     ends.append(time.time())
 if rank == 0:
     print(json.dumps(ends))

@@ -79,7 +79,12 @@ def bare_optimizer(model: torch.nn.Module, config: Any, steps: int) -> tuple[Any
     return optimizer, get_scheduler(config.scheduler.name, optimizer, warmup, steps)
 
 
-def bare_step(model: Any, batch: dict[str, Any], optimizer: Any, scheduler: Any, clip: float) -> float:
+def bare_step(
+    model: Any, batch: dict[str, Any], optimizer: Any, scheduler: Any, clip: float, units: float = 0.0
+) -> float:
+    """One step; the summed loss is divided by ``units`` (default: the batch's target tokens; under
+    DistributedDataParallel, which averages over ranks, all ranks' target tokens / world size)."""
+    units = units or batch["num_target_tokens"]
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
     logits = model(**inputs).logits
     nll = torch.nn.functional.cross_entropy(
@@ -88,13 +93,13 @@ def bare_step(model: Any, batch: dict[str, Any], optimizer: Any, scheduler: Any,
         ignore_index=-100,
         reduction="sum",
     )
-    (nll / batch["num_target_tokens"]).backward()
+    (nll / units).backward()
     if clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(nll.detach()) / batch["num_target_tokens"]
+    return float(nll.detach()) / units
 
 
 def bare_loop(config: Any, steps: int) -> BareRun:
