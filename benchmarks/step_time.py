@@ -134,11 +134,14 @@ def posttrain_loop(config_data: dict[str, Any]) -> Timing:
     from posttrain.config import load_config
     from posttrain.run import run
 
-    history = [h for h in run(load_config(data=config_data)).state.history if "loss" in h]
-    ends = [history[0]["time"] - history[0]["step_time"], *(h["time"] for h in history)]
-    return timing(
-        ends, [h["tokens_per_second"] * h["step_time"] for h in history], [h["loss"] for h in history]
-    )
+    return history_timing(run(load_config(data=config_data)).state.history)
+
+
+def history_timing(history: list[dict[str, Any]]) -> Timing:
+    """A ``Timing`` from posttrain's step records (eval-only records left out)."""
+    steps = [h for h in history if "loss" in h]
+    ends = [steps[0]["time"] - steps[0]["step_time"], *(h["time"] for h in steps)]
+    return timing(ends, [h["tokens_per_second"] * h["step_time"] for h in steps], [h["loss"] for h in steps])
 
 
 def rounds(name: str, count: int, sides: dict[str, Any]) -> dict[str, list[Timing]]:
@@ -226,14 +229,19 @@ def _fresh(command: list[str]) -> subprocess.CompletedProcess:
     return done
 
 
-def _startup_posttrain(work: Path, config: dict[str, Any]) -> float:
-    path = work / "startup.yaml"
+def posttrain_cli(work: Path, config: dict[str, Any], nproc: int = 1) -> list[dict[str, Any]]:
+    """``posttrain train`` in a fresh process (``--nproc`` processes); its metrics records."""
+    path = work / f"cli-{nproc}.yaml"
     path.write_text(yaml.safe_dump(config))
     metrics = Path(config["logger"]["output_dir"]) / "train-log-metrics.jsonl"
     metrics.unlink(missing_ok=True)
+    _fresh([sys.executable, "-m", "posttrain", "train", str(path), "--nproc", str(nproc)])
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def _startup_posttrain(work: Path, config: dict[str, Any]) -> float:
     started = time.time()
-    _fresh([sys.executable, "-m", "posttrain", "train", str(path)])
-    first = json.loads(metrics.read_text().splitlines()[0])
+    first = posttrain_cli(work, config)[0]
     return first["time"] - first["step_time"] - started
 
 
@@ -297,17 +305,6 @@ def _ddp(config: dict[str, Any], steps: int, nproc: int) -> float:
     return timing(ends, [0] * (len(ends) - 1), [0.0] * (len(ends) - 1)).step_s
 
 
-def _posttrain_procs(work: Path, config: dict[str, Any], nproc: int) -> float:
-    path = work / f"procs{nproc}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    metrics = Path(config["logger"]["output_dir"]) / "train-log-metrics.jsonl"
-    metrics.unlink(missing_ok=True)
-    _fresh([sys.executable, "-m", "posttrain", "train", str(path), "--nproc", str(nproc)])
-    history = [json.loads(line) for line in metrics.read_text().splitlines()]
-    ends = [history[0]["time"] - history[0]["step_time"], *(h["time"] for h in history)]
-    return timing(ends, [0] * len(history), [0.0] * len(history)).step_s
-
-
 def work_two_process(work: Path, args: Any) -> dict[str, Any]:
     """Per-sample time at two processes over one process, for posttrain and a hand-written DDP loop."""
     config = user_config(work, args.steps)
@@ -316,7 +313,7 @@ def work_two_process(work: Path, args: Any) -> dict[str, Any]:
     for index in range(args.rounds):
         for nproc in (1, 2):
             runs[f"ddp{nproc}"].append(_ddp(config, args.steps, nproc))
-            runs[f"posttrain{nproc}"].append(_posttrain_procs(work, config, nproc))
+            runs[f"posttrain{nproc}"].append(history_timing(posttrain_cli(work, config, nproc)).step_s)
         print(
             f"two-process round {index + 1}: "
             + ", ".join(f"{k} {v[-1] * 1000:.0f} ms/step" for k, v in runs.items()),
