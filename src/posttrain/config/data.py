@@ -231,8 +231,8 @@ class SFTDataConfig(DataConfig):
     """Flatten each micro-batch into one row without padding: the same samples, one after another, with
     position ids restarting per sample and no attention across samples (as packing does, but the batches
     stay those of the unpacked run, so the loss is the padded batch's). No compute is spent on padding; with
-    ``sdpa`` the samples of a row share one masked attention call. Not with ``pack_samples`` (already
-    padding-free)."""
+    ``sdpa`` each sample attends causally within itself (per-document attention, no mask over the row). Not
+    with ``pack_samples`` (already padding-free) or sequence parallelism."""
 
     def problems(self) -> Iterator[Problem]:
         yield from super().problems()
