@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.errors import UserError
+from posttrain.testing.tiny import ARCHITECTURES
 
 EXIT_USER_ERROR = 2
 
@@ -94,13 +95,21 @@ def _parser() -> argparse.ArgumentParser:
         "-o", "--out", type=Path, default=Path("curves.png"), help="PNG path (default curves.png)"
     )
 
-    tiny = sub.add_parser("tiny-model", help="write a tiny random LLaMA model and BPE tokenizer (no network)")
+    tiny = sub.add_parser(
+        "tiny-model",
+        help="write a tiny random LLaMA (or mixture-of-experts) model and BPE tokenizer (no network)",
+    )
     tiny.add_argument("out_dir", type=Path)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--hidden-size", type=int, default=64)
     tiny.add_argument("--layers", type=int, default=2)
     tiny.add_argument("--vocab-size", type=int, default=2048)
     tiny.add_argument("--heads", type=int, default=4)
+    tiny.add_argument(
+        "--arch", choices=ARCHITECTURES, default="llama", help="llama (dense) or a mixture-of-experts family"
+    )
+    tiny.add_argument("--experts", type=int, default=8, help="MoE: experts per layer")
+    tiny.add_argument("--top-k", type=int, default=2, help="MoE: experts per token")
 
     convert = sub.add_parser(
         "convert",
@@ -323,6 +332,9 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
         layers=args.layers,
         vocab_size=args.vocab_size,
         heads=args.heads,
+        arch=args.arch,
+        experts=args.experts,
+        top_k=args.top_k,
     )
     print(f"wrote {out}")
     return 0

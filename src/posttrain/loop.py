@@ -8,6 +8,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from posttrain.context import RunContext
 from posttrain.dist import all_reduce_sum
 from posttrain.engine import Engine
+from posttrain.models.moe import RoutingRecorder, load_summary
 from posttrain.stops import StopSignals
 from posttrain.tracking.outputs import RunOutputs
 from posttrain.tracking.system import StepMeter
@@ -78,6 +80,7 @@ class LoopInputs:
     meter: StepMeter
     observers: list[Any] = field(default_factory=list)  # profilers: step_started(step) / step_finished(step)
     perplexity: bool = True
+    routing: RoutingRecorder | None = None  # mixture-of-experts models: router loss and expert load
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -121,6 +124,8 @@ class StepTotals:
     target_tokens: int
     input_tokens: int
     samples: int
+    router_aux_loss: float = 0.0  # summed over this rank's micro-batches (MoE models)
+    micro_batches: int = 0
 
 
 def _sum_tensors(values: dict[str, torch.Tensor], into: dict[str, torch.Tensor]) -> None:
@@ -137,19 +142,36 @@ def train_step(ctx: RunContext, inputs: LoopInputs, micro_batches: list[dict[str
     # DeepSpeed averages gradients over ranks; multiply back so the result is sum / global units.
     scale = ctx.dist.world_size / max(units, 1)
     loss_sum = torch.zeros((), device=engine.device, dtype=torch.float64)
+    aux_sum = torch.zeros((), device=engine.device, dtype=torch.float64)
     metric_sums: dict[str, torch.Tensor] = {}
     timers = inputs.meter.timers
+    routing = inputs.routing
     for index, micro in enumerate(micro_batches):
         with timers.section("forward"):
             batch = to_device(micro, engine.device)
-            loss, metrics = inputs.loss_fn(engine, batch)
-        engine.micro_step(loss * scale, last=index == len(micro_batches) - 1, timers=timers)
+            with routing.recording() if routing is not None else nullcontext():
+                loss, metrics = inputs.loss_fn(engine, batch)
+            objective = loss * scale
+            aux = routing.take_loss(batch) if routing is not None else None
+            if aux is not None:
+                aux_sum += aux.detach().double()
+                if routing is not None and routing.coefficient > 0:
+                    # the mean over the step's micro-batches (DeepSpeed averages over the ranks)
+                    objective = objective + aux * (routing.coefficient / len(micro_batches))
+        engine.micro_step(objective, last=index == len(micro_batches) - 1, timers=timers)
         loss_sum += loss.detach().double()
         _sum_tensors(metrics, metric_sums)
     names = sorted(metric_sums)
-    values = torch.stack([loss_sum, *(metric_sums[n] for n in names)]).tolist()  # one host transfer
+    values = torch.stack([loss_sum, aux_sum, *(metric_sums[n] for n in names)]).tolist()  # one transfer
     return StepTotals(
-        values[0], dict(zip(names, values[1:], strict=True)), units, target_tokens, input_tokens, samples
+        values[0],
+        dict(zip(names, values[2:], strict=True)),
+        units,
+        target_tokens,
+        input_tokens,
+        samples,
+        router_aux_loss=values[1],
+        micro_batches=len(micro_batches),
     )
 
 
@@ -179,6 +201,29 @@ def evaluate(ctx: RunContext, inputs: LoopInputs) -> dict[str, float]:
     if inputs.perplexity:
         result["eval_perplexity"] = perplexity(result["eval_loss"])
     return result
+
+
+def _routing_values(config: Any, inputs: LoopInputs, state: LoopState, totals: StepTotals) -> list[float]:
+    """What a step of an MoE model adds to the step's all-reduce: the router loss summed over micro-batches,
+    their number, and at the metrics interval the expert counts since the last report."""
+    routing = inputs.routing
+    if routing is None:
+        return []
+    values = [totals.router_aux_loss, float(totals.micro_batches)]
+    if config.loss_log_interval and state.step % config.loss_log_interval == 0:
+        values += routing.take_counts(routing.layers).flatten().tolist()
+    return values
+
+
+def _routing_metrics(inputs: LoopInputs, values: list[float]) -> dict[str, Any]:
+    """``router_aux_loss`` (mean over the step's micro-batches and ranks) and, when counted, the load."""
+    if inputs.routing is None:
+        return {}
+    metrics: dict[str, Any] = {"router_aux_loss": values[0] / max(values[1], 1.0)}
+    if len(values) > 2:
+        counts = torch.tensor(values[2:], dtype=torch.float64).view(inputs.routing.layers, -1)
+        metrics.update(load_summary(counts))
+    return metrics
 
 
 def _stop_reason(ctx: RunContext, state: LoopState) -> str:
@@ -265,11 +310,12 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopSta
             elapsed = time.perf_counter() - started
             local_stop = inputs.stops.check(config.kill_switch_path, elapsed)
             names = sorted(totals.metrics)
+            routing = _routing_values(config, inputs, state, totals)
             reduced = all_reduce_sum(
-                [totals.loss, *(totals.metrics[n] for n in names), *local_stop], ctx.dist
+                [totals.loss, *(totals.metrics[n] for n in names), *local_stop, *routing], ctx.dist
             )
             per_unit = [value / max(totals.units, 1) for value in reduced[: 1 + len(names)]]
-            stops = reduced[1 + len(names) :]
+            stops = reduced[1 + len(names) : 1 + len(names) + len(local_stop)]
             record: dict[str, Any] = {
                 "iter": state.step,
                 "epoch": state.epoch,
@@ -277,6 +323,7 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopSta
                 **({"perplexity": perplexity(per_unit[0])} if inputs.perplexity else {}),
                 **dict(zip(names, per_unit[1:], strict=True)),
                 "lr": lr,
+                **_routing_metrics(inputs, reduced[len(reduced) - len(routing) :]),
                 "grad_norm": inputs.engine.grad_norm(),
                 "tokens": totals.target_tokens,
                 "step_time": elapsed,

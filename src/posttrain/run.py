@@ -28,6 +28,7 @@ from posttrain.logs import get_logger, say, setup_logging
 from posttrain.loop import LoopInputs, LoopState, final_evaluation, train_loop
 from posttrain.methods.token_logps import unwrap
 from posttrain.models.facts import ModelFacts, facts_from_model
+from posttrain.models.moe import check_moe, routing_recorder
 from posttrain.models.sequence_parallel import (
     SequenceSlicer,
     check_sequence_parallel,
@@ -121,8 +122,8 @@ def _model_and_deepspeed(
     if early is not None:
         _resolve_auto_dtype(config, early.dtype)
     sp = config.sequence_parallel_size
-    if sp > 1 and early is not None:  # before loading any weights
-        check_sequence_parallel(sp, early, config.model.attn_implementation)
+    if early is not None:  # before loading any weights
+        _check_model(config, early)
 
     def deepspeed_config(hidden: int | None) -> dict[str, Any]:
         if hidden is None:
@@ -143,13 +144,25 @@ def _model_and_deepspeed(
     _resolve_auto_dtype(config, str(next(model.parameters()).dtype))
     if ds_config is None:
         ds_config = deepspeed_config(facts.hidden_size if facts else None)
+    if early is None and facts is not None:
+        _check_model(config, facts)
     if sp > 1:
-        if early is None:
-            check_sequence_parallel(sp, facts, config.model.attn_implementation)
         install_sequence_parallel(
             unwrap(model), sp, config.model.attn_implementation, config.micro_batch_size
         )
     return model, facts, ds_config, zero3
+
+
+def _check_model(config: TrainerConfig, facts: ModelFacts) -> None:
+    """Start-up checks that need the model's facts."""
+    if config.sequence_parallel_size > 1:
+        check_sequence_parallel(config.sequence_parallel_size, facts, config.model.attn_implementation)
+    check_moe(
+        facts.moe,
+        facts.architecture,
+        aux_loss_coef=config.model.router_aux_loss_coef,
+        sp=config.sequence_parallel_size,
+    )
 
 
 def _resolve_auto_dtype(config: TrainerConfig, found: str | None) -> None:
@@ -250,6 +263,9 @@ def _run(config: TrainerConfig, dist: DistInfo) -> RunResult:
         meter=build_meter(ctx, engine.module, engine.device, getattr(torch, config.model.dtype)),
         observers=profiling_observers(config, dist.rank, engine.device),
         perplexity=spec.perplexity,
+        routing=routing_recorder(
+            unwrap(engine.module), facts.moe if facts else None, config.model.router_aux_loss_coef
+        ),
     )
     stops.install()
     if config.manual_gc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from posttrain.config.base import BaseConfig, Problem
 
@@ -77,6 +77,12 @@ class ModelConfig(BaseConfig):
     sequence length makes the lengths dynamic, so variable lengths and packing do not recompile every step).
     Works with ZeRO 0-3, LoRA, packing and activation checkpointing; not with ``sequence_parallel_size`` > 1.
     Needs a C++ compiler on CPU."""
+
+    router_aux_loss_coef: float | None = Field(default=None, ge=0)
+    """Mixture-of-experts models: weight of the router's load-balancing loss, added to the training loss and
+    reported apart as ``router_aux_loss`` (never part of ``eval_loss``). Null: the model's own
+    ``router_aux_loss_coef``; 0 turns the loss off (the expert load is still logged). Refused for dense
+    models."""
 
     peft_config: dict[str, Any] | None = None
     """Parameter-efficient fine-tuning: any PEFT config as a dict, ``peft_type`` (default ``LORA``) plus its

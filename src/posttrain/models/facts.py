@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from posttrain.models.moe import MoEFacts, moe_facts_from_hf_config
 from posttrain.models.peft import base_model
 
 #: where model configs keep their hidden size, first found wins (ZeRO bucket sizes scale with it)
@@ -19,7 +20,8 @@ GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 class ModelFacts:
     """The model facts a run uses: DeepSpeed bucket sizes (``hidden_size``), the default ``data.max_length``
     (``max_positions``), what sequence parallelism splits (``attention_heads``, ``kv_heads``), whether the
-    tiled MLP applies (``mlp``: the MLP classes and whether they are gated, known once the model is built)."""
+    tiled MLP applies (``mlp``: the MLP classes and whether they are gated, known once the model is built), and
+    a mixture-of-experts model's routing (``moe``)."""
 
     model_type: str
     architecture: str
@@ -31,6 +33,7 @@ class ModelFacts:
     dtype: str | None = None  # the checkpoint's weight dtype (``model.dtype: auto``), e.g. "bfloat16"
     mlp: tuple[str, ...] = ()  # MLP class names of the built model
     gated_mlp: bool | None = None  # None: not known before the model is built
+    moe: MoEFacts | None = None  # the routing of a mixture-of-experts model; None: dense
 
 
 def _int(config: Any, *names: str) -> int | None:
@@ -58,6 +61,7 @@ def facts_from_hf_config(config: Any) -> ModelFacts:
         kv_heads=_int(text, "num_key_value_heads") or heads,
         vocab_size=_int(text, "vocab_size"),
         dtype=_dtype_name(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)),
+        moe=moe_facts_from_hf_config(text),
     )
 
 

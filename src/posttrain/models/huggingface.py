@@ -38,13 +38,22 @@ class HuggingFaceModelFactory:
     def load(self, config: ModelConfig, ctx: RunContext) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(
-            config.name_or_path,
-            dtype=TORCH_DTYPES.get(config.dtype, "auto"),
-            attn_implementation=config.attn_implementation,
-            **config.hub_arguments(),
-            **_quantization(config),
-        )
+        try:
+            return AutoModelForCausalLM.from_pretrained(
+                config.name_or_path,
+                dtype=TORCH_DTYPES.get(config.dtype, "auto"),
+                attn_implementation=config.attn_implementation,
+                **config.hub_arguments(),
+                **_quantization(config),
+            )
+        except ValueError as error:
+            if "attention implementation" not in str(error):
+                raise
+            raise UserError(
+                f"model.attn_implementation={config.attn_implementation} is not supported by "
+                f"{config.name_or_path}'s architecture ({str(error).split('.')[0]}); set "
+                "model.attn_implementation: eager (or another kernel the model supports)"
+            ) from None
 
     def __call__(self, config: ModelConfig, ctx: RunContext) -> torch.nn.Module:
         model = self.load(config, ctx)

@@ -1,4 +1,4 @@
-"""A tiny LLaMA-architecture model and byte-level BPE tokenizer, built locally with no network.
+"""A tiny LLaMA-architecture (or mixture-of-experts) model and byte-level BPE tokenizer, built locally with no network.
 
 Used by the tests, the demo and the benchmarks so nothing is ever downloaded. Deterministic for a seed: the
 training text, the BPE merges and the initial weights all derive from it.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import string
 from pathlib import Path
+from typing import Any
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|im_end|>", "<|pad|>"
 IM_START, END_OF_TEXT = "<|im_start|>", "<|end_of_text|>"
@@ -89,6 +90,30 @@ def build_tokenizer(vocab_size: int = 2048, seed: int = 0):  # -> PreTrainedToke
     return fast
 
 
+#: architectures the tiny builder makes: ``llama`` (dense) and four mixture-of-experts families
+ARCHITECTURES = ("llama", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
+
+
+def _moe_settings(arch: str, hidden_size: int, heads: int, experts: int, top_k: int) -> dict[str, Any]:
+    """The MoE part of a tiny config: ``experts`` experts of width ``hidden_size`` each, ``top_k`` per token."""
+    if arch == "mixtral":
+        return {"num_local_experts": experts, "num_experts_per_tok": top_k, "intermediate_size": hidden_size}
+    if arch == "gpt_oss":
+        return {
+            "num_local_experts": experts,
+            "num_experts_per_tok": top_k,
+            "intermediate_size": hidden_size,
+            "head_dim": hidden_size // heads,
+            "sliding_window": 128,
+            "layer_types": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0},
+        }
+    settings = {"num_experts": experts, "num_experts_per_tok": top_k, "intermediate_size": hidden_size * 2}
+    if arch == "qwen3_moe":
+        settings |= {"moe_intermediate_size": hidden_size, "norm_topk_prob": True, "decoder_sparse_step": 1}
+    return settings
+
+
 def build_model(
     vocab_size: int,
     *,
@@ -100,17 +125,26 @@ def build_model(
     bos_token_id: int | None = None,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
-):  # -> LlamaForCausalLM
-    """A randomly initialised LLaMA causal LM (float32)."""
+    arch: str = "llama",
+    experts: int = 8,
+    top_k: int = 2,
+):  # -> PreTrainedModel
+    """A randomly initialised causal LM (float32): LLaMA, or a mixture-of-experts family (``arch``) with
+    ``experts`` experts and ``top_k`` of them per token in every layer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if hidden_size % heads:
         raise ValueError(f"hidden_size {hidden_size} must be a multiple of the {heads} attention heads")
-    config = LlamaConfig(
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch {arch!r} is not one of {', '.join(ARCHITECTURES)}")
+    settings: dict[str, Any] = {"intermediate_size": hidden_size * 4}
+    if arch != "llama":
+        settings = _moe_settings(arch, hidden_size, heads, experts, top_k)
+    config = AutoConfig.for_model(
+        arch,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 4,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
@@ -120,9 +154,10 @@ def build_model(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         dtype="float32",
+        **settings,
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 def write_tiny_model(
@@ -133,6 +168,9 @@ def write_tiny_model(
     layers: int = 2,
     vocab_size: int = 2048,
     heads: int = 4,
+    arch: str = "llama",
+    experts: int = 8,
+    top_k: int = 2,
 ) -> Path:
     """Write model + tokenizer in Hugging Face format to ``out_dir`` (atomically) and return the path."""
     from posttrain.utils.fs import atomic_dir
@@ -148,6 +186,9 @@ def write_tiny_model(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        arch=arch,
+        experts=experts,
+        top_k=top_k,
     )
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id

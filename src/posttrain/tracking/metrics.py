@@ -37,7 +37,15 @@ class MetricsFile:
 def format_line(record: dict[str, Any], total_steps: int) -> str:
     """A human-readable metrics line for the console."""
     parts = [f"iter {record['iter']}/{total_steps}", f"epoch {record['epoch']}"]
-    for key, fmt in (("loss", ".4f"), ("eval_loss", ".4f"), ("lr", ".3e"), ("grad_norm", ".3f")):
+    shown = (
+        ("loss", ".4f"),
+        ("router_aux_loss", ".4f"),
+        ("expert_imbalance", ".2f"),
+        ("eval_loss", ".4f"),
+        ("lr", ".3e"),
+        ("grad_norm", ".3f"),
+    )
+    for key, fmt in shown:
         if record.get(key) is not None:
             parts.append(f"{key} {record[key]:{fmt}}")
     if record.get("tokens_per_second") is not None:
