@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from posttrain.models.compile import compiled_block_classes
+from posttrain.models.expert_parallel import expert_group_name, installed_layout
 
 
 class Engine:
@@ -49,6 +50,8 @@ class Engine:
             # over a group of one and copy it back, for nothing.
             self.ds.enable_backward_allreduce = False
         self._params = [p for p in self.ds.module.parameters() if p.requires_grad]
+        # expert parallelism: each rank holds other experts, so their share of the norm is summed over the group
+        self._experts = installed_layout(model)
         self._norm: torch.Tensor | None = None
 
     @property
@@ -80,7 +83,16 @@ class Engine:
         if not params:
             return None
         # the sum of squared per-tensor norms, as DeepSpeed's clipping reduces them (same rounding)
-        norm = torch.stack(torch._foreach_norm([p.grad for p in params])).pow(2).sum().pow(0.5)
+        shared = [p.grad for p in params if expert_group_name(p) is None]
+        norm = torch.stack(torch._foreach_norm(shared)).pow(2).sum()
+        if self._experts is not None:
+            import torch.distributed as dist
+
+            local = [p.grad for p in params if expert_group_name(p) is not None]
+            experts = torch.stack(torch._foreach_norm(local)).pow(2).sum()
+            dist.all_reduce(experts, group=self._experts.group)
+            norm = norm + experts
+        norm = norm.pow(0.5)
         if self._clip > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self._clip, norm, foreach=True)
         return norm
@@ -93,15 +105,36 @@ class Engine:
         return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
 
     def save_state(self, directory: str, tag: str) -> None:
-        """Model and optimizer (sharded as ZeRO holds them) and scheduler into ``directory/tag`` (all ranks)."""
+        """Model and optimizer (sharded as ZeRO holds them) and scheduler into ``directory/tag`` (all ranks).
+        With expert parallelism every rank also writes its experts' weights (DeepSpeed's model file holds
+        rank 0's only; the optimizer state is per expert-parallel rank already)."""
         self.ds.save_checkpoint(directory, tag=tag, save_latest=False)
+        if self._experts is not None:
+            weights = {name: param.detach() for name, param in self._expert_weights().items()}
+            torch.save(weights, self._experts_file(directory, tag))
 
     def load_state(self, directory: str, tag: str) -> bool:
         """Restore what :meth:`save_state` wrote; False when DeepSpeed found nothing to load."""
         path, _ = self.ds.load_checkpoint(
             directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
         )
+        if path is not None and self._experts is not None:
+            saved = torch.load(self._experts_file(directory, tag), map_location="cpu", weights_only=True)
+            with torch.no_grad():
+                for name, param in self._expert_weights().items():
+                    param.copy_(saved[name])
         return path is not None
+
+    def _expert_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's expert weights by name."""
+        return {n: p for n, p in self.ds.module.named_parameters() if expert_group_name(p) is not None}
+
+    def _experts_file(self, directory: str, tag: str) -> str:
+        import os
+
+        import torch.distributed as dist
+
+        return os.path.join(directory, tag, f"experts_rank{dist.get_rank()}.pt")
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])

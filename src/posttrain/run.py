@@ -27,8 +27,9 @@ from posttrain.errors import UserError
 from posttrain.logs import get_logger, say, setup_logging
 from posttrain.loop import LoopInputs, LoopState, final_evaluation, train_loop
 from posttrain.methods.token_logps import unwrap
+from posttrain.models.expert_parallel import install_expert_parallel
 from posttrain.models.facts import ModelFacts, facts_from_model
-from posttrain.models.moe import check_moe, routing_recorder
+from posttrain.models.moe import check_moe, routing_recorder, wants_grouped
 from posttrain.models.sequence_parallel import (
     SequenceSlicer,
     check_sequence_parallel,
@@ -123,7 +124,7 @@ def _model_and_deepspeed(
         _resolve_auto_dtype(config, early.dtype)
     sp = config.sequence_parallel_size
     if early is not None:  # before loading any weights
-        _check_model(config, early)
+        _check_model(config, early, dist.world_size)
 
     def deepspeed_config(hidden: int | None) -> dict[str, Any]:
         if hidden is None:
@@ -145,7 +146,14 @@ def _model_and_deepspeed(
     if ds_config is None:
         ds_config = deepspeed_config(facts.hidden_size if facts else None)
     if early is None and facts is not None:
-        _check_model(config, facts)
+        _check_model(config, facts, dist.world_size)
+    moe = facts.moe if facts else None
+    if wants_grouped(config.arctic_moe, config.expert_parallel_size, moe) and moe is not None:
+        layout = install_expert_parallel(unwrap(model), config.expert_parallel_size, moe.num_experts)
+        say(
+            f"MoE layers run grouped: {moe.num_experts} experts per layer, {layout.local} on each of "
+            f"{layout.size} expert-parallel processes"
+        )
     if sp > 1:
         install_sequence_parallel(
             unwrap(model), sp, config.model.attn_implementation, config.micro_batch_size
@@ -153,7 +161,7 @@ def _model_and_deepspeed(
     return model, facts, ds_config, zero3
 
 
-def _check_model(config: TrainerConfig, facts: ModelFacts) -> None:
+def _check_model(config: TrainerConfig, facts: ModelFacts, world_size: int) -> None:
     """Start-up checks that need the model's facts."""
     if config.sequence_parallel_size > 1:
         check_sequence_parallel(config.sequence_parallel_size, facts, config.model.attn_implementation)
@@ -162,6 +170,9 @@ def _check_model(config: TrainerConfig, facts: ModelFacts) -> None:
         facts.architecture,
         aux_loss_coef=config.model.router_aux_loss_coef,
         sp=config.sequence_parallel_size,
+        arctic_moe=config.arctic_moe,
+        expert_parallel_size=config.expert_parallel_size,
+        world_size=world_size,
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from posttrain.checkpoint.base import CheckpointEngine
 from posttrain.config.checkpoint import HFCheckpointConfig
+from posttrain.models.expert_parallel import full_experts
 from posttrain.models.peft import is_peft_model
 from posttrain.registry import CHECKPOINT_ENGINES
 from posttrain.utils.fs import atomic_dir
@@ -34,7 +35,8 @@ class HFCheckpointEngine(CheckpointEngine):
 
     """Writes ``<output_dir>/global_step_<N>`` periodically and ``<output_dir>/<save_name or final>`` at
     the end. Each export is written to a temporary directory and renamed into place by rank 0; under ZeRO-3
-    the full weights are gathered first. Every rank calls ``save`` (the gather is collective)."""
+    the full weights are gathered first, and with expert parallelism every layer's experts. Every rank calls
+    ``save`` (the gathers are collective)."""
 
     def save(self, engine: Any, state: Any, *, end: bool = False) -> Path:
         model = engine.module
@@ -42,7 +44,7 @@ class HFCheckpointEngine(CheckpointEngine):
         target = self.output_dir / name
         if not end and state.step == self.last_saved_step:
             return target  # saved already at this step (a step and an epoch interval can coincide)
-        with full_parameters(model):
+        with full_parameters(model), full_experts(model):
             if self.ctx.dist.is_main:
                 self._write(model, target)  # a PEFT model writes its adapter only
                 if self.config.save_merged and is_peft_model(model):

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, SerializeAsAny, field_validator
 
-from posttrain.config.base import BaseConfig, Problem, unsupported
+from posttrain.config.base import BaseConfig, Problem
 from posttrain.config.checkpoint import CheckpointConfig
 from posttrain.config.data import DataConfig
 from posttrain.config.deepspeed_block import deepspeed_problems
@@ -113,16 +113,26 @@ class TrainerConfig(BaseConfig):
     divisible by it. 1: off."""
 
     expert_parallel_size: int = Field(default=1, ge=1)
-    """Expert-parallel degree for MoE models. Not supported yet (must stay 1)."""
+    """Expert parallelism for mixture-of-experts models: each MoE layer's experts are split over this many
+    processes (a contiguous block each) and tokens travel to their experts with all-to-all; DeepSpeed reduces
+    expert gradients over the processes holding the same experts and everything else over all. Must divide
+    the world size and the experts per layer; ZeRO stage 0, 1 or 2. Runs through the grouped implementation
+    (``arctic_moe``). 1: every process holds every expert."""
 
     arctic_moe: bool | Literal["auto"] = False
-    """ArcticTraining's MoE kernels. Not supported."""
+    """Run MoE layers through posttrain's grouped expert-parallel implementation (the model's own fused
+    experts computation, with the expert sharding and all-to-all of ``expert_parallel_size``). ``auto``: when
+    the model is a mixture of experts; ``true`` on a dense model is an error. Implied by
+    ``expert_parallel_size`` > 1."""
 
     enable_arctic_moe_custom_optimization: bool = False
-    """ArcticTraining's MoE communication kernels. Not supported."""
+    """ArcticTraining's custom CUDA all-to-all and grouped-GEMM kernels for MoE layers. posttrain does not
+    ship them: ``true`` is refused (the grouped implementation uses PyTorch's own grouped matmul)."""
 
     enable_routing_replay: bool = False
-    """Routing replay for MoE layers. Not supported."""
+    """Replaying recorded MoE routing in a later pass. Refused: posttrain has no pass to replay into (DPO's
+    reference log-probabilities are computed once before training, and a checkpointed layer's recomputation
+    routes exactly as its forward did)."""
 
     activation_checkpoint_cpu_offload: bool = False
     """Keep the activations saved at each checkpointed layer (its input hidden states) in CPU memory
@@ -279,18 +289,47 @@ class TrainerConfig(BaseConfig):
                 "are not compiled); set model.compile: false or sequence_parallel_size: 1",
             )
 
+    def _moe_problems(self) -> Iterator[Problem]:
+        ep = self.expert_parallel_size
+        if self.enable_arctic_moe_custom_optimization:
+            yield Problem(
+                "enable_arctic_moe_custom_optimization",
+                "true needs ArcticTraining's custom CUDA kernels (a CUDA GPU and kernels posttrain does not "
+                "ship); set it to false: the grouped implementation (arctic_moe) runs on PyTorch's grouped "
+                "matmul, on CPU and GPU",
+            )
+        if self.enable_routing_replay:
+            yield Problem(
+                "enable_routing_replay",
+                "true is refused: posttrain has no later pass to replay routing into (DPO's reference "
+                "log-probabilities are computed once before training; a checkpointed layer's recomputation "
+                "routes as its forward did); set it to false",
+            )
+        if ep == 1:
+            return
+        if self.arctic_moe is False and "arctic_moe" in self.model_fields_set:
+            yield Problem(
+                "arctic_moe",
+                f"false contradicts expert_parallel_size={ep}, which runs through the grouped implementation; "
+                "set arctic_moe: true or auto, or expert_parallel_size: 1",
+            )
+        stage = self.deepspeed.get("zero_optimization", {}).get("stage")
+        if stage == 3:
+            yield Problem(
+                "deepspeed.zero_optimization.stage",
+                f"3 cannot run with expert_parallel_size={ep} (DeepSpeed's ZeRO-3 does not partition "
+                "expert-parallel parameters); use stage 0, 1 or 2",
+            )
+        others = (
+            ("sequence_parallel_size", self.sequence_parallel_size > 1, "set sequence_parallel_size: 1"),
+            ("model.compile", self.model.compile, "set model.compile: false"),
+        )
+        for key, active, fix in others:
+            if active:
+                yield Problem(key, f"cannot be combined with expert_parallel_size={ep} yet; {fix}")
+
     def problems(self) -> Iterator[Problem]:
-        yield from unsupported("expert_parallel_size", self.expert_parallel_size, 1, "expert parallelism")
-        yield from unsupported("arctic_moe", self.arctic_moe, False, "ArcticTraining MoE kernels")
-        yield from unsupported(
-            "enable_arctic_moe_custom_optimization",
-            self.enable_arctic_moe_custom_optimization,
-            False,
-            "ArcticTraining MoE kernels",
-        )
-        yield from unsupported(
-            "enable_routing_replay", self.enable_routing_replay, False, "MoE routing replay"
-        )
+        yield from self._moe_problems()
         if self.activation_checkpoint_cpu_offload and self.model.disable_activation_checkpoint:
             yield Problem(
                 "activation_checkpoint_cpu_offload",

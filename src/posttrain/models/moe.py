@@ -158,11 +158,42 @@ class RoutingRecorder:
             handle.remove()
 
 
-def check_moe(moe: MoEFacts | None, architecture: str, *, aux_loss_coef: float | None, sp: int) -> None:
+def wants_grouped(arctic_moe: bool | str, expert_parallel_size: int, moe: MoEFacts | None) -> bool:
+    """Whether the run uses the grouped expert-parallel implementation (``arctic_moe``)."""
+    return expert_parallel_size > 1 or arctic_moe is True or (arctic_moe == "auto" and moe is not None)
+
+
+def check_moe(
+    moe: MoEFacts | None,
+    architecture: str,
+    *,
+    aux_loss_coef: float | None,
+    sp: int,
+    arctic_moe: bool | str = False,
+    expert_parallel_size: int = 1,
+    world_size: int = 1,
+) -> None:
     """Start-up checks that need to know whether the model is a mixture of experts."""
     from posttrain.errors import UserError
 
     problems = []
+    ep = expert_parallel_size
+    if moe is None and wants_grouped(arctic_moe, ep, moe):
+        key = f"expert_parallel_size={ep}" if ep > 1 else f"arctic_moe={arctic_moe}"
+        problems.append(
+            f"{key} shards the experts of a mixture-of-experts model and {architecture} is dense; "
+            "set expert_parallel_size: 1 and arctic_moe: false (or auto)"
+        )
+    if moe is not None and ep > 1 and moe.num_experts % ep:
+        problems.append(
+            f"{architecture} has {moe.num_experts} experts per layer, not divisible by "
+            f"expert_parallel_size={ep}; use a divisor of {moe.num_experts}"
+        )
+    if ep > 1 and world_size % ep:
+        problems.append(
+            f"expert_parallel_size={ep} must divide the number of processes ({world_size}); launch a "
+            f"multiple of {ep} processes or change expert_parallel_size"
+        )
     if moe is None and aux_loss_coef is not None:
         problems.append(
             f"model.router_aux_loss_coef={aux_loss_coef} applies to mixture-of-experts models and "

@@ -8,6 +8,7 @@ import torch
 
 from posttrain.config.optimizer import OptimizerConfig
 from posttrain.context import RunContext
+from posttrain.models.expert_parallel import expert_group_name
 from posttrain.registry import OPTIMIZERS
 
 _LAYER = re.compile(r"\.layers?\.(\d+)\.|\.h\.(\d+)\.|\.blocks?\.(\d+)\.")
@@ -46,24 +47,29 @@ def param_groups(
 ) -> list[dict]:
     """Decay matrices; never biases, norm weights or other 1-D parameters. Frozen parameters are left out.
     Each group's LR is ``lr`` times its ratio: LoRA+ (``lora_plus_scale``) for the LoRA B matrices, and the
-    layer-wise decay ratio. ``use_weight_decay`` tells weight-decay schedules which groups to change."""
+    layer-wise decay ratio. ``use_weight_decay`` tells weight-decay schedules which groups to change. Sharded
+    expert weights (expert parallelism) get groups of their own, as DeepSpeed needs."""
     num_layers = _num_layers(model) if layerwise_lr_decay_bound < 1.0 else 0
-    groups: dict[tuple[bool, float], list[torch.nn.Parameter]] = {}
+    groups: dict[tuple[bool, float, str], list[torch.nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        decay = not (param.ndim < 2 or name.endswith(".bias"))
+        decay = not (param.ndim < 2 or name.endswith(".bias") or name.endswith("_bias"))
         ratio = lora_plus_scale if lora_plus_scale != 1.0 and ".lora_B." in name else 1.0
         ratio *= layer_ratio(name, num_layers, layerwise_lr_decay_bound)
-        groups.setdefault((decay, ratio), []).append(param)
+        groups.setdefault((decay, ratio, expert_group_name(param) or ""), []).append(param)
     return [
         {
             "params": params,
             "weight_decay": weight_decay if decay else 0.0,
             "use_weight_decay": decay,
             "lr": lr * ratio,
+            # DeepSpeed partitions and reduces a group marked ``moe`` over its expert-parallel group ``name``
+            **({"moe": True, "name": experts} if experts else {}),
         }
-        for (decay, ratio), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))
+        for (decay, ratio, experts), params in sorted(
+            groups.items(), key=lambda item: (not item[0][0], item[0][1], item[0][2])
+        )
     ]
 
 
