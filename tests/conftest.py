@@ -28,6 +28,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny mixture-of-experts models (8 experts, 2 per token), one per architecture, written on first use."""
+    from posttrain.testing.tiny import ARCHITECTURES, write_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-moe")
+    return {
+        arch: write_tiny_model(root / arch, seed=0, hidden_size=64, layers=2, vocab_size=1024, arch=arch)
+        for arch in ARCHITECTURES
+        if arch != "llama"
+    }
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir: Path):  # -> PreTrainedTokenizerFast
     from transformers import AutoTokenizer
 

@@ -3,7 +3,8 @@ trainable parameter at that step (before clipping and the optimizer), and the la
 
 Usage: first_step_grads.py OUT.pt NAME=CONFIG.yaml [...]. Every rank takes part in gathering the
 gradients (ZeRO partitions them); rank 0 writes OUT.pt, with its own counts of sequence-parallel
-attention calls and of micro-batch slices without labels (proof that the feature ran).
+attention calls, of micro-batch slices without labels and of expert-parallel layer calls (proof that the
+feature ran). Expert-parallel gradients are gathered over the experts' group into the full tensor.
 """
 
 import os
@@ -14,7 +15,8 @@ from deepspeed.utils import safe_get_full_grad
 
 from posttrain.config import load_config
 from posttrain.engine import Engine
-from posttrain.models import sequence_parallel
+from posttrain.models import expert_parallel, sequence_parallel
+from posttrain.models.expert_parallel import expert_group_name, gather_experts, installed_layout
 from posttrain.run import run
 
 captured: dict = {}
@@ -22,10 +24,18 @@ plain_micro_step = Engine.micro_step
 plain_clip_own = Engine._clip_own
 
 
+def full_grad(param: torch.nn.Parameter, layout: object) -> torch.Tensor:
+    grad = safe_get_full_grad(param).detach()
+    if expert_group_name(param) is not None:  # this rank's experts: gather every rank's block
+        grad = gather_experts(grad, layout)
+    return grad.float().cpu().clone()
+
+
 def capture(engine: Engine) -> None:
     if "grads" not in captured:
+        layout = installed_layout(engine.ds.module)
         captured["grads"] = {
-            name: safe_get_full_grad(param).detach().float().cpu().clone()
+            name: full_grad(param, layout)
             for name, param in engine.ds.module.named_parameters()
             if param.requires_grad
         }
@@ -51,7 +61,7 @@ def micro_step(self: Engine, loss: torch.Tensor, last: bool, timers: object = No
 
 Engine._clip_own = clip_own
 Engine.micro_step = micro_step
-counts = {"sp_attention_calls": 0, "slices_without_labels": 0}
+counts = {"sp_attention_calls": 0, "slices_without_labels": 0, "sharded_expert_calls": 0}
 plain_fit_batch = sequence_parallel._fit_batch
 plain_slice = sequence_parallel.SequenceSlicer.__call__
 
@@ -67,13 +77,22 @@ def slice_batch(self: object, samples: list) -> dict:
     return batch
 
 
+plain_sharded_forward = expert_parallel.sharded_forward
+
+
+def sharded_forward(*args: object) -> torch.Tensor:
+    counts["sharded_expert_calls"] += 1
+    return plain_sharded_forward(*args)
+
+
+expert_parallel.sharded_forward = sharded_forward
 sequence_parallel._fit_batch = fit_batch
 sequence_parallel.SequenceSlicer.__call__ = slice_batch
 results = {}
 for spec in sys.argv[2:]:
     name, path = spec.split("=", 1)
     captured.clear()
-    counts.update(sp_attention_calls=0, slices_without_labels=0)
+    counts.update(sp_attention_calls=0, slices_without_labels=0, sharded_expert_calls=0)
     history = run(load_config(path)).state.history
     evals = [record["eval_loss"] for record in history if "eval_loss" in record]
     results[name] = {

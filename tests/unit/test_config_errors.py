@@ -68,10 +68,38 @@ def test_every_seed_key_is_accepted_at_its_default(tmp_path: Path) -> None:
     assert config.model.dtype == "bfloat16"
 
 
-def test_features_not_built_yet_are_refused(tmp_path: Path) -> None:
-    error = errors_of(GOOD, tmp_path, ["expert_parallel_size=2"])
-    assert [issue.path for issue in error.issues] == ["expert_parallel_size"]
-    assert "not supported yet" in error.render()
+@pytest.mark.parametrize(
+    ("overrides", "paths", "says"),
+    [
+        (["enable_routing_replay=true"], ["enable_routing_replay"], "no later pass to replay"),
+        (["enable_arctic_moe_custom_optimization=true"], ["enable_arctic_moe_custom_optimization"], "CUDA"),
+        (
+            ["expert_parallel_size=2", "deepspeed.zero_optimization.stage=3"],
+            ["deepspeed.zero_optimization.stage"],
+            "use stage 0, 1 or 2",
+        ),
+        (
+            ["expert_parallel_size=2", "sequence_parallel_size=2", "model.compile=true"],
+            ["sequence_parallel_size", "model.compile", "model.compile"],
+            "expert_parallel_size=2",
+        ),
+        (["expert_parallel_size=2", "arctic_moe=false"], ["arctic_moe"], "contradicts"),
+    ],
+    ids=["routing-replay", "custom-kernels", "ep-zero3", "ep-sp-compile", "ep-without-grouped"],
+)
+def test_moe_combinations_that_cannot_run_are_refused(
+    tmp_path: Path, overrides: list[str], paths: list[str], says: str
+) -> None:
+    error = errors_of(GOOD, tmp_path, overrides)
+    assert sorted(issue.path for issue in error.issues) == sorted(paths), error.render()
+    assert says in error.render()
+
+
+def test_expert_parallelism_alone_is_a_valid_config(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(GOOD)
+    config = load_config(path, ["expert_parallel_size=2", "arctic_moe=auto"])
+    assert config.expert_parallel_size == 2
 
 
 @pytest.mark.parametrize(
