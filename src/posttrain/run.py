@@ -173,6 +173,7 @@ def _check_model(config: TrainerConfig, facts: ModelFacts, world_size: int) -> N
         arctic_moe=config.arctic_moe,
         expert_parallel_size=config.expert_parallel_size,
         world_size=world_size,
+        experts_implementation=config.model.experts_implementation,
     )
 
 

@@ -119,8 +119,9 @@ def test_lora_on_experts_and_router_with_silogens_mixtral_targets(
     [
         ({"router_aux_loss_coef": 0.1}, {}, "is dense"),
         ({}, {"arctic_moe": True}, "is dense"),
+        ({"experts_implementation": "eager"}, {}, "is dense"),
     ],
-    ids=["router-coef-on-dense", "grouped-on-dense"],
+    ids=["router-coef-on-dense", "grouped-on-dense", "experts-kernel-on-dense"],
 )
 def test_moe_settings_on_a_dense_model_are_refused(
     base_config: dict, model_changes: dict, changes: dict, says: str

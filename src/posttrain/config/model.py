@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -77,6 +77,11 @@ class ModelConfig(BaseConfig):
     sequence length makes the lengths dynamic, so variable lengths and packing do not recompile every step).
     Works with ZeRO 0-3, LoRA, packing and activation checkpointing; not with ``sequence_parallel_size`` > 1.
     Needs a C++ compiler on CPU."""
+
+    experts_implementation: Literal["eager", "grouped_mm", "batched_mm"] | None = None
+    """Mixture-of-experts models: transformers' kernel for the experts (``eager``: a loop over the experts;
+    ``grouped_mm``: one grouped matrix product, transformers 5's default; ``batched_mm``). Null: transformers'
+    choice. The expert-parallel dispatch (``expert_parallel_size``) wraps whichever runs."""
 
     router_aux_loss_coef: float | None = Field(default=None, ge=0)
     """Mixture-of-experts models: weight of the router's load-balancing loss, added to the training loss and

@@ -496,8 +496,9 @@ RULES = (
     _one("pipeline_model_parallel_size", "use ZeRO stage 3"),
     _one("virtual_pipeline_model_parallel_size", "use ZeRO stage 3"),
     _one("context_parallel_size", "long sequences split with sequence_parallel_size (Ulysses)"),
-    _one("expert_model_parallel_size", "expert parallelism is not built yet (MoE issue)"),
-    _one("expert_tensor_parallel_size", "expert parallelism is not built yet (MoE issue)"),
+    Rule("model.expert_model_parallel_size", "expert_parallel_size", SAME),
+    _one("expert_tensor_parallel_size", "experts are split whole over expert_parallel_size"),
+    Rule("model.moe_aux_loss_coeff", "model.router_aux_loss_coef", SAME),
     Rule(
         "model.sequence_parallel",
         "",

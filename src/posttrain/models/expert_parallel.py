@@ -146,7 +146,10 @@ def sharded_forward(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """The experts' output for ``hidden [tokens, hidden]`` routed to ``top_k_index [tokens, k]`` with
-    ``top_k_weights``, computed by the ranks that hold the experts."""
+    ``top_k_weights``, computed by the ranks that hold the experts. A group of one holds every expert: the
+    module's own forward, with nothing to dispatch."""
+    if layout.size == 1:
+        return local_forward(hidden, top_k_index, top_k_weights)
     tokens, k = top_k_index.shape
     expert = top_k_index.reshape(-1)
     order = torch.argsort(expert, stable=True)  # assignments by expert, so by destination rank

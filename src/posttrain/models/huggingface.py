@@ -45,6 +45,11 @@ class HuggingFaceModelFactory:
                 attn_implementation=config.attn_implementation,
                 **config.hub_arguments(),
                 **_quantization(config),
+                **(
+                    {"experts_implementation": config.experts_implementation}
+                    if config.experts_implementation
+                    else {}
+                ),
             )
         except ValueError as error:
             if "attention implementation" not in str(error):

@@ -172,6 +172,7 @@ def check_moe(
     arctic_moe: bool | str = False,
     expert_parallel_size: int = 1,
     world_size: int = 1,
+    experts_implementation: str | None = None,
 ) -> None:
     """Start-up checks that need to know whether the model is a mixture of experts."""
     from posttrain.errors import UserError
@@ -194,11 +195,15 @@ def check_moe(
             f"expert_parallel_size={ep} must divide the number of processes ({world_size}); launch a "
             f"multiple of {ep} processes or change expert_parallel_size"
         )
-    if moe is None and aux_loss_coef is not None:
-        problems.append(
-            f"model.router_aux_loss_coef={aux_loss_coef} applies to mixture-of-experts models and "
-            f"{architecture} is dense; remove the key"
-        )
+    for key, value in (
+        ("router_aux_loss_coef", aux_loss_coef),
+        ("experts_implementation", experts_implementation),
+    ):
+        if moe is None and value is not None:
+            problems.append(
+                f"model.{key}={value} applies to mixture-of-experts models and {architecture} is dense; "
+                "remove the key"
+            )
     if moe is not None and sp > 1:
         problems.append(
             f"{architecture} is a mixture-of-experts model and sequence_parallel_size={sp} is not supported "

@@ -1,10 +1,13 @@
-"""Optimizers ``cpu_adam`` and ``fused_adam``: DeepSpeed's own Adam kernels (ArcticTraining's names).
+"""Optimizers ``cpu_adam``, ``fused_adam`` and ``fused_adam_moe``: DeepSpeed's own Adam kernels
+(ArcticTraining's names).
 
 ``cpu_adam`` steps on the host, for ZeRO optimizer offload (``deepspeed.zero_optimization.offload_optimizer``
 with ``device: cpu``): the optimizer state lives in host memory and the step runs there, vectorised.
 ``fused_adam`` is one fused kernel over all parameters on the accelerator. Both are AdamW (decoupled weight
 decay) with the same parameter groups as ``adamw``, and both compile their op the first time they are used
-(about 80 s on a 2-core machine; cached in ``TORCH_EXTENSIONS_DIR``).
+(about 80 s on a 2-core machine; cached in ``TORCH_EXTENSIONS_DIR``). ``fused_adam_moe`` is ArcticTraining's
+name for ``fused_adam`` with the expert weights in parameter groups of their own; every posttrain optimizer
+gets those groups (``optim.adamw.param_groups``), so it is ``fused_adam``.
 """
 
 from __future__ import annotations
@@ -33,3 +36,6 @@ def build_fused_adam(
 
     groups, hyper = adam_arguments(config, model)
     return FusedAdam(groups, **hyper, adam_w_mode=True)
+
+
+OPTIMIZERS.add("fused_adam_moe", build_fused_adam, config=OptimizerConfig)
