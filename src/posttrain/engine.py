@@ -85,10 +85,10 @@ class Engine:
         # the sum of squared per-tensor norms, as DeepSpeed's clipping reduces them (same rounding)
         shared = [p.grad for p in params if expert_group_name(p) is None]
         norm = torch.stack(torch._foreach_norm(shared)).pow(2).sum()
-        if self._experts is not None:
+        local = [p.grad for p in params if expert_group_name(p) is not None]
+        if local and self._experts is not None:
             import torch.distributed as dist
 
-            local = [p.grad for p in params if expert_group_name(p) is not None]
             experts = torch.stack(torch._foreach_norm(local)).pow(2).sum()
             dist.all_reduce(experts, group=self._experts.group)
             norm = norm + experts

@@ -1,6 +1,7 @@
 """Expert parallelism with two CPU processes: EP=2 gives the loss, eval loss and gradients of the unsharded
 Hugging Face module under ZeRO 0, 1 and 2 with gradient accumulation; its huggingface export is the model's
-own layout with the same weights and logits; a killed EP=2 run resumes exactly."""
+own layout with the same weights and logits; LoRA on attention and router next to sharded frozen experts
+gives the unsharded run's gradients; a killed EP=2 run resumes exactly."""
 
 from __future__ import annotations
 
@@ -72,12 +73,19 @@ def test_ep2_matches_the_unsharded_module_under_zero_0_1_2(moe_config: dict, tmp
     configs["grouped-ep1"] = case(
         "grouped-ep1", arctic_moe=True, deepspeed={"zero_optimization": {"stage": 2}}
     )
+    # LoRA on attention and router, the experts frozen (DeepSpeed then has no expert gradients to reduce)
+    lora = {"peft_config": {"r": 4, "target_modules": ["q_proj", "v_proj", "gate"]}}
+    zero2 = {"zero_optimization": {"stage": 2}}
+    configs["plain-lora"] = case("plain-lora", model=lora, deepspeed=zero2)
+    configs["ep2-lora"] = case("ep2-lora", model=lora, expert_parallel_size=2, deepspeed=zero2)
     results = run_worker(configs, tmp_path)
-    want = results.pop("plain")
-    assert want["sharded_expert_calls"] == 0
-    expert_grads = [k for k in want["grads"] if "experts." in k]
-    assert expert_grads and any("mlp.gate." in k for k in want["grads"])
+    references = {"plain": results.pop("plain"), "lora": results.pop("plain-lora")}
+    assert references["plain"]["sharded_expert_calls"] == references["lora"]["sharded_expert_calls"] == 0
+    assert any("experts." in k for k in references["plain"]["grads"])
+    assert any("mlp.gate." in k for k in references["plain"]["grads"])
+    assert any("mlp.gate.lora_B" in k for k in references["lora"]["grads"])
     for key, got in results.items():
+        want = references["lora" if "lora" in key else "plain"]
         assert got["sharded_expert_calls"] > 0, key
         assert abs(got["loss"] - want["loss"]) <= 1e-5, (key, got["loss"], want["loss"])
         assert abs(got["eval_loss"] - want["eval_loss"]) <= 1e-5, (key, got["eval_loss"], want["eval_loss"])

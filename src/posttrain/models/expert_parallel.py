@@ -56,6 +56,9 @@ class ExpertLayout:
     group_name: str
     group: Any  # the torch process group of the ranks that split the experts
 
+    def __deepcopy__(self, memo: dict) -> ExpertLayout:
+        return self  # immutable, and its process group cannot be copied
+
     @property
     def local(self) -> int:
         return self.num_experts // self.size
@@ -190,6 +193,14 @@ def _shard(module: torch.nn.Module, layout: ExpertLayout) -> None:
     module.num_experts = layout.local  # what the module's own forward loops or groups over
 
 
+def _dispatching_forward(
+    self: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The sharded experts module's ``forward``: the class's own forward runs on what this rank received."""
+    local_forward = type(self).forward.__get__(self)
+    return sharded_forward(self, local_forward, self.expert_parallel, hidden, top_k_index, top_k_weights)
+
+
 def _marker_class() -> type:
     from deepspeed.moe.layer import MoE
 
@@ -238,15 +249,11 @@ def install_expert_parallel(model: torch.nn.Module, size: int, num_experts: int)
     marker = _marker_class()
     for _, module in experts_modules(model):
         _shard(module, layout)
-        local_forward = module.forward
-        module.forward = types.MethodType(  # type: ignore[method-assign]
-            lambda self, hidden, index, weights, _f=local_forward: sharded_forward(
-                self, _f, layout, hidden, index, weights
-            ),
-            module,
-        )
         module.expert_parallel = layout
-    model.expert_parallel_marker = marker(layout)
+        module.forward = types.MethodType(_dispatching_forward, module)  # type: ignore[method-assign]
+    if any(expert_group_name(p) is not None and p.requires_grad for p in model.parameters()):
+        # frozen experts (LoRA elsewhere) have no gradients to reduce: DeepSpeed's MoE path needs none
+        model.expert_parallel_marker = marker(layout)
     return layout
 
 
