@@ -2,7 +2,7 @@
 same run (alternating rounds, fresh processes).
 
 The model is a Qwen3-MoE built locally: hidden 512, 4 layers, 32 experts of width 512 per layer, 2 per token
-(about 108M parameters, 101M of them experts), vocabulary 2,048, float32; chat samples of 100 to 500 tokens,
+(106.0M parameters, 100.7M of them experts), vocabulary 2,048, float32; chat samples of 100 to 500 tokens,
 micro batch 4, ``max_length`` 512, posttrain's defaults otherwise (activation checkpointing, ZeRO stage 0 on one
 process).
 
