@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -37,9 +35,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch
 
-from step_time import MAX_LENGTH, MICRO_BATCH, history_timing, long_rows, posttrain_cli, user_config
+from step_time import MICRO_BATCH, history_timing, long_rows, posttrain_cli, run_facts, user_config
 
 HIDDEN, LAYERS, EXPERTS, TOP_K = 512, 4, 32, 2
 WORKS = ("grouped", "ep")
@@ -134,17 +131,7 @@ def main() -> None:
     work = args.dir or Path(tempfile.mkdtemp(prefix="posttrain-moe-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     sizes = prepare(work, args.steps)
-    summary: dict[str, Any] = {
-        **sizes,
-        "micro_batch_size": MICRO_BATCH,
-        "max_length": MAX_LENGTH,
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
-        "machine": platform.machine(),
-        "python": sys.version.split()[0],
-    }
+    summary: dict[str, Any] = {**sizes, **run_facts(args)}
     for name in args.work:
         summary[name] = work_grouped(work, args) if name == "grouped" else work_ep(work, args, sizes)
     print(json.dumps(summary, indent=2))

@@ -351,6 +351,20 @@ WORK_FUNCTIONS = {
 }
 
 
+def run_facts(args: Any) -> dict[str, Any]:
+    """What a benchmark summary states about its work and machine."""
+    return {
+        "micro_batch_size": MICRO_BATCH,
+        "max_length": MAX_LENGTH,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": sys.version.split()[0],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", nargs="+", default=["default", "zero2"], choices=[*WORKS, "all"])
@@ -363,17 +377,7 @@ def main() -> None:
     works = WORKS if "all" in args.work else args.work
     work = args.dir or Path(tempfile.mkdtemp(prefix="posttrain-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    summary: dict[str, Any] = {
-        "model_parameters": prepare(work, args.steps),
-        "micro_batch_size": MICRO_BATCH,
-        "max_length": MAX_LENGTH,
-        "steps": args.steps,
-        "rounds": args.rounds,
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
-        "machine": platform.machine(),
-        "python": sys.version.split()[0],
-    }
+    summary: dict[str, Any] = {"model_parameters": prepare(work, args.steps), **run_facts(args)}
     for name in works:
         if name == "default":
             summary[name] = work_default(work, args)
