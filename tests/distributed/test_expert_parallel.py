@@ -1,10 +1,12 @@
-"""Expert parallelism with two CPU processes: EP=2 gives the loss, eval loss and gradients of the unsharded
+"""Expert parallelism with two CPU processes: the grouped implementation equals the Hugging Face experts
+module it replaces (outputs, gradients, weights in and out) for every family; EP=2 gives the loss, eval loss and gradients of the unsharded
 Hugging Face module under ZeRO 0, 1 and 2 with gradient accumulation; its huggingface export is the model's
 own layout with the same weights and logits; LoRA on attention and router next to sharded frozen experts
 gives the unsharded run's gradients; a killed EP=2 run resumes exactly."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +24,8 @@ from tests.resume_helpers import assert_same_continuation, kill_and_resume
 pytestmark = pytest.mark.distributed
 
 WORKER = Path(__file__).parents[1] / "resources" / "first_step_grads.py"
+PARITY = Path(__file__).parents[1] / "resources" / "expert_parity.py"
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 @pytest.fixture
@@ -46,6 +50,18 @@ def run_worker(configs: dict[str, dict[str, Any]], tmp: Path) -> dict[str, Any]:
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=child_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return torch.load(out)
+
+
+def test_grouped_implementation_equals_the_module_it_replaces_for_every_family() -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    command += [f"--master_port={free_port()}", str(PARITY), *FAMILIES]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=child_env())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["arch"] for r in reports] == list(FAMILIES)
+    for report in reports:
+        assert report["output_diff"] <= 2e-7 and report["grad_diff"] <= 1e-8, report
+        assert report["sharded_weights"] >= 4 and report["same_weights"] and report["shards_restored"], report
 
 
 def test_ep2_matches_the_unsharded_module_under_zero_0_1_2(moe_config: dict, tmp_path: Path) -> None:
