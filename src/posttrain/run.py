@@ -279,6 +279,13 @@ def _run(config: TrainerConfig, dist: DistInfo) -> RunResult:
             unwrap(engine.module), facts.moe if facts else None, config.model.router_aux_loss_coef
         ),
     )
+    if inputs.routing is not None:
+        routing = inputs.routing
+        say(
+            f"mixture of experts: {routing.facts.num_experts} experts per layer in {routing.layers} layers, "
+            f"{routing.facts.top_k} per token; router loss x {routing.coefficient:g} added to the training "
+            "loss (router_aux_loss), expert load at the metrics interval"
+        )
     stops.install()
     if config.manual_gc:
         gc.disable()
