@@ -211,7 +211,7 @@ def _routing_values(config: Any, inputs: LoopInputs, state: LoopState, totals: S
         return []
     values = [totals.router_aux_loss, float(totals.micro_batches)]
     if config.loss_log_interval and state.step % config.loss_log_interval == 0:
-        values += routing.take_counts(routing.layers).flatten().tolist()
+        values += routing.take_counts().flatten().tolist()
     return values
 
 

@@ -26,7 +26,7 @@ def test_router_loss_is_the_models_own_with_padding_left_out(arch: str) -> None:
     modeling = importlib.import_module(type(model).__module__)
     theirs = modeling.load_balancing_loss_func(out.router_logits, facts.num_experts, facts.top_k, mask)
     assert ours is not None and torch.allclose(ours, theirs, atol=1e-6)
-    counts = recorder.take_counts(recorder.layers)
+    counts = recorder.take_counts()
     assert counts.shape == (2, 8) and counts.sum() == 2 * 19 * 2  # layers x unpadded tokens x top-k
     with torch.no_grad(), recorder.recording():  # not a training forward: nothing recorded
         model(input_ids=tokens)

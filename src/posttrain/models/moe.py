@@ -141,12 +141,12 @@ class RoutingRecorder:
         self.counts = counts if self.counts is None else self.counts + counts.to(self.counts.device)
         return load_balancing_loss(logits, self.facts.top_k, mask)
 
-    def take_counts(self, layers: int) -> torch.Tensor:
+    def take_counts(self) -> torch.Tensor:
         """The counts since the last call (zeros ``[layers, experts]`` when none), then reset."""
         counts = self.counts
         self.counts = None
         if counts is None:
-            return torch.zeros(layers, self.facts.num_experts, dtype=torch.float64)
+            return torch.zeros(self.layers, self.facts.num_experts, dtype=torch.float64)
         return counts.cpu()
 
     @property
