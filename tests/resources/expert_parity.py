@@ -8,15 +8,14 @@ import copy
 import json
 import sys
 
-import deepspeed
 import torch
 import torch.distributed as dist
 
+from posttrain.dist import init_distributed
 from posttrain.models.expert_parallel import expert_group_name, full_experts, install_expert_parallel
 from posttrain.testing.tiny import build_model
 
-deepspeed.init_distributed(dist_backend="gloo")
-rank = dist.get_rank()
+rank = init_distributed().rank  # gloo, as posttrain runs start it (no DeepSpeed op compiled)
 for arch in sys.argv[1:]:
     model = build_model(300, arch=arch, hidden_size=32, layers=2, experts=8, seed=3)
     if arch == "gpt_oss":
