@@ -67,20 +67,12 @@ def test_config_error_exit_2(tmp_path: Path) -> None:
 
 
 def test_tiny_model_is_deterministic_and_loadable(tmp_path: Path) -> None:
-    for name in ("a", "b"):
-        done = posttrain(
-            "tiny-model",
-            str(tmp_path / name),
-            "--seed",
-            "3",
-            "--hidden-size",
-            "32",
-            "--layers",
-            "1",
-            "--vocab-size",
-            "512",
-        )
-        assert done.returncode == 0, done.stderr
+    from posttrain.cli import main
+
+    arguments = ["--seed", "3", "--hidden-size", "32", "--layers", "1", "--vocab-size", "512"]
+    done = posttrain("tiny-model", str(tmp_path / "a"), *arguments)  # one in a fresh process,
+    assert done.returncode == 0, done.stderr
+    assert main(["tiny-model", str(tmp_path / "b"), *arguments]) == 0  # one in this one
     for file in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -136,3 +136,17 @@ def test_refusals_that_need_the_built_model(base_config: dict, tiny_moe_dirs: di
     lora = {"r": 4, "target_modules": ["q_proj"], "target_parameters": ["experts.gate_up_proj"]}
     with pytest.raises(UserError, match="LoRA on the expert weights"):
         train(moe(base_config, tiny_moe_dirs, arctic_moe=True, model={"peft_config": lora}))
+
+
+def test_tiny_model_command_builds_a_mixture_of_experts(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    from posttrain.cli import main
+
+    out = tmp_path / "olmoe"
+    assert (
+        main(["tiny-model", str(out), "--arch", "olmoe", "--experts", "4", "--top-k", "1", "--layers", "1"])
+        == 0
+    )
+    config = AutoConfig.from_pretrained(out)
+    assert (config.model_type, config.num_experts, config.num_experts_per_tok) == ("olmoe", 4, 1)
