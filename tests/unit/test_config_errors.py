@@ -79,13 +79,25 @@ def test_every_seed_key_is_accepted_at_its_default(tmp_path: Path) -> None:
             "use stage 0, 1 or 2",
         ),
         (
+            ["expert_parallel_size=2", "deepspeed.zero_optimization.offload_param.device=cpu"],
+            ["deepspeed.zero_optimization.stage"],
+            "implied by offload_param",
+        ),
+        (
             ["expert_parallel_size=2", "sequence_parallel_size=2", "model.compile=true"],
             ["sequence_parallel_size", "model.compile", "model.compile"],
             "expert_parallel_size=2",
         ),
         (["expert_parallel_size=2", "arctic_moe=false"], ["arctic_moe"], "contradicts"),
     ],
-    ids=["routing-replay", "custom-kernels", "ep-zero3", "ep-sp-compile", "ep-without-grouped"],
+    ids=[
+        "routing-replay",
+        "custom-kernels",
+        "ep-zero3",
+        "ep-param-offload",
+        "ep-sp-compile",
+        "ep-without-grouped",
+    ],
 )
 def test_moe_combinations_that_cannot_run_are_refused(
     tmp_path: Path, overrides: list[str], paths: list[str], says: str

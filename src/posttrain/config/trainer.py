@@ -10,7 +10,7 @@ from pydantic import Field, PrivateAttr, SerializeAsAny, field_validator
 from posttrain.config.base import BaseConfig, Problem
 from posttrain.config.checkpoint import CheckpointConfig
 from posttrain.config.data import DataConfig
-from posttrain.config.deepspeed_block import deepspeed_problems
+from posttrain.config.deepspeed_block import deepspeed_problems, offload_device
 from posttrain.config.human import HumanFloat, HumanInt, coerce_tree
 from posttrain.config.logger import LoggerConfig
 from posttrain.config.model import ModelConfig
@@ -314,11 +314,11 @@ class TrainerConfig(BaseConfig):
                 "set arctic_moe: true or auto, or expert_parallel_size: 1",
             )
         stage = self.deepspeed.get("zero_optimization", {}).get("stage")
-        if stage == 3:
+        if stage == 3 or (stage is None and offload_device(self.deepspeed, "param") != "none"):
             yield Problem(
                 "deepspeed.zero_optimization.stage",
-                f"3 cannot run with expert_parallel_size={ep} (DeepSpeed's ZeRO-3 does not partition "
-                "expert-parallel parameters); use stage 0, 1 or 2",
+                f"3 (set, or implied by offload_param) cannot run with expert_parallel_size={ep} (DeepSpeed's "
+                "ZeRO-3 does not partition expert-parallel parameters); use stage 0, 1 or 2",
             )
         others = (
             ("sequence_parallel_size", self.sequence_parallel_size > 1, "set sequence_parallel_size: 1"),
