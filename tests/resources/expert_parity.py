@@ -12,7 +12,12 @@ import torch
 import torch.distributed as dist
 
 from posttrain.dist import init_distributed
-from posttrain.models.expert_parallel import expert_group_name, full_experts, install_expert_parallel
+from posttrain.models.expert_parallel import (
+    expert_group_name,
+    full_experts,
+    gather_experts,
+    install_expert_parallel,
+)
 from posttrain.testing.tiny import build_model
 
 rank = init_distributed().rank  # gloo, as posttrain runs start it (no DeepSpeed op compiled)
@@ -33,9 +38,7 @@ for arch in sys.argv[1:]:
         grad, want = param.grad, wanted[name].grad.clone()
         if expert_group_name(param) is not None:
             sharded += 1
-            parts = [torch.empty_like(grad) for _ in range(2)]
-            dist.all_gather(parts, grad, group=layout.group)
-            grad = torch.cat(parts)
+            grad = gather_experts(grad, layout)
             dist.all_reduce(want)  # an expert's gradient comes from both ranks' tokens
         grad_diff = max(grad_diff, float((grad - want).abs().max()))
     with full_experts(model):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.models.moe import RoutingRecorder, load_balancing_loss, load_summary, moe_facts_from_hf_config
+from posttrain.models.moe import RoutingRecorder, load_summary, moe_facts_from_hf_config, routing_statistics
 from posttrain.testing.tiny import build_model
 
 
@@ -37,7 +37,9 @@ def test_router_loss_is_the_models_own_with_padding_left_out(arch: str) -> None:
 def test_router_loss_of_perfectly_even_routing_is_one() -> None:
     logits = torch.zeros(16, 4)  # uniform probabilities
     logits[torch.arange(16), torch.arange(16) % 4] = 1e-4  # ties broken evenly
-    assert float(load_balancing_loss([logits], top_k=1)) == pytest.approx(1.0, abs=1e-3)
+    loss, counts = routing_statistics([logits], top_k=1)
+    assert float(loss) == pytest.approx(1.0, abs=1e-3)
+    assert counts.tolist() == [[4.0, 4.0, 4.0, 4.0]]
 
 
 def test_load_summary_shares_and_imbalance() -> None:

@@ -141,7 +141,6 @@ def _exchange_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 def sharded_forward(
-    module: torch.nn.Module,
     local_forward: Any,
     layout: ExpertLayout,
     hidden: torch.Tensor,
@@ -198,7 +197,7 @@ def _dispatching_forward(
 ) -> torch.Tensor:
     """The sharded experts module's ``forward``: the class's own forward runs on what this rank received."""
     local_forward = type(self).forward.__get__(self)
-    return sharded_forward(self, local_forward, self.expert_parallel, hidden, top_k_index, top_k_weights)
+    return sharded_forward(local_forward, self.expert_parallel, hidden, top_k_index, top_k_weights)
 
 
 def _marker_class() -> type:
@@ -257,13 +256,15 @@ def install_expert_parallel(model: torch.nn.Module, size: int, num_experts: int)
     return layout
 
 
+def sharded_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The experts modules :func:`install_expert_parallel` sharded (their ``expert_parallel`` layout)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "expert_parallel", None), ExpertLayout)]
+
+
 def installed_layout(model: torch.nn.Module) -> ExpertLayout | None:
     """The expert layout installed on ``model`` (None: experts not sharded)."""
-    for module in model.modules():
-        layout = getattr(module, "expert_parallel", None)
-        if isinstance(layout, ExpertLayout):
-            return layout
-    return None
+    sharded = sharded_modules(model)
+    return sharded[0].expert_parallel if sharded else None
 
 
 def gather_experts(tensor: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
@@ -280,7 +281,7 @@ def full_experts(model: torch.nn.Module) -> Iterator[None]:
     """For the duration, every experts module holds all experts (gathered from the group, every rank takes
     part), in the model's own layout and names, so ``save_pretrained`` writes a checkpoint
     ``from_pretrained`` loads unsharded. The rank's own shards are back afterwards."""
-    sharded = [m for m in model.modules() if isinstance(getattr(m, "expert_parallel", None), ExpertLayout)]
+    sharded = sharded_modules(model)
     kept: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
     try:
         for module in sharded:

@@ -48,36 +48,27 @@ def router_class(model: torch.nn.Module) -> tuple[type, int] | None:
     return None
 
 
-def load_balancing_loss(
+def routing_statistics(
     logits: list[torch.Tensor], top_k: int, mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The Switch-Transformer load-balancing loss over all layers' router logits (each ``[tokens,
-    experts]``), counting only the tokens where ``mask`` (``[tokens]``, bool) is true."""
-    num_experts = logits[0].shape[-1]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From all layers' router logits (each ``[tokens, experts]``), counting only the tokens where ``mask``
+    (``[tokens]``, bool) is true: the Switch-Transformer load-balancing loss, and the top-k assignments per
+    layer and expert (``[layers, experts]``, float64), both from one top-k."""
+    layers, num_experts = len(logits), logits[0].shape[-1]
     stacked = torch.cat([layer.float() for layer in logits])  # [layers x tokens, experts]
     probs = torch.softmax(stacked, dim=-1)
     chosen = torch.topk(probs, top_k, dim=-1).indices
     assigned = torch.nn.functional.one_hot(chosen, num_experts).to(probs.dtype)  # [rows, k, experts]
     if mask is None:
-        share = assigned.mean(0)  # [k, experts]
-        mean_prob = probs.mean(0)
+        weights = torch.ones(stacked.shape[0], dtype=probs.dtype, device=probs.device)
     else:
-        weights = mask.to(probs.dtype).repeat(len(logits))  # the mask for every layer's rows
-        total = weights.sum().clamp_min(1.0)
-        share = (assigned * weights[:, None, None]).sum(0) / total
-        mean_prob = (probs * weights[:, None]).sum(0) / total
-    return (share * mean_prob.unsqueeze(0)).sum() * num_experts
-
-
-def expert_counts(logits: list[torch.Tensor], top_k: int, mask: torch.Tensor | None) -> torch.Tensor:
-    """Top-k assignments per layer and expert, ``[layers, experts]`` (float64, masked tokens only)."""
-    rows = []
-    for layer in logits:
-        chosen = torch.topk(layer.detach(), top_k, dim=-1).indices
-        if mask is not None:
-            chosen = chosen[mask]
-        rows.append(torch.bincount(chosen.flatten(), minlength=layer.shape[-1]))
-    return torch.stack(rows).double()
+        weights = mask.to(probs.dtype).repeat(layers)  # the mask for every layer's rows
+    total = weights.sum().clamp_min(1.0)
+    share = (assigned * weights[:, None, None]).sum(0) / total  # [k, experts]
+    mean_prob = (probs * weights[:, None]).sum(0) / total
+    loss = (share * mean_prob.unsqueeze(0)).sum() * num_experts
+    counts = (assigned.detach() * weights[:, None, None]).view(layers, -1, num_experts).sum(1)
+    return loss, counts.double()
 
 
 def load_summary(counts: torch.Tensor) -> dict[str, Any]:
@@ -137,9 +128,9 @@ class RoutingRecorder:
             return None
         mask = batch.get("attention_mask")
         mask = mask.reshape(-1).bool() if mask is not None and mask.numel() == logits[0].shape[0] else None
-        counts = expert_counts(logits, self.facts.top_k, mask)
+        loss, counts = routing_statistics(logits, self.facts.top_k, mask)
         self.counts = counts if self.counts is None else self.counts + counts.to(self.counts.device)
-        return load_balancing_loss(logits, self.facts.top_k, mask)
+        return loss
 
     def take_counts(self) -> torch.Tensor:
         """The counts since the last call (zeros ``[layers, experts]`` when none), then reset."""
