@@ -18,7 +18,7 @@ from posttrain.context import RunContext
 from posttrain.data.build import DataReport
 from posttrain.data.packing import packing_efficiency
 from posttrain.data.sampler import shard_order
-from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.samples import IGNORE_INDEX
 from posttrain.data.views import View
 from posttrain.dataplan import DataPlan, model_facts, plan_data
 from posttrain.dist import DistInfo

@@ -225,7 +225,7 @@ def _run(config: TrainerConfig, dist: DistInfo) -> RunResult:
             data.train_report.leaked,
         )
     pad_id = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
-    padding_free = getattr(config.data, "padding_free", False)
+    padding_free = config.data.padding_free
     collator: Any = spec.collator(pad_id) if spec.collator else Collator(pad_id, padding_free)
     sp = config.sequence_parallel_size
     if sp > 1:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.samples import IGNORE_INDEX
 from posttrain.methods.sft import sft_loss
 from posttrain.models.memory import OffloadCounter, apply_activation_checkpointing
 from posttrain.testing.tiny import build_model

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.samples import IGNORE_INDEX
 from posttrain.errors import UserError
 from posttrain.methods import token_logps
 from posttrain.methods.dpo import pair_logps

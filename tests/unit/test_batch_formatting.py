@@ -8,7 +8,8 @@ from copy import deepcopy
 import numpy as np
 import pytest
 
-from posttrain.data.sft import IGNORE_INDEX, RowError, format_sft_batch
+from posttrain.data.samples import IGNORE_INDEX, RowError
+from posttrain.data.sft import format_sft_batch
 from posttrain.tokenizers.chat_templates import apply_chat_template
 
 WORDS = "the answer is 42 , ok ! ünïcødé 日本語 tab\there  two  spaces\nnew line <|im_end|> [INST]".split(" ")

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from posttrain.data.causal import concat_blocks, format_document, split_documents
-from posttrain.data.sft import RowError
+from posttrain.data.samples import RowError
 
 
 def doc(*ids: int) -> dict[str, list[int]]:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from posttrain.data.collate import Collator
-from posttrain.data.sft import IGNORE_INDEX, RowError, format_sft
+from posttrain.data.samples import IGNORE_INDEX, RowError
+from posttrain.data.sft import format_sft
 from posttrain.errors import UserError
 from posttrain.tokenizers.chat_templates import apply_chat_template, check_choice
 from posttrain.tokenizers.padding import ensure_pad_token, input_pad_id

@@ -472,3 +472,21 @@ def test_a_config_file_that_is_not_utf8_is_a_clear_error(tmp_path: Path) -> None
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert "not UTF-8 text (byte 0xe9" in info.value.render()
+
+
+@pytest.mark.parametrize(
+    ("method", "key", "says"),
+    [
+        ("dpo", "pack_samples=true", "preference pairs are batched as pairs, not packed"),
+        ("dpo", "padding_free=true", "batched as padded pairs"),
+        ("causal", "padding_free=true", "holds no padding"),
+        ("causal", "overlong_samples=truncate", "always cut into max_length chunks"),
+    ],
+)
+def test_sample_layout_keys_a_method_does_not_honour_are_refused(
+    tmp_path: Path, method: str, key: str, says: str
+) -> None:
+    """The layout keys are declared once on the data config; a method that does not honour one says so."""
+    error = errors_of(GOOD, tmp_path, [f"type={method}", f"data.{key}"])
+    assert f"data.{key.split('=')[0]}" in [issue.path for issue in error.issues], error.render()
+    assert says in error.render() and "remove the key" in error.render()

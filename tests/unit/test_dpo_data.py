@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from posttrain.data.dpo import format_pair
-from posttrain.data.sft import IGNORE_INDEX, RowError
+from posttrain.data.samples import IGNORE_INDEX, RowError
 
 
 def trained(tokenizer, ids: list[int], labels: list[int]) -> str:

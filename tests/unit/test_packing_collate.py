@@ -4,7 +4,7 @@ import torch
 
 from posttrain.data.collate import Collator
 from posttrain.data.packing import pack_sequential
-from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.samples import IGNORE_INDEX
 
 X = IGNORE_INDEX
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from posttrain.data.dpo import format_pair
-from posttrain.data.sft import RowError, format_sft, format_sft_batch
+from posttrain.data.samples import RowError
+from posttrain.data.sft import format_sft, format_sft_batch
 from tests.unit.test_sft_masking import trained_text
 
 CHAT = [

@@ -14,7 +14,7 @@ from torch.utils.data import DistributedSampler
 from posttrain.data.causal import concat_blocks
 from posttrain.data.packing import best_fit_bins, pack_best_fit, pack_sequential, sequential_bins
 from posttrain.data.sampler import shard_order
-from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.samples import IGNORE_INDEX
 from posttrain.data.store import SampleStore, StoreWriter
 from posttrain.data.views import BlockView, EvalShard, PackedView, SampleView
 

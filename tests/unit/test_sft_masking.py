@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.data.sft import IGNORE_INDEX, RowError, format_sft
+from posttrain.data.samples import IGNORE_INDEX, RowError
+from posttrain.data.sft import format_sft
 
 
 def trained_text(tokenizer, sample: dict) -> list[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SerializeAsAny, field_validator
 
@@ -169,12 +169,47 @@ class DataConfig(BaseConfig):
     cache_fs_type: Literal["auto", "local", "shared"] = "auto"
     """Whether ``cache_dir`` is node-local or shared between nodes (decides who builds the cache)."""
 
+    pack_samples: bool = False
+    """Pack several samples into each ``max_length`` sequence, position ids restarting per sample and no
+    token attending across samples; needs ``micro_batch_size: 1``. SFT packs whole samples; causal packs
+    documents (cut into ``max_length`` chunks), and without packing concatenates all documents and cuts the
+    stream into ``max_length`` blocks (attention then crosses document boundaries inside a block). Not for
+    preference pairs (``dpo``)."""
+
+    packing: Literal["best-fit", "sequential"] = "best-fit"
+    """With ``pack_samples``: ``best-fit`` (longest first, each into the fullest sequence it fits; like
+    ERNIEKit's ``greedy_intokens``) or ``sequential`` (in shuffled order, a new sequence when one is full)."""
+
+    padding_free: bool = False
+    """Flatten each micro-batch into one row without padding: the same samples, one after another, with
+    position ids restarting per sample and no attention across samples (as packing does, but the batches
+    stay those of the unpacked run, so the loss is the padded batch's). No compute is spent on padding; with
+    ``sdpa`` each sample attends causally within itself (per-document attention, no mask over the row). SFT
+    only; not with ``pack_samples`` (already padding-free) or sequence parallelism."""
+
+    overlong_samples: Literal["drop", "truncate"] = "drop"
+    """What to do with a sample (a preference pair: its chosen or rejected sequence) longer than
+    ``max_length``: drop it, or cut it to ``max_length`` tokens. Causal documents are always cut into
+    chunks, so it does not apply there."""
+
+    unsupported: ClassVar[dict[str, str]] = {}
+    """Sample-layout keys this data factory does not honour, with the reason (set per data config class)."""
+
     @field_validator("sources", "eval_sources", mode="before")
     @classmethod
     def _listify(cls, value: Any) -> Any:
         return value if isinstance(value, list) else [value]
 
     def problems(self) -> Iterator[Problem]:
+        defaults = type(self).model_fields
+        for key, reason in self.unsupported.items():
+            if getattr(self, key) != defaults[key].default:
+                yield Problem(key, f"{reason}; remove the key")
+        if self.padding_free and self.pack_samples:
+            yield Problem(
+                "padding_free",
+                "pack_samples already puts several samples in one row without padding; set one of them",
+            )
         train, held_out = self.train_eval_split
         if train < 0 or held_out < 0 or abs(train + held_out - 1.0) > 1e-9:
             yield Problem(
@@ -212,39 +247,18 @@ class DataConfig(BaseConfig):
 class SFTDataConfig(DataConfig):
     """Chat data for supervised fine-tuning: rows of ``{"messages": [{"role", "content"}, ...]}``."""
 
-    pack_samples: bool = False
-    """Pack several samples into each ``max_length`` sequence; position ids restart per sample and no token
-    attends across samples. Needs ``micro_batch_size: 1``."""
-
-    packing: Literal["best-fit", "sequential"] = "best-fit"
-    """With ``pack_samples``: ``best-fit`` (longest first, each into the fullest sequence it fits; like
-    ERNIEKit's ``greedy_intokens``) or ``sequential`` (in shuffled order, a new sequence when one is full)."""
-
     mask_inputs: bool = True
     """Train only on assistant tokens (each assistant turn's closing end-of-turn token included). ``false``
     trains on every token."""
 
-    overlong_samples: Literal["drop", "truncate"] = "drop"
-    """What to do with a sample longer than ``max_length``: drop it, or cut it to ``max_length`` tokens."""
-
-    padding_free: bool = False
-    """Flatten each micro-batch into one row without padding: the same samples, one after another, with
-    position ids restarting per sample and no attention across samples (as packing does, but the batches
-    stay those of the unpacked run, so the loss is the padded batch's). No compute is spent on padding; with
-    ``sdpa`` each sample attends causally within itself (per-document attention, no mask over the row). Not
-    with ``pack_samples`` (already padding-free) or sequence parallelism."""
-
-    def problems(self) -> Iterator[Problem]:
-        yield from super().problems()
-        if self.padding_free and self.pack_samples:
-            yield Problem(
-                "padding_free",
-                "pack_samples already puts several samples in one row without padding; set one of them",
-            )
-
 
 class CausalDataConfig(DataConfig):
     """Raw text for (continued) pretraining: one document per row."""
+
+    unsupported: ClassVar[dict[str, str]] = {
+        "padding_free": "causal data is cut into max_length blocks or packed, so it holds no padding",
+        "overlong_samples": "causal documents are always cut into max_length chunks",
+    }
 
     text_column: str = "text"
     """The column holding each document's text."""
@@ -254,11 +268,3 @@ class CausalDataConfig(DataConfig):
 
     add_eos: bool = True
     """End every document with the tokenizer's EOS token (so the model learns where documents end)."""
-
-    pack_samples: bool = False
-    """``false``: concatenate all documents and cut the stream into ``max_length`` blocks (attention crosses
-    document boundaries inside a block). ``true``: pack whole documents with per-document ``position_ids``
-    and no attention across documents (needs ``micro_batch_size: 1``)."""
-
-    packing: Literal["best-fit", "sequential"] = "best-fit"
-    """With ``pack_samples``: ``best-fit`` or ``sequential`` (see the SFT data config)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -24,8 +24,10 @@ class DPODataConfig(DataConfig):
     prompt_truncation: Literal["keep_start", "keep_end"] = "keep_end"
     """Which part of an over-long prompt to keep: its first or (default) its last tokens."""
 
-    overlong_samples: Literal["drop", "truncate"] = "drop"
-    """A pair whose chosen or rejected sequence is longer than ``max_length``: drop it, or cut both."""
+    unsupported: ClassVar[dict[str, str]] = {
+        "pack_samples": "preference pairs are batched as pairs, not packed",
+        "padding_free": "preference pairs are batched as padded pairs",
+    }
 
 
 class DPOTrainerConfig(TrainerConfig):

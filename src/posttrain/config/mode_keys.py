@@ -114,9 +114,7 @@ MODE_KEYS: tuple[ModeKeys, ...] = (
         lambda c: c.data.train_eval_split[1] > 0,
         "a held-out split (data.train_eval_split)",
     ),
-    ModeKeys(
-        "data", ("packing",), lambda c: getattr(c.data, "pack_samples", False), "data.pack_samples: true"
-    ),
+    ModeKeys("data", ("packing",), lambda c: c.data.pack_samples, "data.pack_samples: true"),
 )
 
 

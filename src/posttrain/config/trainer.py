@@ -244,7 +244,7 @@ class TrainerConfig(BaseConfig):
 
     def _batch_problems(self) -> Iterator[Problem]:
         explicit = self.model_fields_set
-        packed = getattr(self.data, "pack_samples", False)
+        packed = self.data.pack_samples
         if self.total_train_batch_size is not None:
             for key in ("micro_batch_size", "gradient_accumulation_steps"):
                 if key in explicit:
@@ -276,13 +276,13 @@ class TrainerConfig(BaseConfig):
                 f"eager cannot run with sequence_parallel_size={sp} (it needs the whole attention mask); "
                 "use sdpa or flash_attention_2",
             )
-        if getattr(self.data, "padding_free", False):
+        if self.data.padding_free:
             yield Problem(
                 "data.padding_free",
                 f"true cannot run with sequence_parallel_size={sp} yet; use pack_samples: true (packed rows "
                 "are split over the sequence-parallel processes) or padding_free: false",
             )
-        if getattr(self.model, "compile", False):
+        if self.model.compile:
             yield Problem(
                 "model.compile",
                 f"true cannot run with sequence_parallel_size={sp} yet (the split attention's collectives "

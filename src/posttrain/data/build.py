@@ -30,14 +30,13 @@ from posttrain.context import RunContext
 from posttrain.data.mixing import held_out_mask, weighted_mix_ids
 from posttrain.data.packing import pack_bins
 from posttrain.data.progress import BuildProgress
-from posttrain.data.sft import IGNORE_INDEX, RowError
+from posttrain.data.samples import RowError, Sample, trained_tokens
 from posttrain.data.sources import CHUNK_ROWS, Row, open_source, sample_rows
 from posttrain.data.store import SampleStore, StoreWriter
 from posttrain.data.views import PackedView, SampleView, View
 from posttrain.errors import DataError
 from posttrain.registry import DATA_FACTORIES
 
-Sample = dict[str, np.ndarray]
 BatchFormatter = Callable[[list[dict[str, Any]], Any, DataConfig], list["Sample | RowError"]]
 #: the length policy for one formatted sample: (the sample to keep or None, why it was dropped, truncated?)
 Fitter = Callable[[Sample, int, DataConfig], tuple["Sample | None", str, bool]]
@@ -94,11 +93,11 @@ def fit_sample(sample: Sample, max_length: int, config: DataConfig) -> tuple[Sam
     """Drop or truncate a sample longer than ``max_length``; drop one with nothing (left) to train."""
     truncated = False
     if len(sample["input_ids"]) > max_length:
-        if getattr(config, "overlong_samples", "drop") == "drop":
+        if config.overlong_samples == "drop":
             return None, f"longer than max_length={max_length}", False
         sample = {key: value[:max_length] for key, value in sample.items()}
         truncated = True
-    if not np.any(sample["labels"][1:] != IGNORE_INDEX):
+    if not trained_tokens(sample["labels"]):
         return None, "no trained tokens", truncated
     return sample, "", truncated
 
@@ -111,7 +110,7 @@ def assemble_samples(
         return SampleView(store, samples)
     shuffled = samples[np.random.default_rng(config.seed).permutation(len(samples))]
     lengths = store.lengths("input_ids")[shuffled]
-    offsets, members = pack_bins(lengths, max_length, getattr(config, "packing", "best-fit"))
+    offsets, members = pack_bins(lengths, max_length, config.packing)
     return PackedView(store, (shuffled, np.zeros_like(shuffled), lengths), offsets, members)
 
 
@@ -386,7 +385,7 @@ def _assemble(
     """Assemble the training and eval sequences once (packing included), save their index arrays and the
     final reports beside the tokens."""
     store = SampleStore(directory)
-    pack = bool(getattr(config, "pack_samples", False))
+    pack = config.pack_samples
     for name, ids, report, packed in (
         ("train", train_ids, train_report, pack),
         ("eval", eval_ids, eval_report, False),

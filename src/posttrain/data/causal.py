@@ -6,13 +6,11 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.config.data import DataConfig
+from posttrain.config.data import CausalDataConfig, DataConfig
 from posttrain.data.packing import pack_bins
-from posttrain.data.sft import RowError
+from posttrain.data.samples import RowError, Sample
 from posttrain.data.store import SampleStore
 from posttrain.data.views import BlockView, PackedView, View
-
-Sample = dict[str, list[int]]
 
 
 def format_document(
@@ -57,11 +55,9 @@ def format_documents(
     return out
 
 
-def format_causal_rows(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig) -> list[Any]:
+def format_causal_rows(rows: list[dict[str, Any]], tokenizer: Any, config: CausalDataConfig) -> list[Any]:
     """The ``causal`` data factory's batch formatter, with the data config's column and BOS/EOS options."""
-    return format_documents(
-        rows, tokenizer, getattr(config, "text_column", "text"), config.add_bos, config.add_eos
-    )
+    return format_documents(rows, tokenizer, config.text_column, config.add_bos, config.add_eos)
 
 
 def keep_document(sample: dict[str, Any], max_length: int, config: DataConfig) -> tuple[Any, str, bool]:
@@ -108,5 +104,5 @@ def assemble_documents(
     document, start, length = document[keep], start[keep], length[keep]
     order = np.random.default_rng(config.seed).permutation(len(document))
     spans = (document[order], start[order], length[order])
-    offsets, members = pack_bins(spans[2], max_length, getattr(config, "packing", "best-fit"))
+    offsets, members = pack_bins(spans[2], max_length, config.packing)
     return PackedView(store, spans, offsets, members)

@@ -8,7 +8,7 @@ from typing import Any, NotRequired, TypedDict
 import torch
 
 from posttrain.data.packing import join_samples
-from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.samples import pad_rows, trained_tokens
 
 
 class Batch(TypedDict):
@@ -49,21 +49,10 @@ class Collator:
     def __call__(self, samples: Sequence[dict[str, Any]]) -> Batch:
         if self.padding_free and "position_ids" not in samples[0]:
             return self.flat(samples)
-        longest = max(len(s["input_ids"]) for s in samples)
         packed = "position_ids" in samples[0]
-        input_ids = torch.full((len(samples), longest), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
-        attention = torch.zeros((len(samples), longest), dtype=torch.long)
-        positions = torch.zeros((len(samples), longest), dtype=torch.long)
-        for row, sample in enumerate(samples):
-            n = len(sample["input_ids"])
-            input_ids[row, :n] = torch.as_tensor(sample["input_ids"])
-            labels[row, :n] = torch.as_tensor(sample["labels"])
-            attention[row, :n] = 1
-            if packed:
-                positions[row, :n] = torch.as_tensor(sample["position_ids"])
-                positions[row, n:] = torch.arange(longest - n)
-        target_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        rows = [(s["input_ids"], s["labels"]) for s in samples]
+        input_ids, labels, attention = pad_rows(rows, self.pad_id)
+        target_tokens = trained_tokens(labels)
         batch = Batch(
             input_ids=input_ids,
             labels=labels,
@@ -73,9 +62,10 @@ class Collator:
             num_samples=len(samples),
         )
         if packed:
-            if longest != min(len(s["input_ids"]) for s in samples):
+            lengths = {len(ids) for ids, _ in rows}
+            if len(lengths) > 1:
                 raise ValueError("packed micro-batches hold one sequence each (micro_batch_size: 1)")
-            batch["position_ids"] = positions
+            batch["position_ids"] = torch.stack([torch.as_tensor(s["position_ids"]) for s in samples]).long()
         else:
             batch["attention_mask"] = attention
         return batch

@@ -15,19 +15,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from posttrain.config.data import DataConfig
 from posttrain.config.dpo import DPODataConfig
 from posttrain.data.row_formats import erniekit_pair, is_erniekit
-from posttrain.data.sft import (
+from posttrain.data.samples import (
     IGNORE_INDEX,
     RowError,
-    _render_ids,
-    assistant_mask,
+    Sample,
     check_messages,
-    check_turn_ends,
+    pad_rows,
+    render_ids,
+    trained_tokens,
 )
+from posttrain.data.sft import assistant_mask, check_turn_ends
 
-Sample = dict[str, list[int]]
 Pair = dict[str, Any]
 SIDES = ("chosen", "rejected")
 
@@ -56,8 +56,8 @@ def _answer(
     except RowError as exc:
         raise RowError(f"prompt + {name}: {exc}") from None
     ids, mask = assistant_mask(tokenizer, conversation)
-    prompt_len = len(_render_ids(tokenizer, prompt)) if prompt else 0
-    if ids[:prompt_len] != _render_ids(tokenizer, prompt):
+    prompt_len = len(render_ids(tokenizer, prompt)) if prompt else 0
+    if ids[:prompt_len] != render_ids(tokenizer, prompt):
         raise RowError("the chat template does not render the prompt as a token prefix of prompt + answer")
     if check_end:
         try:
@@ -108,23 +108,22 @@ def format_pair(
     return out
 
 
-def format_dpo_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) -> Pair:
-    assert isinstance(config, DPODataConfig)
+def format_dpo_row(row: dict[str, Any], tokenizer: Any, config: DPODataConfig) -> Pair:
     return format_pair(
         row, tokenizer, config.max_prompt_length, config.prompt_truncation, config.check_end_of_turn
     )
 
 
-def fit_pair(pair: Pair, max_length: int, config: DataConfig) -> tuple[Pair | None, str, bool]:
+def fit_pair(pair: Pair, max_length: int, config: DPODataConfig) -> tuple[Pair | None, str, bool]:
     """Drop (or cut both sides of) a pair with a side longer than ``max_length``; drop a pair with an answer
     that has nothing to train."""
     truncated = False
     if any(len(pair[f"{side}_input_ids"]) > max_length for side in SIDES):
-        if getattr(config, "overlong_samples", "drop") == "drop":
+        if config.overlong_samples == "drop":
             return None, f"longer than max_length={max_length}", False
         pair = {key: value[:max_length] for key, value in pair.items()}
         truncated = True
-    if any(not np.any(np.asarray(pair[f"{side}_labels"][1:]) != IGNORE_INDEX) for side in SIDES):
+    if any(not trained_tokens(pair[f"{side}_labels"]) for side in SIDES):
         return None, "an answer has no trained tokens", truncated
     return pair, "", truncated
 
@@ -137,14 +136,7 @@ class PairCollator:
 
     def __call__(self, pairs: list[Pair]) -> dict[str, Any]:
         rows = [(p[f"{side}_input_ids"], p[f"{side}_labels"]) for side in SIDES for p in pairs]
-        longest = max(len(ids) for ids, _ in rows)
-        input_ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
-        attention = torch.zeros((len(rows), longest), dtype=torch.long)
-        for index, (ids, labs) in enumerate(rows):
-            input_ids[index, : len(ids)] = torch.as_tensor(ids)
-            labels[index, : len(labs)] = torch.as_tensor(labs)
-            attention[index, : len(ids)] = 1
+        input_ids, labels, attention = pad_rows(rows, self.pad_id)
         # padding pairs (eval shards) carry no labels and so no weight
         weights = [float(np.any(np.asarray(p["chosen_labels"]) != IGNORE_INDEX)) for p in pairs]
         return {
@@ -155,7 +147,7 @@ class PairCollator:
             "ref_rejected": torch.tensor([p.get("ref_rejected", 0.0) for p in pairs], dtype=torch.float64),
             "pair_weight": torch.tensor(weights, dtype=torch.float64),
             "num_loss_units": int(sum(weights)),
-            "num_target_tokens": int((labels[:, 1:] != IGNORE_INDEX).sum()),
+            "num_target_tokens": trained_tokens(labels),
             "num_input_tokens": sum(len(ids) for ids, _ in rows),
             "num_samples": len(pairs),
         }

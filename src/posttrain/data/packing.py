@@ -13,9 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.samples import IGNORE_INDEX, Sample
 
-Sample = dict[str, list[int]]
 Bins = tuple[np.ndarray, np.ndarray]
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.data.sft import RowError
+from posttrain.data.samples import RowError
 
 
 def _strings(row: dict[str, Any], key: str) -> list[str]:

@@ -8,57 +8,19 @@ end-of-turn token that closes each assistant turn is trained, so the model learn
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import numpy as np
 
-IGNORE_INDEX = -100
-ROLES = ("system", "user", "assistant", "tool")
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-class RowError(ValueError):
-    """A row that cannot be formatted; the caller adds the file and row number."""
-
-
-def check_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """The row's conversation, checked. ``messages`` rows, or ERNIEKit's ``src``/``tgt`` rows. An assistant
-    message may carry ``train: false`` (context only: not trained)."""
-    from posttrain.data import row_formats as formats
-
-    if formats.is_erniekit(row):
-        messages = formats.erniekit_messages(row)
-    elif formats.is_prompt_completion(row):
-        messages = formats.prompt_completion_messages(row)
-    else:
-        messages = row.get("messages")
-    if messages is None:
-        raise RowError(f"missing 'messages' (keys present: {', '.join(map(str, row)) or 'none'})")
-    if not isinstance(messages, list) or not messages:
-        raise RowError("'messages' must be a non-empty list of {role, content} objects")
-    clean = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise RowError(f"messages[{index}] must be an object with 'role' and 'content'")
-        role, content = message["role"], message["content"]
-        if role not in ROLES:
-            raise RowError(f"messages[{index}].role {role!r} is not one of {', '.join(ROLES)}")
-        if not isinstance(content, str):
-            raise RowError(f"messages[{index}].content must be a string")
-        train = message.get("train", True)
-        if not isinstance(train, bool) or (role != "assistant" and not train):
-            raise RowError(f"messages[{index}].train must be true or false, on an assistant message")
-        clean.append(
-            {"role": role, "content": content}
-            if train
-            else {"role": role, "content": content, "train": False}
-        )
-    if not any(m["role"] == "assistant" for m in clean):
-        raise RowError("the conversation has no assistant message, so nothing would be trained")
-    if not any(m["role"] == "assistant" and m.get("train", True) for m in clean):
-        raise RowError("every assistant message has train: false (label 0), so nothing would be trained")
-    return clean
+from posttrain.config.data import SFTDataConfig
+from posttrain.data.samples import (
+    IGNORE_INDEX,
+    RowError,
+    check_messages,
+    has_generation_markers,
+    render_ids,
+    render_with_spans,
+)
 
 
 def drop_context_turns(mask: np.ndarray, messages: list[dict[str, Any]]) -> np.ndarray:
@@ -80,21 +42,6 @@ def drop_context_turns(mask: np.ndarray, messages: list[dict[str, Any]]) -> np.n
     return mask
 
 
-def has_generation_markers(tokenizer: Any) -> bool:
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return bool(_GENERATION_TAG.search(template if isinstance(template, str) else str(template)))
-
-
-def _render_ids(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False
-) -> list[int]:
-    return list(
-        tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
-        )["input_ids"]
-    )
-
-
 def assistant_mask(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
     """(input_ids, mask) with mask 1 on assistant tokens, end-of-turn token included."""
     if has_generation_markers(tokenizer):
@@ -102,13 +49,13 @@ def assistant_mask(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         return list(out["input_ids"]), list(out["assistant_masks"])
-    ids = _render_ids(tokenizer, messages)
+    ids = render_ids(tokenizer, messages)
     mask = [0] * len(ids)
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render_ids(tokenizer, messages[:index], add_generation_prompt=True)
-        through = _render_ids(tokenizer, messages[: index + 1])
+        before = render_ids(tokenizer, messages[:index], add_generation_prompt=True)
+        through = render_ids(tokenizer, messages[: index + 1])
         if ids[: len(before)] != before or ids[: len(through)] != through:
             raise RowError(
                 "the chat template does not render conversation prefixes as token prefixes, so assistant "
@@ -166,21 +113,6 @@ def _span_mask(encoding: Any, spans: list[tuple[int, int]]) -> np.ndarray:
         last = encoding.char_to_token(end_char - 1)
         mask[first : (last + 1 if last else count)] = True
     return mask
-
-
-def render_with_spans(
-    tokenizer: Any, conversations: list[list[dict[str, str]]]
-) -> tuple[list[str], list[Any]]:
-    """Render conversations with the tokenizer's template through transformers' own renderer, with the
-    character spans of every ``{% generation %}`` block."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
-    return render_jinja_template(
-        conversations=conversations,
-        chat_template=tokenizer.get_chat_template(),
-        return_assistant_tokens_mask=True,
-        **tokenizer.special_tokens_map,
-    )
 
 
 def _labels(ids: np.ndarray, mask: np.ndarray, mask_inputs: bool) -> np.ndarray:
@@ -244,6 +176,6 @@ def format_sft(
     return {key: value.tolist() for key, value in result.items()}
 
 
-def format_sft_rows(rows: list[dict[str, Any]], tokenizer: Any, config: Any) -> list[Any]:
+def format_sft_rows(rows: list[dict[str, Any]], tokenizer: Any, config: SFTDataConfig) -> list[Any]:
     """The ``sft`` data factory's batch formatter: :func:`format_sft_batch` with the data config's options."""
-    return format_sft_batch(rows, tokenizer, getattr(config, "mask_inputs", True), config.check_end_of_turn)
+    return format_sft_batch(rows, tokenizer, config.mask_inputs, config.check_end_of_turn)

@@ -18,15 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.samples import trained_per_sample
 
 TOKEN_DTYPE = np.int32
 META = "meta.json"
-
-
-def trained_count(labels: np.ndarray) -> int:
-    """Labels that are predicted: every position after the first whose label is not ignored."""
-    return int(np.count_nonzero(labels[1:] != IGNORE_INDEX))
 
 
 class StoreWriter:
@@ -48,7 +43,7 @@ class StoreWriter:
             self._files[column].write(np.ascontiguousarray(flat[column], dtype=TOKEN_DTYPE).tobytes())
             self._lengths[column].append(np.asarray(lengths[column], dtype=np.int64))
         for column in self._trained:
-            self._trained[column].append(_trained_per_sample(flat[column], lengths[column]))
+            self._trained[column].append(trained_per_sample(flat[column], lengths[column]))
         ids = np.arange(self.count, self.count + n, dtype=np.int64)
         self.count += n
         return ids
@@ -68,17 +63,6 @@ class StoreWriter:
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
-def _trained_per_sample(labels: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    if len(lengths) == 0:
-        return np.zeros(0, dtype=np.int32)
-    starts = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    predicted = (np.asarray(labels) != IGNORE_INDEX).astype(np.int64)
-    predicted[starts[lengths > 0]] = 0  # the first position of each sample predicts nothing
-    sums = np.add.reduceat(predicted, starts) if len(predicted) else np.zeros(len(lengths), np.int64)
-    return np.where(lengths > 0, sums, 0).astype(np.int32)
 
 
 class SampleStore:

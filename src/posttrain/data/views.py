@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.samples import IGNORE_INDEX
 from posttrain.data.store import SampleStore
 
 Item = dict[str, Any]

@@ -19,7 +19,7 @@ from posttrain.config.dpo import DPODataConfig, DPOTrainerConfig
 from posttrain.context import RunContext
 from posttrain.data.build import DataFactory, Datasets, loop_format
 from posttrain.data.dpo import SIDES, PairCollator, fit_pair, format_dpo_row
-from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.samples import IGNORE_INDEX
 from posttrain.data.views import SampleView
 from posttrain.logs import say
 from posttrain.methods.preference_losses import PreferenceParams, preference_loss

@@ -69,7 +69,7 @@ class HuggingFaceModelFactory:
         model = apply_peft(model, config.peft_config, config.peft_pretrained)
         if trainer.tiled_mlp_compute:
             tile_mlps(model)
-        if getattr(trainer.data, "padding_free", False) and config.attn_implementation == "sdpa":
+        if trainer.data.padding_free and config.attn_implementation == "sdpa":
             use_document_attention(model)
         if config.compile:
             compile_blocks(model)

@@ -10,7 +10,7 @@ import torch
 
 from posttrain.config.model import ModelConfig
 from posttrain.context import RunContext
-from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.samples import IGNORE_INDEX
 from posttrain.errors import UserError
 from posttrain.methods.token_logps import FUSED_HEAD_ATTRIBUTE
 from posttrain.models.huggingface import HuggingFaceModelFactory

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttrain.data.sft import IGNORE_INDEX
+from posttrain.data.samples import IGNORE_INDEX
 from posttrain.errors import UserError
 from posttrain.methods.token_logps import target_labels
 from posttrain.models.document_attention import per_document

@@ -1,0 +1,138 @@
+"""The vocabulary every data stage shares: what a sample is, the ignored label, the row error, checked chat
+messages, rendering with the tokenizer's chat template, counting trained tokens, and padding rows into a
+batch. Formatters (SFT, DPO, causal), the store, packing, collators and reports all take these from here, so
+they count and check the same way."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+#: the label of a position that is not trained (PyTorch's cross-entropy ``ignore_index``)
+IGNORE_INDEX = -100
+#: the message roles a conversation may hold
+ROLES = ("system", "user", "assistant", "tool")
+#: a formatted sample: ``input_ids`` and ``labels`` (and ``position_ids`` once packed), lists or int arrays
+Sample = dict[str, Any]
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+class RowError(ValueError):
+    """A row that cannot be formatted; the caller adds the file and row number."""
+
+
+# ------------------------------------------------------------------ trained tokens
+
+
+def trained_tokens(labels: Any) -> int:
+    """Labels that are predicted: every position after the first (of each row, for a 2-D batch) whose label
+    is not ignored. Works on lists, numpy arrays and tensors alike."""
+    if isinstance(labels, torch.Tensor):
+        return int((labels[..., 1:] != IGNORE_INDEX).sum())
+    return int(np.count_nonzero(np.asarray(labels)[..., 1:] != IGNORE_INDEX))
+
+
+def trained_per_sample(labels: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """:func:`trained_tokens` of each of the samples laid one after another in ``labels`` with ``lengths``."""
+    if len(lengths) == 0:
+        return np.zeros(0, dtype=np.int32)
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    predicted = (np.asarray(labels) != IGNORE_INDEX).astype(np.int64)
+    predicted[starts[lengths > 0]] = 0  # the first position of each sample predicts nothing
+    sums = np.add.reduceat(predicted, starts) if len(predicted) else np.zeros(len(lengths), np.int64)
+    return np.where(lengths > 0, sums, 0).astype(np.int32)
+
+
+# ------------------------------------------------------------------ batches
+
+
+def pad_rows(rows: Sequence[tuple[Any, Any]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, labels)`` rows padded on the right to the longest: ids with ``pad_id``, labels with
+    :data:`IGNORE_INDEX`, and the attention mask (1 on real tokens)."""
+    longest = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.long)
+    attention = torch.zeros((len(rows), longest), dtype=torch.long)
+    for index, (ids, row_labels) in enumerate(rows):
+        input_ids[index, : len(ids)] = torch.as_tensor(ids)
+        labels[index, : len(row_labels)] = torch.as_tensor(row_labels)
+        attention[index, : len(ids)] = 1
+    return input_ids, labels, attention
+
+
+# ------------------------------------------------------------------ chat messages and rendering
+
+
+def check_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """The row's conversation, checked. ``messages`` rows, or ERNIEKit's ``src``/``tgt`` rows. An assistant
+    message may carry ``train: false`` (context only: not trained)."""
+    from posttrain.data import row_formats as formats
+
+    if formats.is_erniekit(row):
+        messages = formats.erniekit_messages(row)
+    elif formats.is_prompt_completion(row):
+        messages = formats.prompt_completion_messages(row)
+    else:
+        messages = row.get("messages")
+    if messages is None:
+        raise RowError(f"missing 'messages' (keys present: {', '.join(map(str, row)) or 'none'})")
+    if not isinstance(messages, list) or not messages:
+        raise RowError("'messages' must be a non-empty list of {role, content} objects")
+    clean = [_checked_message(index, message) for index, message in enumerate(messages)]
+    if not any(m["role"] == "assistant" for m in clean):
+        raise RowError("the conversation has no assistant message, so nothing would be trained")
+    if not any(m["role"] == "assistant" and m.get("train", True) for m in clean):
+        raise RowError("every assistant message has train: false (label 0), so nothing would be trained")
+    return clean
+
+
+def _checked_message(index: int, message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        raise RowError(f"messages[{index}] must be an object with 'role' and 'content'")
+    role, content = message["role"], message["content"]
+    if role not in ROLES:
+        raise RowError(f"messages[{index}].role {role!r} is not one of {', '.join(ROLES)}")
+    if not isinstance(content, str):
+        raise RowError(f"messages[{index}].content must be a string")
+    train = message.get("train", True)
+    if not isinstance(train, bool) or (role != "assistant" and not train):
+        raise RowError(f"messages[{index}].train must be true or false, on an assistant message")
+    return {"role": role, "content": content} if train else {"role": role, "content": content, "train": False}
+
+
+def has_generation_markers(tokenizer: Any) -> bool:
+    """Whether the chat template marks assistant turns with ``{% generation %}``."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return bool(_GENERATION_TAG.search(template if isinstance(template, str) else str(template)))
+
+
+def render_ids(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False
+) -> list[int]:
+    """The token ids of ``messages`` rendered with the tokenizer's chat template."""
+    return list(
+        tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
+        )["input_ids"]
+    )
+
+
+def render_with_spans(
+    tokenizer: Any, conversations: list[list[dict[str, str]]]
+) -> tuple[list[str], list[Any]]:
+    """Render conversations with the tokenizer's template through transformers' own renderer, with the
+    character spans of every ``{% generation %}`` block."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    return render_jinja_template(
+        conversations=conversations,
+        chat_template=tokenizer.get_chat_template(),
+        return_assistant_tokens_mask=True,
+        **tokenizer.special_tokens_map,
+    )
