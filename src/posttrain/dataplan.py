@@ -37,8 +37,7 @@ class DataPlan:
 
 def model_facts(config: TrainerConfig) -> ModelFacts | None:
     """What the model factory can tell before building the model (None when it cannot)."""
-    factory = MODEL_FACTORIES.get(config.model.type).obj
-    return factory.facts(config.model) if hasattr(factory, "facts") else None
+    return MODEL_FACTORIES.get(config.model.type).obj.facts(config.model)
 
 
 def max_length_for(config: TrainerConfig, facts: ModelFacts | None) -> int:

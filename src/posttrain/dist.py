@@ -92,6 +92,17 @@ def all_reduce_sum(values: list[float], info: DistInfo) -> list[float]:
     return tensor.tolist()
 
 
+def all_reduce_named(values: dict[str, list[float]], info: DistInfo) -> dict[str, list[float]]:
+    """Named lists of numbers summed over all ranks in one collective and read back by name (every rank
+    passes the same names in the same order, with lists of the same lengths)."""
+    flat = all_reduce_sum([x for numbers in values.values() for x in numbers], info)
+    out, start = {}, 0
+    for name, numbers in values.items():
+        out[name] = flat[start : start + len(numbers)]
+        start += len(numbers)
+    return out
+
+
 def barrier(info: DistInfo) -> None:
     if info.world_size > 1:
         torch_dist.barrier()

@@ -8,16 +8,16 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from posttrain.context import RunContext
-from posttrain.dist import all_reduce_sum
+from posttrain.dist import all_reduce_named, all_reduce_sum
 from posttrain.engine import Engine
-from posttrain.models.moe import RoutingRecorder, load_summary
+from posttrain.extras import StepExtra, StepObserver
 from posttrain.stops import StopSignals
 from posttrain.tracking.outputs import RunOutputs
 from posttrain.tracking.system import StepMeter
@@ -78,9 +78,9 @@ class LoopInputs:
     step_plan: list[list[int]]
     stops: StopSignals
     meter: StepMeter
-    observers: list[Any] = field(default_factory=list)  # profilers: step_started(step) / step_finished(step)
+    observers: list[StepObserver] = field(default_factory=list)  # profilers
     perplexity: bool = True
-    routing: RoutingRecorder | None = None  # mixture-of-experts models: router loss and expert load
+    extras: list[StepExtra] = field(default_factory=list)  # model features' loss terms and metrics (MoE)
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -116,7 +116,8 @@ def perplexity(loss: float) -> float:
 
 @dataclass
 class StepTotals:
-    """Sums over the micro-batches of a step on this rank (loss and method metrics) and global counts."""
+    """Sums over the micro-batches of a step on this rank (loss, method metrics, the extras' values) and
+    global counts."""
 
     loss: float
     metrics: dict[str, float]
@@ -124,7 +125,7 @@ class StepTotals:
     target_tokens: int
     input_tokens: int
     samples: int
-    router_aux_loss: float = 0.0  # summed over this rank's micro-batches (MoE models)
+    extras: dict[str, float] = field(default_factory=dict)
     micro_batches: int = 0
 
 
@@ -142,35 +143,35 @@ def train_step(ctx: RunContext, inputs: LoopInputs, micro_batches: list[dict[str
     # DeepSpeed averages gradients over ranks; multiply back so the result is sum / global units.
     scale = ctx.dist.world_size / max(units, 1)
     loss_sum = torch.zeros((), device=engine.device, dtype=torch.float64)
-    aux_sum = torch.zeros((), device=engine.device, dtype=torch.float64)
     metric_sums: dict[str, torch.Tensor] = {}
+    extra_sums: dict[str, torch.Tensor] = {}
     timers = inputs.meter.timers
-    routing = inputs.routing
     for index, micro in enumerate(micro_batches):
         with timers.section("forward"):
             batch = to_device(micro, engine.device)
-            with routing.recording() if routing is not None else nullcontext():
+            with ExitStack() as recording:
+                for extra in inputs.extras:
+                    recording.enter_context(extra.recording())
                 loss, metrics = inputs.loss_fn(engine, batch)
             objective = loss * scale
-            aux = routing.take_loss(batch) if routing is not None else None
-            if aux is not None:
-                aux_sum += aux.detach().double()
-                if routing is not None and routing.coefficient > 0:
-                    # the mean over the step's micro-batches (DeepSpeed averages over the ranks)
-                    objective = objective + aux * (routing.coefficient / len(micro_batches))
+            for extra in inputs.extras:
+                term, values = extra.micro_batch(batch, len(micro_batches))
+                objective = objective if term is None else objective + term
+                _sum_tensors(values, extra_sums)
         engine.micro_step(objective, last=index == len(micro_batches) - 1, timers=timers)
         loss_sum += loss.detach().double()
         _sum_tensors(metrics, metric_sums)
-    names = sorted(metric_sums)
-    values = torch.stack([loss_sum, aux_sum, *(metric_sums[n] for n in names)]).tolist()  # one transfer
+    names, extra_names = sorted(metric_sums), sorted(extra_sums)
+    stacked = [loss_sum, *(metric_sums[n] for n in names), *(extra_sums[n] for n in extra_names)]
+    values = torch.stack(stacked).tolist()  # one transfer
     return StepTotals(
         values[0],
-        dict(zip(names, values[2:], strict=True)),
+        dict(zip(names, values[1 : 1 + len(names)], strict=True)),
         units,
         target_tokens,
         input_tokens,
         samples,
-        router_aux_loss=values[1],
+        extras=dict(zip(extra_names, values[1 + len(names) :], strict=True)),
         micro_batches=len(micro_batches),
     )
 
@@ -203,27 +204,27 @@ def evaluate(ctx: RunContext, inputs: LoopInputs) -> dict[str, float]:
     return result
 
 
-def _routing_values(config: Any, inputs: LoopInputs, state: LoopState, totals: StepTotals) -> list[float]:
-    """What a step of an MoE model adds to the step's all-reduce: the router loss summed over micro-batches,
-    their number, and at the metrics interval the expert counts since the last report."""
-    routing = inputs.routing
-    if routing is None:
-        return []
-    values = [totals.router_aux_loss, float(totals.micro_batches)]
-    if config.loss_log_interval and state.step % config.loss_log_interval == 0:
-        values += routing.take_counts().flatten().tolist()
-    return values
-
-
-def _routing_metrics(inputs: LoopInputs, values: list[float]) -> dict[str, Any]:
-    """``router_aux_loss`` (mean over the step's micro-batches and ranks) and, when counted, the load."""
-    if inputs.routing is None:
-        return {}
-    metrics: dict[str, Any] = {"router_aux_loss": values[0] / max(values[1], 1.0)}
-    if len(values) > 2:
-        counts = torch.tensor(values[2:], dtype=torch.float64).view(inputs.routing.layers, -1)
-        metrics.update(load_summary(counts))
-    return metrics
+def _step_record(
+    ctx: RunContext, inputs: LoopInputs, state: LoopState, totals: StepTotals, stops: list[float]
+) -> tuple[dict[str, Any], list[float]]:
+    """The step's metrics, reduced over the ranks in one all-reduce (with this rank's stop flags, returned
+    summed): per-unit loss and method metrics, and the extras' entries."""
+    config = ctx.config
+    report = bool(config.loss_log_interval and state.step % config.loss_log_interval == 0)
+    values = {"loss": [totals.loss], "stops": stops}
+    values.update({f"metric/{name}": [value] for name, value in totals.metrics.items()})
+    for extra in inputs.extras:
+        values.update(extra.step_values(totals.extras, totals.micro_batches, report))
+    reduced = all_reduce_named(values, ctx.dist)
+    units = max(totals.units, 1)
+    loss = reduced["loss"][0] / units
+    record: dict[str, Any] = {"iter": state.step, "epoch": state.epoch, "loss": loss}
+    if inputs.perplexity:
+        record["perplexity"] = perplexity(loss)
+    record.update({name: reduced[f"metric/{name}"][0] / units for name in sorted(totals.metrics)})
+    for extra in inputs.extras:
+        record.update(extra.metrics(reduced, report))
+    return record, reduced["stops"]
 
 
 def _stop_reason(ctx: RunContext, state: LoopState) -> str:
@@ -309,28 +310,18 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopSta
             state.epoch_step += 1
             elapsed = time.perf_counter() - started
             local_stop = inputs.stops.check(config.kill_switch_path, elapsed)
-            names = sorted(totals.metrics)
-            routing = _routing_values(config, inputs, state, totals)
-            reduced = all_reduce_sum(
-                [totals.loss, *(totals.metrics[n] for n in names), *local_stop, *routing], ctx.dist
+            record, stops = _step_record(ctx, inputs, state, totals, local_stop)
+            record.update(
+                {
+                    "lr": lr,
+                    "grad_norm": inputs.engine.grad_norm(),
+                    "tokens": totals.target_tokens,
+                    "step_time": elapsed,
+                    "tokens_per_second": totals.input_tokens / elapsed if elapsed > 0 else None,
+                    **inputs.meter.measure(totals.samples, totals.input_tokens, elapsed),
+                    "time": time.time(),
+                }
             )
-            per_unit = [value / max(totals.units, 1) for value in reduced[: 1 + len(names)]]
-            stops = reduced[1 + len(names) : 1 + len(names) + len(local_stop)]
-            record: dict[str, Any] = {
-                "iter": state.step,
-                "epoch": state.epoch,
-                "loss": per_unit[0],
-                **({"perplexity": perplexity(per_unit[0])} if inputs.perplexity else {}),
-                **dict(zip(names, per_unit[1:], strict=True)),
-                "lr": lr,
-                **_routing_metrics(inputs, reduced[len(reduced) - len(routing) :]),
-                "grad_norm": inputs.engine.grad_norm(),
-                "tokens": totals.target_tokens,
-                "step_time": elapsed,
-                "tokens_per_second": totals.input_tokens / elapsed if elapsed > 0 else None,
-                **inputs.meter.measure(totals.samples, totals.input_tokens, elapsed),
-                "time": time.time(),
-            }
             _after_step(ctx, inputs, state, record)
             if config.manual_gc and config.manual_gc_interval and state.step % config.manual_gc_interval == 0:
                 gc.collect()

@@ -13,6 +13,7 @@ are looked up here, and user code loaded through ``code:`` registers new compone
 from __future__ import annotations
 
 import difflib
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from posttrain.context import RunContext
     from posttrain.data.build import DataFactory
     from posttrain.data.sources import Row, RowReader
+    from posttrain.models.facts import ModelFacts
 
 T = TypeVar("T")
 
@@ -31,10 +33,34 @@ T = TypeVar("T")
 # ------------------------------------------------------------------ what each kind of component looks like
 
 
-class ModelFactory(Protocol):
-    """``(model config, run context) -> the model`` (on the CPU; the engine places it)."""
+class ModelFactory(ABC):
+    """Loads a model and reports its facts; nothing more. Every transform the run applies (checkpointing,
+    adapters, memory features, attention kernel, parallelism, compile) is ``models.prepare``'s, so a model
+    from any factory gets all of them."""
 
-    def __call__(self, config: Any, ctx: RunContext) -> torch.nn.Module: ...
+    def facts(self, config: Any) -> ModelFacts | None:
+        """What the run needs to know about the model (hidden size, heads, MoE layout...) before any weight
+        is read, e.g. from its ``config.json``: ZeRO-3 creates the model partitioned only when the DeepSpeed
+        config exists before loading. None: only the loaded model can tell."""
+        return None
+
+    @abstractmethod
+    def __call__(self, config: Any, ctx: RunContext) -> torch.nn.Module:
+        """``(model config, run context) -> the loaded model`` (on the CPU; the engine places it)."""
+
+
+class LoaderFunction(ModelFactory):
+    """A plain function registered as a model factory (user code): it loads; facts come from its model."""
+
+    def __init__(self, load: Callable[[Any, RunContext], torch.nn.Module]) -> None:
+        self.load = load
+
+    def __call__(self, config: Any, ctx: RunContext) -> torch.nn.Module:
+        return self.load(config, ctx)
+
+
+def as_model_factory(obj: Any) -> ModelFactory:
+    return obj if isinstance(obj, ModelFactory) else LoaderFunction(obj)
 
 
 class TokenizerFactory(Protocol):
@@ -69,6 +95,26 @@ class CheckpointEngineFactory(Protocol):
     def __call__(self, config: Any, ctx: RunContext, tokenizer: Any) -> CheckpointEngine: ...
 
 
+_builtins_loaded = False
+_loading_builtins = False
+
+
+def load_builtins() -> None:
+    """Register the built-in components (``posttrain.builtins`` lists them) before the first look-up of any
+    registry: every entry point (the CLI, ``load_config``, ``run``, the schema, a test run alone) finds them,
+    and nothing below the registry imports the components' modules itself."""
+    global _builtins_loaded, _loading_builtins
+    if _builtins_loaded:
+        return
+    _builtins_loaded = _loading_builtins = True
+    try:
+        from posttrain.builtins import register_builtins
+
+        register_builtins()
+    finally:
+        _loading_builtins = False
+
+
 class UnknownComponentError(KeyError):
     """A ``type:`` name that no registry entry matches."""
 
@@ -89,13 +135,16 @@ class Entry(Generic[T]):
     name: str
     obj: T
     config: type
+    source: Any = None  # what was registered, when the registry adapted it
+    replaced: bool = False  # registered with replace=True
 
 
 class Registry(Generic[T]):
     """A name -> component table for one kind of component."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, adapt: Callable[[Any], T] | None = None) -> None:
         self.kind = kind
+        self._adapt = adapt  # turns what is registered into the registry's component type
         self._entries: dict[str, Entry[T]] = {}
 
     def register(self, name: str, *, config: type, replace: bool = False) -> Callable[[T], T]:
@@ -106,9 +155,14 @@ class Registry(Generic[T]):
         """
 
         def decorator(obj: T) -> T:
-            if name in self._entries and not replace and self._entries[name].obj is not obj:
-                raise ValueError(f"{self.kind} type {name!r} is already registered; pass replace=True")
-            self._entries[name] = Entry(name=name, obj=obj, config=config)
+            stored = self._adapt(obj) if self._adapt else obj
+            known = self._entries.get(name)
+            if known is not None and known.source is not obj:
+                if _loading_builtins and known.replaced:
+                    return obj  # a user's replacement registered before the built-ins were loaded wins
+                if not replace:
+                    raise ValueError(f"{self.kind} type {name!r} is already registered; pass replace=True")
+            self._entries[name] = Entry(name=name, obj=stored, config=config, source=obj, replaced=replace)
             return obj
 
         return decorator
@@ -118,15 +172,18 @@ class Registry(Generic[T]):
         return self.register(name, config=config, replace=replace)(obj)
 
     def get(self, name: str) -> Entry[T]:
+        load_builtins()
         try:
             return self._entries[name]
         except KeyError:
             raise UnknownComponentError(self.kind, name, self.names()) from None
 
     def __contains__(self, name: object) -> bool:
+        load_builtins()
         return name in self._entries
 
     def names(self) -> list[str]:
+        load_builtins()
         return sorted(self._entries)
 
 
@@ -165,7 +222,7 @@ def hf_components(data: str) -> dict[str, tuple[str, ...]]:
 
 
 TRAINERS: Registry[TrainerSpec] = Registry("trainer")
-MODEL_FACTORIES: Registry[ModelFactory] = Registry("model")
+MODEL_FACTORIES: Registry[ModelFactory] = Registry("model", adapt=as_model_factory)
 TOKENIZER_FACTORIES: Registry[TokenizerFactory] = Registry("tokenizer")
 DATA_SOURCES: Registry[DataSource] = Registry("data source")
 DATA_FACTORIES: Registry[DataFactory] = Registry("data")

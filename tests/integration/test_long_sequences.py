@@ -10,9 +10,9 @@ import torch
 
 from posttrain.data.samples import IGNORE_INDEX
 from posttrain.errors import UserError
-from posttrain.methods import token_logps
 from posttrain.methods.dpo import pair_logps
 from posttrain.methods.sft import sft_loss
+from posttrain.models import token_logps
 from posttrain.models.memory import OffloadCounter, apply_activation_checkpointing, tile_mlps
 from posttrain.models.sequence_parallel import SequenceSlicer
 from posttrain.testing.tiny import build_model
@@ -187,8 +187,8 @@ def test_the_model_factory_reports_the_facts_the_run_needs(tiny_model_dir) -> No
 
 def test_sequence_parallel_start_up_checks_say_what_to_change() -> None:
     from posttrain.config import load_config
+    from posttrain.config.sequence_parallel import check_model as check_sequence_parallel
     from posttrain.models.facts import ModelFacts
-    from posttrain.models.sequence_parallel import check_sequence_parallel
     from posttrain.plan import data_parallel_size
 
     facts = ModelFacts("llama", "LlamaForCausalLM", 64, 1024, 6, 3, 96)

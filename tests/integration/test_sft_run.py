@@ -124,13 +124,13 @@ def test_zero3_creates_the_model_partitioned(base_config: dict, tmp_path: Path) 
     from posttrain.config.deepspeed import build_deepspeed_config
     from posttrain.context import RunContext
     from posttrain.dist import init_distributed
+    from posttrain.models.prepare import zero3_registration
     from posttrain.registry import MODEL_FACTORIES
-    from posttrain.run import _zero3_init
 
     config = load_config(data=merge(base_config, deepspeed={"zero_optimization": {"stage": 3}}))
     ctx = RunContext(config, init_distributed())
     ds_config = build_deepspeed_config(config, world_size=1, hidden_size=64)
-    keep = _zero3_init(ds_config)
+    keep = zero3_registration(ds_config)
     try:
         model = MODEL_FACTORIES.get("huggingface").obj(config.model, ctx)
     finally:

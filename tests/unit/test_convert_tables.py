@@ -19,9 +19,6 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def known_keys() -> set[str]:
-    from posttrain.builtins import register_builtins
-
-    register_builtins()
     keys: set[str] = set()
 
     def walk(cls, prefix: str) -> None:

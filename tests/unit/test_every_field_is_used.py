@@ -23,9 +23,6 @@ CONSUMED_WHOLE = {"deepspeed"}
 
 
 def config_classes() -> set[type[BaseModel]]:
-    from posttrain.builtins import register_builtins
-
-    register_builtins()
     roots: list[type[BaseModel]] = [TrainerConfig]
     for registry in [*SLOT_REGISTRIES.values(), TRAINERS, DATA_SOURCES]:
         roots += [registry.get(name).config for name in registry.names()]

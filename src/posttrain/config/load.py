@@ -24,11 +24,7 @@ def load_config(
     data: dict[str, Any] | None = None,
     base_dir: Path | None = None,
 ) -> TrainerConfig:
-    """Load, override, resolve and validate a config from a file, YAML text or a dict. The built-in
-    components are registered first, so this works from any import path."""
-    from posttrain.builtins import register_builtins
-
-    register_builtins()
+    """Load, override, resolve and validate a config from a file, YAML text or a dict."""
     if path is not None:
         raw = load_yaml(path)
     elif text is not None:

@@ -28,9 +28,6 @@ def _parse_override_path(text: str) -> Loc:
 def alias_twins() -> dict[str, str]:
     """Field name <-> alias of every config class (``lr``/``learning_rate``...), so an override written
     with one spelling replaces the other spelling in the file."""
-    from posttrain.builtins import register_builtins
-
-    register_builtins()
     classes: list[type[BaseModel]] = [TrainerConfig]
     for registry in [*SLOT_REGISTRIES.values(), TRAINERS]:
         classes += [registry.get(name).config for name in registry.names()]

@@ -68,9 +68,6 @@ def section(title: str, cls: type[BaseModel], skip: set[str] | None = None) -> l
 
 
 def reference_markdown() -> str:
-    from posttrain.builtins import register_builtins
-
-    register_builtins()
     out = [HEADER]
     out += section("Top level (every trainer)", TrainerConfig)
     base_keys = set(TrainerConfig.model_fields)

@@ -17,9 +17,6 @@ from posttrain.registry import DATA_SOURCES, SLOT_REGISTRIES, TRAINERS
 
 
 def config_schema() -> dict[str, Any]:
-    from posttrain.builtins import register_builtins
-
-    register_builtins()
     slots = {
         slot: [registry.get(n).config for n in registry.names()] for slot, registry in SLOT_REGISTRIES.items()
     }

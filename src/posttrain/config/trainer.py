@@ -7,10 +7,11 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, SerializeAsAny, field_validator
 
+from posttrain.config import moe, sequence_parallel
 from posttrain.config.base import BaseConfig, Problem
 from posttrain.config.checkpoint import CheckpointConfig
 from posttrain.config.data import DataConfig
-from posttrain.config.deepspeed_block import deepspeed_problems, offload_device
+from posttrain.config.deepspeed_block import deepspeed_problems
 from posttrain.config.human import HumanFloat, HumanInt, coerce_tree
 from posttrain.config.logger import LoggerConfig
 from posttrain.config.model import ModelConfig
@@ -265,78 +266,15 @@ class TrainerConfig(BaseConfig):
             if start < 1 or increment < 1 or samples < 1:
                 yield Problem("rampup_batch_size", f"{list(self.rampup_batch_size)}: all three must be >= 1")
 
-    def _sequence_parallel_problems(self) -> Iterator[Problem]:
-        sp = self.sequence_parallel_size
-        if sp == 1:
-            return
-        attention = self.model.attn_implementation
-        if attention == "eager":
-            yield Problem(
-                "model.attn_implementation",
-                f"eager cannot run with sequence_parallel_size={sp} (it needs the whole attention mask); "
-                "use sdpa or flash_attention_2",
-            )
-        if self.data.padding_free:
-            yield Problem(
-                "data.padding_free",
-                f"true cannot run with sequence_parallel_size={sp} yet; use pack_samples: true (packed rows "
-                "are split over the sequence-parallel processes) or padding_free: false",
-            )
-        if self.model.compile:
-            yield Problem(
-                "model.compile",
-                f"true cannot run with sequence_parallel_size={sp} yet (the split attention's collectives "
-                "are not compiled); set model.compile: false or sequence_parallel_size: 1",
-            )
-
-    def _moe_problems(self) -> Iterator[Problem]:
-        ep = self.expert_parallel_size
-        if self.enable_arctic_moe_custom_optimization:
-            yield Problem(
-                "enable_arctic_moe_custom_optimization",
-                "true needs ArcticTraining's custom CUDA kernels (a CUDA GPU and kernels posttrain does not "
-                "ship); set it to false: the grouped implementation (arctic_moe) runs on PyTorch's grouped "
-                "matmul, on CPU and GPU",
-            )
-        if self.enable_routing_replay:
-            yield Problem(
-                "enable_routing_replay",
-                "true is refused: posttrain has no later pass to replay routing into (DPO's reference "
-                "log-probabilities are computed once before training; a checkpointed layer's recomputation "
-                "routes as its forward did); set it to false",
-            )
-        if ep == 1:
-            return
-        if self.arctic_moe is False and "arctic_moe" in self.model_fields_set:
-            yield Problem(
-                "arctic_moe",
-                f"false contradicts expert_parallel_size={ep}, which runs through the grouped implementation; "
-                "set arctic_moe: true or auto, or expert_parallel_size: 1",
-            )
-        stage = self.deepspeed.get("zero_optimization", {}).get("stage")
-        if stage == 3 or (stage is None and offload_device(self.deepspeed, "param") != "none"):
-            yield Problem(
-                "deepspeed.zero_optimization.stage",
-                f"3 (set, or implied by offload_param) cannot run with expert_parallel_size={ep} (DeepSpeed's "
-                "ZeRO-3 does not partition expert-parallel parameters); use stage 0, 1 or 2",
-            )
-        others = (
-            ("sequence_parallel_size", self.sequence_parallel_size > 1, "set sequence_parallel_size: 1"),
-            ("model.compile", self.model.compile, "set model.compile: false"),
-        )
-        for key, active, fix in others:
-            if active:
-                yield Problem(key, f"cannot be combined with expert_parallel_size={ep} yet; {fix}")
-
     def problems(self) -> Iterator[Problem]:
-        yield from self._moe_problems()
+        yield from moe.config_problems(self)
         if self.activation_checkpoint_cpu_offload and self.model.disable_activation_checkpoint:
             yield Problem(
                 "activation_checkpoint_cpu_offload",
                 "offloads the activations that checkpointing keeps, so it needs "
                 "model.disable_activation_checkpoint: false",
             )
-        yield from self._sequence_parallel_problems()
+        yield from sequence_parallel.config_problems(self)
         if self.data.has_eval and self.eval_interval == 0 and not (self.eval_at_end or self.skip_train):
             yield Problem(
                 "eval_interval",

@@ -23,8 +23,9 @@ from posttrain.data.samples import IGNORE_INDEX
 from posttrain.data.views import SampleView
 from posttrain.logs import say
 from posttrain.methods.preference_losses import PreferenceParams, preference_loss
-from posttrain.methods.token_logps import row_nll, target_labels
-from posttrain.registry import DATA_FACTORIES, MODEL_FACTORIES, TRAINERS, TrainerSpec, hf_components
+from posttrain.models.prepare import load_reference_model
+from posttrain.models.token_logps import row_nll, target_labels
+from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 # ------------------------------------------------------------------------------------------------- loss
 
@@ -109,10 +110,8 @@ def prepare_reference(ctx: RunContext, engine: Any, data: Datasets, collator: Pa
     if not config.needs_reference:
         return
     if config.ref_model is not None:
-        ref_config = config.ref_model.model_copy(update={"type": config.ref_model.type or "huggingface"})
-        reference = MODEL_FACTORIES.get(ref_config.type).obj(ref_config, ctx).to(engine.device).eval()
-        reference.requires_grad_(False)
-        forward, source = reference, ref_config.name_or_path
+        reference = load_reference_model(config.ref_model, ctx).to(engine.device)
+        forward, source = reference, config.ref_model.name_or_path
     else:
         engine.train(False)
         forward, source = engine, "the policy's initial weights"

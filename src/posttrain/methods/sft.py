@@ -16,7 +16,7 @@ from posttrain.config.data import SFTDataConfig
 from posttrain.config.trainer import TrainerConfig
 from posttrain.data.build import DataFactory
 from posttrain.data.sft import format_sft_rows
-from posttrain.methods.token_logps import row_nll
+from posttrain.models.token_logps import row_nll
 from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 

@@ -1,5 +1,5 @@
-"""Model factory ``huggingface``: ``AutoModelForCausalLM`` from a local path or hub name, with the run's
-memory features (tiled MLP, activation checkpointing and its CPU offload) and PEFT adapters applied."""
+"""Model factory ``huggingface``: ``AutoModelForCausalLM`` from a local path or hub name, and its facts from
+the checkpoint's ``config.json``. The run's transforms are applied by ``models.prepare``."""
 
 from __future__ import annotations
 
@@ -10,18 +10,14 @@ import torch
 from posttrain.config.model import ModelConfig
 from posttrain.context import RunContext
 from posttrain.errors import UserError
-from posttrain.models.compile import compile_blocks
-from posttrain.models.document_attention import use_document_attention
 from posttrain.models.facts import ModelFacts, facts_from_hf_config
-from posttrain.models.memory import apply_activation_checkpointing, tile_mlps
-from posttrain.models.peft import apply_peft
-from posttrain.registry import MODEL_FACTORIES
+from posttrain.registry import MODEL_FACTORIES, ModelFactory
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class HuggingFaceModelFactory:
-    """Builds the model (``__call__``) and reports its facts before building (``facts``), so the run never
+class HuggingFaceModelFactory(ModelFactory):
+    """Loads the model (``__call__``) and reports its facts before loading (``facts``), so the run never
     reads the checkpoint's config itself."""
 
     def facts(self, config: ModelConfig) -> ModelFacts | None:
@@ -61,19 +57,7 @@ class HuggingFaceModelFactory:
             ) from None
 
     def __call__(self, config: ModelConfig, ctx: RunContext) -> torch.nn.Module:
-        model = self.load(config, ctx)
-        trainer = ctx.config
-        apply_activation_checkpointing(
-            model, not config.disable_activation_checkpoint, trainer.activation_checkpoint_cpu_offload
-        )
-        model = apply_peft(model, config.peft_config, config.peft_pretrained)
-        if trainer.tiled_mlp_compute:
-            tile_mlps(model)
-        if trainer.data.padding_free and config.attn_implementation == "sdpa":
-            use_document_attention(model)
-        if config.compile:
-            compile_blocks(model)
-        return model
+        return self.load(config, ctx)
 
 
 MODEL_FACTORIES.add("huggingface", HuggingFaceModelFactory(), config=ModelConfig)

@@ -12,8 +12,8 @@ from posttrain.config.model import ModelConfig
 from posttrain.context import RunContext
 from posttrain.data.samples import IGNORE_INDEX
 from posttrain.errors import UserError
-from posttrain.methods.token_logps import FUSED_HEAD_ATTRIBUTE
 from posttrain.models.huggingface import HuggingFaceModelFactory
+from posttrain.models.token_logps import FUSED_HEAD_ATTRIBUTE
 from posttrain.registry import MODEL_FACTORIES
 
 

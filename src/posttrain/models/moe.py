@@ -144,65 +144,46 @@ class RoutingRecorder:
     def layers(self) -> int:
         return len(self._handles)
 
+    # ---- the loop's step extra (posttrain.extras.StepExtra)
+
+    def micro_batch(
+        self, batch: dict[str, Any], micro_batches: int
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The router loss, weighted by the coefficient and averaged over the step's micro-batches (DeepSpeed
+        averages over the ranks), added to the objective; its unweighted value summed for the report."""
+        loss = self.take_loss(batch)
+        if loss is None:
+            return None, {}
+        term = loss * (self.coefficient / micro_batches) if self.coefficient > 0 else None
+        return term, {"router_aux_loss": loss.detach()}
+
+    def step_values(self, sums: dict[str, float], micro_batches: int, report: bool) -> dict[str, list[float]]:
+        """The router loss summed over micro-batches, their number, and at the metrics interval the expert
+        counts since the last report."""
+        values = {"router_aux_loss": [sums.get("router_aux_loss", 0.0), float(micro_batches)]}
+        if report:
+            values["expert_counts"] = self.take_counts().flatten().tolist()
+        return values
+
+    def metrics(self, reduced: dict[str, list[float]], report: bool) -> dict[str, Any]:
+        """``router_aux_loss`` (mean over the step's micro-batches and ranks) and, when counted, the load."""
+        total, micro_batches = reduced["router_aux_loss"]
+        metrics: dict[str, Any] = {"router_aux_loss": total / max(micro_batches, 1.0)}
+        if "expert_counts" in reduced:
+            counts = torch.tensor(reduced["expert_counts"], dtype=torch.float64).view(self.layers, -1)
+            metrics.update(load_summary(counts))
+        return metrics
+
+    def describe(self) -> str:
+        return (
+            f"mixture of experts: {self.facts.num_experts} experts per layer in {self.layers} layers, "
+            f"{self.facts.top_k} per token; router loss x {self.coefficient:g} added to the training "
+            "loss (router_aux_loss), expert load at the metrics interval"
+        )
+
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
-
-
-def wants_grouped(arctic_moe: bool | str, expert_parallel_size: int, moe: MoEFacts | None) -> bool:
-    """Whether the run uses the grouped expert-parallel implementation (``arctic_moe``)."""
-    return expert_parallel_size > 1 or arctic_moe is True or (arctic_moe == "auto" and moe is not None)
-
-
-def check_moe(
-    moe: MoEFacts | None,
-    architecture: str,
-    *,
-    aux_loss_coef: float | None,
-    sp: int,
-    arctic_moe: bool | str = False,
-    expert_parallel_size: int = 1,
-    world_size: int = 1,
-    experts_implementation: str | None = None,
-) -> None:
-    """Start-up checks that need to know whether the model is a mixture of experts."""
-    from posttrain.errors import UserError
-
-    problems = []
-    ep = expert_parallel_size
-    if moe is None and wants_grouped(arctic_moe, ep, moe):
-        key = f"expert_parallel_size={ep}" if ep > 1 else f"arctic_moe={arctic_moe}"
-        problems.append(
-            f"{key} shards the experts of a mixture-of-experts model and {architecture} is dense; "
-            "set expert_parallel_size: 1 and arctic_moe: false (or auto)"
-        )
-    if moe is not None and ep > 1 and moe.num_experts % ep:
-        problems.append(
-            f"{architecture} has {moe.num_experts} experts per layer, not divisible by "
-            f"expert_parallel_size={ep}; use a divisor of {moe.num_experts}"
-        )
-    if ep > 1 and world_size % ep:
-        problems.append(
-            f"expert_parallel_size={ep} must divide the number of processes ({world_size}); launch a "
-            f"multiple of {ep} processes or change expert_parallel_size"
-        )
-    for key, value in (
-        ("router_aux_loss_coef", aux_loss_coef),
-        ("experts_implementation", experts_implementation),
-    ):
-        if moe is None and value is not None:
-            problems.append(
-                f"model.{key}={value} applies to mixture-of-experts models and {architecture} is dense; "
-                "remove the key"
-            )
-    if moe is not None and sp > 1:
-        problems.append(
-            f"{architecture} is a mixture-of-experts model and sequence_parallel_size={sp} is not supported "
-            "with one yet (the router loss and expert load would cover a slice of each sequence); "
-            "set sequence_parallel_size: 1"
-        )
-    if problems:
-        raise UserError("; ".join(problems))
 
 
 def routing_recorder(model: torch.nn.Module, moe: MoEFacts | None, aux_loss_coef: float | None) -> Any:

@@ -27,12 +27,8 @@ import torch.nn.functional as F
 
 from posttrain.data.samples import IGNORE_INDEX
 from posttrain.errors import UserError
-from posttrain.methods.token_logps import target_labels
 from posttrain.models.document_attention import per_document
-from posttrain.models.facts import ModelFacts
-
-#: attention implementations Ulysses can wrap here (eager needs the full 4-D mask)
-SP_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3")
+from posttrain.models.token_logps import target_labels
 
 
 @dataclass
@@ -42,29 +38,6 @@ class _Installed:
 
 
 _installed: _Installed | None = None
-
-
-def check_sequence_parallel(sp: int, facts: ModelFacts | None, attention: str) -> None:
-    """Start-up checks that need the model's heads (``plan.data_parallel_size`` checks the world size)."""
-    problems = []
-    if attention not in SP_ATTENTION:
-        problems.append(
-            f"model.attn_implementation={attention} cannot run with sequence parallelism; use one of "
-            + ", ".join(SP_ATTENTION)
-        )
-    if facts is not None and facts.attention_heads and facts.attention_heads % sp:
-        problems.append(
-            f"{facts.architecture} has {facts.attention_heads} attention heads, not divisible by "
-            f"sequence_parallel_size={sp}; use a divisor of {facts.attention_heads}"
-        )
-    kv = facts.kv_heads if facts is not None else None
-    if kv and kv % sp and sp % kv:
-        problems.append(
-            f"{facts.architecture if facts else 'the model'} has {kv} key/value heads; "
-            f"sequence_parallel_size={sp} must divide it or be a multiple of it"
-        )
-    if problems:
-        raise UserError("; ".join(problems))
 
 
 def _fit_batch(attention: Any, batch_size: int) -> None:
