@@ -38,7 +38,7 @@ MAX_LENGTH = 2048
 
 def write_rows(path: Path, count: int, seed: int = 0) -> None:
     """Chat rows: 1-3 turns, each message 10-300 words drawn from English-like words and pseudo-words."""
-    from posttrain.testing.tiny import _WORDS
+    from posttrain.tiny_model import _WORDS
 
     rng = np.random.default_rng(seed)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
@@ -190,7 +190,7 @@ def main() -> None:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     python = sys.executable
 
-    from posttrain.testing.tiny import write_tiny_model
+    from posttrain.tiny_model import write_tiny_model
 
     model = out / "model"
     if not (model / "config.json").is_file():

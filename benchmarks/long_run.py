@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out.resolve()
     from posttrain.testing.data import chat_rows, write_jsonl
-    from posttrain.testing.tiny import write_tiny_model
+    from posttrain.tiny_model import write_tiny_model
 
     model = out / "model"
     if not (model / "config.json").is_file():

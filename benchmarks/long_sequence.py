@@ -124,7 +124,7 @@ def child(config_path: Path, out_dir: Path, limit: float) -> None:
 
 
 def write_inputs(root: Path, lengths: list[int]) -> tuple[Path, dict[int, Path]]:
-    from posttrain.testing.tiny import build_model, build_tokenizer
+    from posttrain.tiny_model import build_model, build_tokenizer
     from posttrain.utils.fs import atomic_dir
 
     model_dir = root / "model"

@@ -44,7 +44,7 @@ WORKS = ("grouped", "ep")
 
 def prepare(work: Path, steps: int) -> dict[str, int]:
     from posttrain.testing.data import write_jsonl
-    from posttrain.testing.tiny import write_tiny_model
+    from posttrain.tiny_model import write_tiny_model
 
     if not (work / "model").exists():
         write_tiny_model(

@@ -333,7 +333,7 @@ def work_two_process(work: Path, args: Any) -> dict[str, Any]:
 
 def prepare(work: Path, steps: int) -> int:
     from posttrain.testing.data import write_jsonl
-    from posttrain.testing.tiny import write_tiny_model
+    from posttrain.tiny_model import write_tiny_model
 
     if not (work / "model").exists():
         write_tiny_model(work / "model", hidden_size=256, layers=8, vocab_size=2048, seed=0)

@@ -20,7 +20,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from posttrain.testing.tiny import write_tiny_model
+    from posttrain.tiny_model import write_tiny_model
 
     return write_tiny_model(
         tmp_path_factory.mktemp("tiny") / "model", seed=0, hidden_size=64, layers=2, vocab_size=1024
@@ -30,7 +30,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_moe_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny mixture-of-experts models (8 experts, 2 per token), one per architecture, written on first use."""
-    from posttrain.testing.tiny import ARCHITECTURES, write_tiny_model
+    from posttrain.tiny_model import ARCHITECTURES, write_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-moe")
     return {

@@ -5,26 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from posttrain.errors import UserError
-from posttrain.testing.tiny import ARCHITECTURES
-
-EXIT_USER_ERROR = 2
+from posttrain.launch import EXIT_USER_ERROR, note_user_error
+from posttrain.tiny_model import ARCHITECTURES
 
 
 def _quiet_environment() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
+    from posttrain.utils.imports import accelerator
 
-        os.environ["DS_ACCELERATOR"] = "cuda" if torch.cuda.is_available() else "cpu"
+    accelerator()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -160,108 +156,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace, kill_switch: str) -> int:
-    """Re-run this command with ``--nproc`` processes on this node through torchrun or DeepSpeed's launcher;
-    ``--launcher-args`` pass through (nodes, master address/port, hostfile, include/exclude)."""
-    import shlex
-
-    from posttrain.dist import free_port
-
-    extra = shlex.split(args.launcher_args)
-    port = (
-        []
-        if any(a.startswith(("--master_port", "--master-port", "--rdzv")) for a in extra)
-        else [f"--master_port={free_port()}"]
-    )
-    # launcher module, its process-count flag, and how it is told to run a module
-    launchers = {
-        "deepspeed": ("deepspeed.launcher.runner", f"--num_gpus={args.nproc}", "--module"),
-        "torchrun": ("torch.distributed.run", f"--nproc_per_node={args.nproc}", "-m"),
-    }
-    module, nproc_flag, module_flag = launchers[args.launcher]
-    command = [sys.executable, "-m", module, nproc_flag, *port, *extra, module_flag, "posttrain"]
-    command += ["train", str(args.config), *args.overrides]
-    return _run_relaying_signals(command, kill_switch)
-
-
-#: set by ``--nproc`` for the ranks: where a rank that stops on a user error (bad config or data) notes it
-USER_ERROR_DIR = "POSTTRAIN_USER_ERROR_DIR"
-
-
-def _note_user_error() -> None:
-    directory = os.environ.get(USER_ERROR_DIR)
-    if directory and "RANK" in os.environ:
-        Path(directory, f"rank-{os.environ['RANK']}").write_text("user error\n")
-
-
-def _filter_launcher_errors(stream: Any, user_errors: Path) -> None:
-    """Pass the launcher's standard error through, except, when a rank stopped on a user error (its message
-    is already printed), the launcher's own ``ChildFailedError`` traceback and failure report."""
-    held: list[str] = []
-    dropping = False
-    for line in stream:
-        if dropping:
-            continue
-        if held or line.startswith("Traceback (most recent call last):"):
-            held.append(line)
-            if (
-                line[:1].isspace()
-                or line.startswith(("Traceback", "During handling", "The above"))
-                or not line.strip()
-            ):
-                continue
-            if "ChildFailedError" in line and any(user_errors.iterdir()):
-                dropping = True
-            else:
-                sys.stderr.writelines(held)
-            held = []
-            continue
-        if "failed (exitcode: 2)" in line and "torch/distributed/elastic" in line:
-            continue  # the launcher's log line for a rank that exited on a user error
-        sys.stderr.write(line)
-    sys.stderr.writelines(held)
-    sys.stderr.flush()
-
-
-def _run_relaying_signals(command: list[str], kill_switch: str) -> int:
-    """Run the launcher in its own session and turn SIGTERM/SIGINT sent to this process into the run's kill
-    switch: every rank then stops after the same step, saves, and exits 0. A second SIGINT kills the job.
-    A rank that stops on a user error makes the whole command exit with status 2."""
-    import signal
-    import tempfile
-    import threading
-
-    user_errors = Path(tempfile.mkdtemp(prefix="posttrain-errors-"))
-    env = {**os.environ, USER_ERROR_DIR: str(user_errors)}
-    process = subprocess.Popen(command, start_new_session=True, env=env, stderr=subprocess.PIPE, text=True)
-    assert process.stderr is not None
-    forward = threading.Thread(
-        target=_filter_launcher_errors, args=(process.stderr, user_errors), daemon=True
-    )
-    forward.start()
-    received: list[str] = []
-
-    def relay(signum: int, frame: object) -> None:
-        name = signal.Signals(signum).name
-        if received and signum == signal.SIGINT:
-            os.killpg(process.pid, signal.SIGKILL)
-            return
-        received.append(name)
-        Path(kill_switch).parent.mkdir(parents=True, exist_ok=True)
-        Path(kill_switch).write_text(f"{name} received by the launcher\n")
-        print(f"{name} received: every process stops after its current step ({kill_switch})", flush=True)
-
-    previous = {sig: signal.signal(sig, relay) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        code = process.wait()
-        forward.join()
-        return EXIT_USER_ERROR if code and any(user_errors.iterdir()) else code
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        shutil.rmtree(user_errors, ignore_errors=True)
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: must be >= 1 (the number of processes on this machine)")
@@ -269,7 +163,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     # launcher arguments always reach a launcher: `--nproc 1 --launcher-args '--nnodes 2 ...'` is one process
     # on each of two nodes in one run, not a world-size-1 run on each
     if (args.nproc > 1 or args.launcher_args.strip()) and "LOCAL_RANK" not in os.environ:
-        return _launch(args, config.kill_switch_path)
+        from posttrain.launch import launch_train
+
+        return launch_train(
+            args.config,
+            args.overrides,
+            args.nproc,
+            args.launcher,
+            args.launcher_args,
+            config.kill_switch_path,
+        )
     from posttrain.run import run
 
     run(config)
@@ -282,24 +185,28 @@ def _world_size(value: int | None) -> int:
     return value or int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def cmd_preprocess(args: argparse.Namespace) -> int:
+def _preflight(args: argparse.Namespace) -> tuple[Any, Any]:
+    """What ``preprocess`` and ``plot-lr`` share: the validated config and its pre-flight (data and steps)."""
     config = _load(args.config, args.overrides)
     from posttrain.logs import setup_logging
-    from posttrain.preflight import preflight, report_text
+    from posttrain.preflight import preflight
 
     setup_logging(config.logger, 0)
-    flight = preflight(config, _world_size(args.world_size))
+    return config, preflight(config, _world_size(args.world_size))
+
+
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    from posttrain.preflight import report_text
+
+    config, flight = _preflight(args)
     print(report_text(flight, config, color=args.color))
     return 0
 
 
 def cmd_plot_lr(args: argparse.Namespace) -> int:
-    config = _load(args.config, args.overrides)
-    from posttrain.logs import setup_logging
-    from posttrain.preflight import plot_lr, preflight
+    from posttrain.preflight import plot_lr
 
-    setup_logging(config.logger, 0)
-    flight = preflight(config, _world_size(args.world_size))
+    config, flight = _preflight(args)
     out = plot_lr(flight, args.out or Path(config.logger.output_dir) / "lr-schedule.png")
     print(f"wrote {out} ({flight.total_steps} steps)")
     return 0
@@ -323,7 +230,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    from posttrain.testing.tiny import write_tiny_model
+    from posttrain.tiny_model import write_tiny_model
 
     out = write_tiny_model(
         args.out_dir,
@@ -390,11 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except ConfigError as exc:
         print(exc.render(), file=sys.stderr)
-        _note_user_error()
+        note_user_error()
         return EXIT_USER_ERROR
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        _note_user_error()
+        note_user_error()
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         return 130

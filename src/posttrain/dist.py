@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from posttrain.utils.imports import import_deepspeed
+from posttrain.utils.imports import accelerator, import_deepspeed
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,6 @@ def ensure_rank_env() -> None:
 def init_distributed() -> DistInfo:
     """Start the process group (nccl on GPU, gloo on CPU) through DeepSpeed's comm layer."""
     ensure_rank_env()
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     import importlib
 
     deepspeed = import_deepspeed()
@@ -63,7 +62,7 @@ def init_distributed() -> DistInfo:
         ds_comm_torch.build_shm_op = lambda: None
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    if torch.cuda.is_available():
+    if accelerator() == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
         backend = "nccl"

@@ -126,7 +126,7 @@ def write_starter(kind: str, out: Path) -> list[Path]:
     )
     written = []
     if not (model / "config.json").is_file():
-        from posttrain.testing.tiny import write_tiny_model
+        from posttrain.tiny_model import write_tiny_model
 
         written.append(write_tiny_model(model))
     if not data.is_file():

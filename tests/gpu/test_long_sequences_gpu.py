@@ -9,7 +9,7 @@ import torch
 from posttrain.data.samples import IGNORE_INDEX
 from posttrain.methods.sft import sft_loss
 from posttrain.models.memory import OffloadCounter, apply_activation_checkpointing
-from posttrain.testing.tiny import build_model
+from posttrain.tiny_model import build_model
 from tests.integration.helpers import merge, train
 
 pytestmark = pytest.mark.gpu

@@ -15,7 +15,7 @@ from posttrain.methods.sft import sft_loss
 from posttrain.models import token_logps
 from posttrain.models.memory import OffloadCounter, apply_activation_checkpointing, tile_mlps
 from posttrain.models.sequence_parallel import SequenceSlicer
-from posttrain.testing.tiny import build_model
+from posttrain.tiny_model import build_model
 
 pytestmark = pytest.mark.integration
 

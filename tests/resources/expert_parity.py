@@ -18,7 +18,7 @@ from posttrain.models.expert_parallel import (
     gather_experts,
     install_expert_parallel,
 )
-from posttrain.testing.tiny import build_model
+from posttrain.tiny_model import build_model
 
 rank = init_distributed().rank  # gloo, as posttrain runs start it (no DeepSpeed op compiled)
 for arch in sys.argv[1:]:

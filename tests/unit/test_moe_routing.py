@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from posttrain.models.moe import RoutingRecorder, load_summary, moe_facts_from_hf_config, routing_statistics
-from posttrain.testing.tiny import build_model
+from posttrain.tiny_model import build_model
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import difflib
 import typing
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -19,6 +20,22 @@ class Problem(tuple[str, str]):
         return super().__new__(cls, (path, message))
 
 
+@dataclass(frozen=True)
+class ModeKeys:
+    """``keys`` of a config class take effect only when ``applies(section, root)`` (the section holding
+    them, the whole run config); ``needs`` says when. Written while their mode is off, they are warned
+    about (``config.mode_keys``)."""
+
+    keys: tuple[str, ...]
+    applies: Callable[[Any, Any], bool]
+    needs: str
+
+
+def uses_adapters(section: Any, root: Any) -> bool:
+    """The run trains LoRA adapters (new ones, or a saved one)."""
+    return root.model.peft_config is not None or root.model.peft_pretrained is not None
+
+
 class BaseConfig(BaseModel):
     """Common behaviour: unknown keys are errors; field docstrings become the schema's descriptions."""
 
@@ -29,6 +46,9 @@ class BaseConfig(BaseModel):
         populate_by_name=True,
         validate_assignment=False,
     )
+
+    mode_keys: ClassVar[tuple[ModeKeys, ...]] = ()
+    """Keys of this class that apply only in some modes (each class declares its own)."""
 
     def problems(self) -> Iterator[Problem]:
         """Cross-field checks of this model (values only, no I/O). Sub-models are walked by the caller."""

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import ClassVar
 
 from pydantic import Field
 
-from posttrain.config.base import BaseConfig, Problem
+from posttrain.config.base import BaseConfig, ModeKeys, Problem, uses_adapters
 from posttrain.config.human import HumanInt
 
 
@@ -36,6 +37,10 @@ class CheckpointConfig(BaseConfig):
 class HFCheckpointConfig(CheckpointConfig):
     """Exports in Hugging Face format (safetensors + config + tokenizer); not resumable training state.
     With PEFT the export is the adapter in PEFT's format."""
+
+    mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
+        ModeKeys(("save_merged",), uses_adapters, "LoRA adapters to merge (model.peft_config)"),
+    )
 
     save_merged: bool = False
     """With PEFT, also write the base model with the adapter merged in, to ``<name>-merged``."""

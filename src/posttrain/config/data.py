@@ -7,13 +7,20 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, SerializeAsAny, field_validator
 
-from posttrain.config.base import BaseConfig, Problem
+from posttrain.config.base import BaseConfig, ModeKeys, Problem
 from posttrain.config.human import HumanFloat, HumanInt
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 class DataSourceConfig(BaseConfig):
+    mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
+        ModeKeys(
+            ("sample_seed",),
+            lambda c, root: c.sample_ratio is not None or c.sample_count is not None,
+            "data.sources[].sample_ratio or sample_count",
+        ),
+    )
     type: str = ""
     """Data source type. A plain string source is ``local`` when it ends in .jsonl/.json/.parquet/.csv,
     else ``huggingface``."""
@@ -115,6 +122,15 @@ class MegatronSourceConfig(DataSourceConfig):
 
 
 class DataConfig(BaseConfig):
+    mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
+        ModeKeys(("mix_seed",), lambda c, root: c.mix == "weighted", "data.mix: weighted"),
+        ModeKeys(
+            ("split_seed",),
+            lambda c, root: c.train_eval_split[1] > 0,
+            "a held-out split (data.train_eval_split)",
+        ),
+        ModeKeys(("packing",), lambda c, root: c.pack_samples, "data.pack_samples: true"),
+    )
     type: str = ""
     """Data factory type. Defaults to the trainer's first accepted data factory."""
 

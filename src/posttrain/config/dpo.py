@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from posttrain.config.base import Problem
+from posttrain.config.base import ModeKeys, Problem
 from posttrain.config.data import DataConfig
 from posttrain.config.human import HumanFloat, HumanInt
 from posttrain.config.model import ModelConfig
@@ -31,6 +31,16 @@ class DPODataConfig(DataConfig):
 
 
 class DPOTrainerConfig(TrainerConfig):
+    mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
+        *TrainerConfig.mode_keys,
+        ModeKeys(("label_smoothing",), lambda c, root: c.loss_type == "sigmoid", "loss_type: sigmoid"),
+        ModeKeys(("simpo_gamma",), lambda c, root: c.loss_type == "simpo", "loss_type: simpo"),
+        ModeKeys(
+            ("reference_free",),
+            lambda c, root: c.loss_type in ("sigmoid", "ipo", "hinge"),
+            "a loss with a reference model (sigmoid, ipo, hinge)",
+        ),
+    )
     type: str = "dpo"
     """Trainer type."""
 

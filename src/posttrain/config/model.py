@@ -120,7 +120,7 @@ class ModelConfig(BaseConfig):
     @classmethod
     def _peft(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
-            from posttrain.models.peft import peft_config_from_dict
+            from posttrain.config.peft import peft_config_from_dict
 
             peft_config_from_dict(value)  # builds PEFT's own config object: checks keys and values
         return value

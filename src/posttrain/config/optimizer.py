@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from posttrain.config.base import BaseConfig
+from posttrain.config.base import BaseConfig, ModeKeys, uses_adapters
 from posttrain.config.human import HumanFloat, HumanInt
 
 
 class OptimizerConfig(BaseConfig):
+    mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
+        ModeKeys(
+            ("lora_plus_scale",), uses_adapters, "LoRA adapters (model.peft_config or model.peft_pretrained)"
+        ),
+        ModeKeys(
+            ("lr_reference_batch_size",),
+            lambda c, root: c.lr_batch_size_scaling != "none",
+            "optimizer.lr_batch_size_scaling: sqrt or linear",
+        ),
+    )
     type: str = ""
     """Optimizer factory type. Defaults to the trainer's first accepted optimizer (``adamw``: torch AdamW)."""
 

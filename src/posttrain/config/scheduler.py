@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from posttrain.config.base import BaseConfig, Problem
+from posttrain.config.base import BaseConfig, ModeKeys, Problem
 from posttrain.config.human import HumanFloat, HumanInt
 
 
@@ -82,6 +82,29 @@ def _scheduler_arguments(name: str) -> set[str]:
 class MegatronSchedulerConfig(SchedulerConfig):
     """Megatron-Bridge's schedule family: warmup from ``lr_warmup_init`` to the peak LR, then a decay to
     ``min_lr``; optionally a weight-decay schedule. Counted in optimizer steps."""
+
+    mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
+        ModeKeys(
+            ("lr_wsd_decay_style", "lr_wsd_decay_iters"),
+            lambda c, root: c.lr_decay_style == "WSD",
+            "scheduler.lr_decay_style: WSD",
+        ),
+        ModeKeys(
+            ("power", "lr_end"),
+            lambda c, root: c.lr_decay_style == "polynomial",
+            "scheduler.lr_decay_style: polynomial",
+        ),
+        ModeKeys(
+            ("start_weight_decay", "end_weight_decay"),
+            lambda c, root: c.weight_decay_incr_style != "constant",
+            "scheduler.weight_decay_incr_style: linear or cosine",
+        ),
+        ModeKeys(
+            ("lr_warmup_init",),
+            lambda c, root: bool(c.lr_warmup_iters or c.lr_warmup_fraction),
+            "a warmup (scheduler.lr_warmup_iters or lr_warmup_fraction)",
+        ),
+    )
 
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD", "polynomial"] = (
         "linear"

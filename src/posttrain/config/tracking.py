@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import ClassVar
 
 from pydantic import Field
 
-from posttrain.config.base import BaseConfig, Problem
+from posttrain.config.base import BaseConfig, ModeKeys, Problem
 from posttrain.config.human import HumanFloat, HumanInt
 
 
@@ -34,6 +35,13 @@ class MLflowTrackingConfig(BaseConfig):
 
 
 class TensorBoardConfig(BaseConfig):
+    mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
+        ModeKeys(
+            ("log_dir", "log_throughput", "log_memory", "log_timers", "log_params_norm"),
+            lambda c, root: c.enable,
+            "tensorboard.enable: true",
+        ),
+    )
     enable: bool = False
     """Write TensorBoard event files (rank 0)."""
 
@@ -65,6 +73,14 @@ class MetricsConfig(BaseConfig):
 
 class ProfilingConfig(BaseConfig):
     """Megatron-Bridge's profiling keys plus a Python profile (ArcticTraining's ``--python_profile``)."""
+
+    mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
+        ModeKeys(
+            ("profile_step_start", "profile_step_end", "profile_ranks", "record_shapes"),
+            lambda c, root: c.use_pytorch_profiler,
+            "profiling.use_pytorch_profiler: true",
+        ),
+    )
 
     use_pytorch_profiler: bool = False
     """Run the PyTorch profiler from ``profile_step_start`` to ``profile_step_end`` and write a Chrome trace

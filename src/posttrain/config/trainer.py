@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, SerializeAsAny, field_validator
 
 from posttrain.config import moe, sequence_parallel
-from posttrain.config.base import BaseConfig, Problem
+from posttrain.config.base import BaseConfig, ModeKeys, Problem
 from posttrain.config.checkpoint import CheckpointConfig
 from posttrain.config.data import DataConfig
 from posttrain.config.deepspeed_block import deepspeed_problems
@@ -23,6 +23,24 @@ from posttrain.config.wandb import WandBConfig
 
 
 class TrainerConfig(BaseConfig):
+    mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
+        ModeKeys(("manual_gc_interval", "manual_gc_eval"), lambda c, root: c.manual_gc, "manual_gc: true"),
+        ModeKeys(
+            ("max_per_device_train_batch_size",),
+            lambda c, root: c.total_train_batch_size is not None,
+            "total_train_batch_size",
+        ),
+        ModeKeys(
+            ("eval_iters", "eval_log_iter_interval"),
+            lambda c, root: c.data.has_eval,
+            "eval data (data.eval_sources or data.train_eval_split)",
+        ),
+        ModeKeys(
+            ("mem_profiler_dir", "mem_profiler_max_entries"),
+            lambda c, root: c.mem_profiler is not None,
+            "mem_profiler: step or e2e",
+        ),
+    )
     _origins: dict[tuple[Any, ...], str] = PrivateAttr(default_factory=dict)
     _derived: set[tuple[Any, ...]] = PrivateAttr(default_factory=set)
     type: str = "sft"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from posttrain.config.base import BaseConfig
+from posttrain.config.base import BaseConfig, ModeKeys
 
 
 class WandBConfig(BaseConfig):
+    mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
+        ModeKeys(("entity", "project", "name", "mode"), lambda c, root: c.enable, "wandb.enable: true"),
+    )
     enable: bool = False
     """Log metrics to Weights & Biases (rank 0). The run id is saved in resumable checkpoints, so a resumed
     run continues the same W&B run."""

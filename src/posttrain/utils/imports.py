@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from types import ModuleType
+
+
+def accelerator() -> str:
+    """The one place the accelerator is chosen: ``DS_ACCELERATOR`` when set, else ``cuda`` when PyTorch
+    sees a CUDA device, else ``cpu``; written back to ``DS_ACCELERATOR`` so DeepSpeed picks the same one
+    (and stays quiet about guessing). The process group's backend and device follow it."""
+    name = os.environ.get("DS_ACCELERATOR")
+    if not name:
+        import torch
+
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+        os.environ["DS_ACCELERATOR"] = name
+    return name
 
 
 def import_deepspeed() -> ModuleType:
@@ -15,6 +29,7 @@ def import_deepspeed() -> ModuleType:
     own mlflow tracker imports it normally later."""
     if "deepspeed" in sys.modules:
         return sys.modules["deepspeed"]
+    accelerator()
     hide = "mlflow" not in sys.modules
     if hide:
         sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError

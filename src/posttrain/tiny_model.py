@@ -1,6 +1,7 @@
 """A tiny LLaMA-architecture (or mixture-of-experts) model and byte-level BPE tokenizer, built locally with no network.
 
-Used by the tests, the demo and the benchmarks so nothing is ever downloaded. Deterministic for a seed: the
+Behind `posttrain tiny-model` and `posttrain init`, and used by the tests, the demo and the benchmarks, so nothing is ever
+downloaded. Deterministic for a seed: the
 training text, the BPE merges and the initial weights all derive from it.
 """
 

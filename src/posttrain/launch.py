@@ -1,0 +1,116 @@
+"""Starting a run on several processes: the launcher command (torchrun or DeepSpeed's), the relay of
+SIGTERM/SIGINT to the run's kill switch, and an exit status of 2 when any rank stopped on a user error."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+EXIT_USER_ERROR = 2
+
+
+def launch_train(
+    config: Path, overrides: list[str], nproc: int, launcher: str, launcher_args: str, kill_switch: str
+) -> int:
+    """Run ``posttrain train`` with ``nproc`` processes on this node through torchrun or DeepSpeed's
+    launcher; ``launcher_args`` pass through (nodes, master address/port, hostfile, include/exclude)."""
+    from posttrain.dist import free_port
+
+    extra = shlex.split(launcher_args)
+    port = (
+        []
+        if any(a.startswith(("--master_port", "--master-port", "--rdzv")) for a in extra)
+        else [f"--master_port={free_port()}"]
+    )
+    # launcher module, its process-count flag, and how it is told to run a module
+    launchers = {
+        "deepspeed": ("deepspeed.launcher.runner", f"--num_gpus={nproc}", "--module"),
+        "torchrun": ("torch.distributed.run", f"--nproc_per_node={nproc}", "-m"),
+    }
+    module, nproc_flag, module_flag = launchers[launcher]
+    command = [sys.executable, "-m", module, nproc_flag, *port, *extra, module_flag, "posttrain"]
+    command += ["train", str(config), *overrides]
+    return _run_relaying_signals(command, kill_switch)
+
+
+#: set by ``--nproc`` for the ranks: where a rank that stops on a user error (bad config or data) notes it
+USER_ERROR_DIR = "POSTTRAIN_USER_ERROR_DIR"
+
+
+def note_user_error() -> None:
+    """In a rank started by :func:`launch_train`: note that it stopped on a user error (exit status 2)."""
+    directory = os.environ.get(USER_ERROR_DIR)
+    if directory and "RANK" in os.environ:
+        Path(directory, f"rank-{os.environ['RANK']}").write_text("user error\n")
+
+
+def _filter_launcher_errors(stream: Any, user_errors: Path) -> None:
+    """Pass the launcher's standard error through, except, when a rank stopped on a user error (its message
+    is already printed), the launcher's own ``ChildFailedError`` traceback and failure report."""
+    held: list[str] = []
+    dropping = False
+    for line in stream:
+        if dropping:
+            continue
+        if held or line.startswith("Traceback (most recent call last):"):
+            held.append(line)
+            if (
+                line[:1].isspace()
+                or line.startswith(("Traceback", "During handling", "The above"))
+                or not line.strip()
+            ):
+                continue
+            if "ChildFailedError" in line and any(user_errors.iterdir()):
+                dropping = True
+            else:
+                sys.stderr.writelines(held)
+            held = []
+            continue
+        if "failed (exitcode: 2)" in line and "torch/distributed/elastic" in line:
+            continue  # the launcher's log line for a rank that exited on a user error
+        sys.stderr.write(line)
+    sys.stderr.writelines(held)
+    sys.stderr.flush()
+
+
+def _run_relaying_signals(command: list[str], kill_switch: str) -> int:
+    """Run the launcher in its own session and turn SIGTERM/SIGINT sent to this process into the run's kill
+    switch: every rank then stops after the same step, saves, and exits 0. A second SIGINT kills the job.
+    A rank that stops on a user error makes the whole command exit with status 2."""
+    user_errors = Path(tempfile.mkdtemp(prefix="posttrain-errors-"))
+    env = {**os.environ, USER_ERROR_DIR: str(user_errors)}
+    process = subprocess.Popen(command, start_new_session=True, env=env, stderr=subprocess.PIPE, text=True)
+    assert process.stderr is not None
+    forward = threading.Thread(
+        target=_filter_launcher_errors, args=(process.stderr, user_errors), daemon=True
+    )
+    forward.start()
+    received: list[str] = []
+
+    def relay(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if received and signum == signal.SIGINT:
+            os.killpg(process.pid, signal.SIGKILL)
+            return
+        received.append(name)
+        Path(kill_switch).parent.mkdir(parents=True, exist_ok=True)
+        Path(kill_switch).write_text(f"{name} received by the launcher\n")
+        print(f"{name} received: every process stops after its current step ({kill_switch})", flush=True)
+
+    previous = {sig: signal.signal(sig, relay) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = process.wait()
+        forward.join()
+        return EXIT_USER_ERROR if code and any(user_errors.iterdir()) else code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(user_errors, ignore_errors=True)
