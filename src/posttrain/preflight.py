@@ -89,7 +89,7 @@ def report_text(flight: DataPlan, original: TrainerConfig, color: bool = False) 
     out += [f"  {line}" for line in _data_lines(data.train_report, "train")]
     if data.train_report.packed:
         efficiency = packing_efficiency(data.train, flight.max_length)
-        method = getattr(config.data, "packing", "")
+        method = config.data.packing
         out.append(
             f"  packing ({method}): {efficiency:.1%} of {len(data.train)} sequences x {flight.max_length} "
             "tokens hold real tokens"

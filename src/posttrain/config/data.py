@@ -216,7 +216,7 @@ class DataConfig(BaseConfig):
     def _listify(cls, value: Any) -> Any:
         return value if isinstance(value, list) else [value]
 
-    def problems(self) -> Iterator[Problem]:
+    def _layout_problems(self) -> Iterator[Problem]:
         defaults = type(self).model_fields
         for key, reason in self.unsupported.items():
             if getattr(self, key) != defaults[key].default:
@@ -226,6 +226,9 @@ class DataConfig(BaseConfig):
                 "padding_free",
                 "pack_samples already puts several samples in one row without padding; set one of them",
             )
+
+    def problems(self) -> Iterator[Problem]:
+        yield from self._layout_problems()
         train, held_out = self.train_eval_split
         if train < 0 or held_out < 0 or abs(train + held_out - 1.0) > 1e-9:
             yield Problem(

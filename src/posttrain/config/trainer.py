@@ -284,15 +284,7 @@ class TrainerConfig(BaseConfig):
             if start < 1 or increment < 1 or samples < 1:
                 yield Problem("rampup_batch_size", f"{list(self.rampup_batch_size)}: all three must be >= 1")
 
-    def problems(self) -> Iterator[Problem]:
-        yield from moe.config_problems(self)
-        if self.activation_checkpoint_cpu_offload and self.model.disable_activation_checkpoint:
-            yield Problem(
-                "activation_checkpoint_cpu_offload",
-                "offloads the activations that checkpointing keeps, so it needs "
-                "model.disable_activation_checkpoint: false",
-            )
-        yield from sequence_parallel.config_problems(self)
+    def _eval_problems(self) -> Iterator[Problem]:
         if self.data.has_eval and self.eval_interval == 0 and not (self.eval_at_end or self.skip_train):
             yield Problem(
                 "eval_interval",
@@ -307,6 +299,17 @@ class TrainerConfig(BaseConfig):
             yield Problem(
                 "skip_train", "evaluates only, so it needs data.eval_sources or data.train_eval_split"
             )
+
+    def problems(self) -> Iterator[Problem]:
+        yield from moe.config_problems(self)
+        if self.activation_checkpoint_cpu_offload and self.model.disable_activation_checkpoint:
+            yield Problem(
+                "activation_checkpoint_cpu_offload",
+                "offloads the activations that checkpointing keeps, so it needs "
+                "model.disable_activation_checkpoint: false",
+            )
+        yield from sequence_parallel.config_problems(self)
+        yield from self._eval_problems()
         yield from self._batch_problems()
         if sum(c.auto_resume for c in self.checkpoint) > 1:
             yield Problem("checkpoint", "at most one checkpoint engine may set auto_resume: true")
