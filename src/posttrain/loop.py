@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from posttrain.context import RunContext
+from posttrain.data.samples import HOST_KEYS
 from posttrain.dist import all_reduce_named, all_reduce_sum
 from posttrain.engine import Engine
 from posttrain.extras import StepExtra, StepObserver
@@ -84,8 +85,10 @@ class LoopInputs:
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The batch's tensors on ``device``, except those that must stay on the host (``HOST_KEYS``)."""
     return {
-        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in HOST_KEYS else v
+        for k, v in batch.items()
     }
 
 
@@ -125,6 +128,7 @@ class StepTotals:
     target_tokens: int
     input_tokens: int
     samples: int
+    attention_sq: int = 0  # sum of squared document lengths (attention's FLOPs)
     extras: dict[str, float] = field(default_factory=dict)
     micro_batches: int = 0
 
@@ -137,9 +141,11 @@ def _sum_tensors(values: dict[str, torch.Tensor], into: dict[str, torch.Tensor])
 def train_step(ctx: RunContext, inputs: LoopInputs, micro_batches: list[dict[str, Any]]) -> StepTotals:
     """One optimizer step; the loss is divided by the loss units (target tokens, or pairs) of the whole step."""
     engine = inputs.engine
-    keys = ("num_loss_units", "num_target_tokens", "num_input_tokens", "num_samples")
-    counts = [sum(m[key] for m in micro_batches) for key in keys]
-    units, target_tokens, input_tokens, samples = (int(x) for x in all_reduce_sum(counts, ctx.dist))
+    keys = ("num_loss_units", "num_target_tokens", "num_input_tokens", "num_samples", "num_attention_sq")
+    counts = [sum(m.get(key, 0) for m in micro_batches) for key in keys]
+    units, target_tokens, input_tokens, samples, attention_sq = (
+        int(x) for x in all_reduce_sum(counts, ctx.dist)
+    )
     # DeepSpeed averages gradients over ranks; multiply back so the result is sum / global units.
     scale = ctx.dist.world_size / max(units, 1)
     loss_sum = torch.zeros((), device=engine.device, dtype=torch.float64)
@@ -171,6 +177,7 @@ def train_step(ctx: RunContext, inputs: LoopInputs, micro_batches: list[dict[str
         target_tokens,
         input_tokens,
         samples,
+        attention_sq,
         extras=dict(zip(extra_names, values[1 + len(names) :], strict=True)),
         micro_batches=len(micro_batches),
     )
@@ -318,7 +325,7 @@ def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopSta
                     "tokens": totals.target_tokens,
                     "step_time": elapsed,
                     "tokens_per_second": totals.input_tokens / elapsed if elapsed > 0 else None,
-                    **inputs.meter.measure(totals.samples, totals.input_tokens, elapsed),
+                    **inputs.meter.measure(totals.samples, totals.input_tokens, totals.attention_sq, elapsed),
                     "time": time.time(),
                 }
             )

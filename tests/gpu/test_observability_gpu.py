@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.tracking.system import PEAK_TFLOPS_16BIT
+from posttrain.tracking.flops import PEAK_TFLOPS_16BIT
 from tests.integration.helpers import merge, metrics, train
 
 pytestmark = pytest.mark.gpu

@@ -35,7 +35,8 @@ def metrics(config: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone().float() for name, p in model.named_parameters()}
+    """On the CPU, whatever device the run trained on (so runs and reloaded checkpoints compare)."""
+    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

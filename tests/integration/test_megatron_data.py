@@ -17,11 +17,10 @@ pytestmark = pytest.mark.integration
 
 
 def megatron_builder():
+    """Megatron's own writer (megatron-core, an optional test dependency: the tests skip without it)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from megatron.core.datasets import indexed_dataset
-
-    return indexed_dataset
+        return pytest.importorskip("megatron.core.datasets.indexed_dataset")
 
 
 def write_megatron(prefix: Path, documents: list[list[list[int]]], dtype=np.uint16) -> None:
@@ -61,10 +60,9 @@ def test_reads_what_megatron_core_wrote(tmp_path: Path, dtype) -> None:
 def test_document_splits_match_megatron(ratio: str, count: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from megatron.core.datasets.blended_megatron_dataset_config import (
-            convert_split_vector_to_split_matrix,
-            parse_and_normalize_split,
-        )
+        config = pytest.importorskip("megatron.core.datasets.blended_megatron_dataset_config")
+    convert_split_vector_to_split_matrix = config.convert_split_vector_to_split_matrix
+    parse_and_normalize_split = config.parse_and_normalize_split
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(ratio))
     bounds = split_bounds(ratio, count)
     for part, ends in enumerate(matrix):

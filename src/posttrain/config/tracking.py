@@ -49,7 +49,7 @@ class TensorBoardConfig(BaseConfig):
     """Where the event files go. Empty: ``<logger.output_dir>/tensorboard``."""
 
     log_throughput: bool = True
-    """Log tokens/s, samples/s, TFLOPS and MFU."""
+    """Log tokens/s, samples/s, TFLOPS and MFU (and hardware TFLOPS and HFU with activation checkpointing)."""
 
     log_memory: bool = True
     """Log memory: process RSS on CPU; allocated, reserved and peak on GPU."""
@@ -67,8 +67,8 @@ class MetricsConfig(BaseConfig):
     synchronises the device at each boundary, which costs some overlap."""
 
     peak_tflops: HumanFloat | None = Field(default=None, gt=0)
-    """Peak dense TFLOPS of one device for MFU. Null: detected for known GPUs (H100, H200, A100, L40S, L4, A10)
-    in bf16/fp16; no MFU otherwise."""
+    """Peak dense TFLOPS of one device for MFU and HFU. Null: detected by device name for known GPUs (A100,
+    H100, H200, B200, MI300X and others: ``tracking/flops.py``) in bf16/fp16; no MFU otherwise."""
 
 
 class ProfilingConfig(BaseConfig):

@@ -8,7 +8,7 @@ from typing import Any, NotRequired, TypedDict
 import torch
 
 from posttrain.data.packing import join_samples
-from posttrain.data.samples import pad_rows, trained_tokens
+from posttrain.data.samples import document_bounds, pad_rows, trained_tokens
 
 
 class Batch(TypedDict):
@@ -26,13 +26,14 @@ class Batch(TypedDict):
     num_loss_units: int
     num_input_tokens: int
     num_samples: int
+    num_attention_sq: int  # sum of the squared lengths of the documents attention runs over (FLOPs)
 
 
 class Collator:
     """Pads ``input_ids`` with ``pad_id`` and ``labels`` with -100.
 
-    Packed samples (with ``position_ids``) are passed with ``position_ids`` and no attention mask, which is
-    how transformers recognises packed sequences. ``num_target_tokens`` (labels that are predicted, i.e.
+    Packed samples (with ``position_ids``) are passed with ``position_ids``, no attention mask, and the
+    documents' bounds (``samples.document_bounds``), computed here once so no attention layer derives them. ``num_target_tokens`` (labels that are predicted, i.e.
     after the one-token shift) is counted here, on the CPU, so the loop never syncs with the device for it.
     Samples hold lists or numpy arrays of token ids.
 
@@ -60,12 +61,15 @@ class Collator:
             num_loss_units=target_tokens,  # the loss is normalised per target token
             num_input_tokens=sum(len(s["input_ids"]) for s in samples),
             num_samples=len(samples),
+            num_attention_sq=sum(len(ids) ** 2 for ids, _ in rows),
         )
         if packed:
             lengths = {len(ids) for ids, _ in rows}
             if len(lengths) > 1:
                 raise ValueError("packed micro-batches hold one sequence each (micro_batch_size: 1)")
-            batch["position_ids"] = torch.stack([torch.as_tensor(s["position_ids"]) for s in samples]).long()
+            positions = torch.stack([torch.as_tensor(s["position_ids"]) for s in samples]).long()
+            batch["position_ids"] = positions
+            batch.update(document_bounds(positions))  # type: ignore[typeddict-item]
         else:
             batch["attention_mask"] = attention
         return batch

@@ -150,4 +150,5 @@ class PairCollator:
             "num_target_tokens": trained_tokens(labels),
             "num_input_tokens": sum(len(ids) for ids, _ in rows),
             "num_samples": len(pairs),
+            "num_attention_sq": sum(len(ids) ** 2 for ids, _ in rows),
         }

@@ -5,6 +5,7 @@ they count and check the same way."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -47,6 +48,40 @@ def trained_per_sample(labels: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     predicted[starts[lengths > 0]] = 0  # the first position of each sample predicts nothing
     sums = np.add.reduceat(predicted, starts) if len(predicted) else np.zeros(len(lengths), np.int64)
     return np.where(lengths > 0, sums, 0).astype(np.int32)
+
+
+# ------------------------------------------------------------------ documents in a row
+
+#: the batch keys that carry where documents start and end in rows holding several (packed, padding-free):
+#: transformers' own names for flash attention (``cu_seq_lens_*`` int32 tensors over the flattened batch,
+#: ``max_length_*`` ints), plus ``document_bounds``, the same bounds as an int64 tensor that stays on the host
+#: (never moved to the device, so no layer waits on the device to read them)
+DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "document_bounds")
+#: batch tensors the loop leaves on the host
+HOST_KEYS = frozenset({"document_bounds"})
+
+
+def document_bounds(position_ids: torch.Tensor) -> dict[str, Any]:
+    """Where each document starts and ends in a batch whose positions restart at 0 for every document (and
+    every row), over the rows laid end to end; computed once per micro-batch on the host, handed to every
+    attention layer. Also ``num_attention_sq``: the sum of the documents' squared lengths (what causal
+    attention costs, for the FLOPs estimate)."""
+    flat = position_ids.reshape(-1)
+    starts = torch.nonzero(flat == 0).squeeze(1).tolist() if flat.numel() else []
+    if starts[:1] != [0]:
+        starts = [0, *starts]
+    bounds = (*starts, flat.numel())
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    cumulative = torch.tensor(bounds, dtype=torch.int32)
+    longest = max(lengths, default=0)
+    return {
+        "cu_seq_lens_q": cumulative,
+        "cu_seq_lens_k": cumulative,
+        "max_length_q": longest,
+        "max_length_k": longest,
+        "document_bounds": torch.tensor(bounds, dtype=torch.int64),
+        "num_attention_sq": sum(n * n for n in lengths),
+    }
 
 
 # ------------------------------------------------------------------ batches

@@ -25,7 +25,7 @@ from posttrain.errors import UserError
 from posttrain.extras import StepExtra
 from posttrain.logs import get_logger, say
 from posttrain.models.compile import compile_blocks
-from posttrain.models.document_attention import use_document_attention
+from posttrain.models.document_attention import REPLACED, use_document_attention
 from posttrain.models.expert_parallel import install_expert_parallel
 from posttrain.models.facts import ModelFacts, facts_from_model
 from posttrain.models.memory import apply_activation_checkpointing, tile_mlps
@@ -78,8 +78,11 @@ def prepare_model(
     _fit_embeddings(model, tokenizer)
     if config.tiled_mlp_compute:
         tile_mlps(model)
-    if config.data.padding_free and model_config.attn_implementation == "sdpa":
-        use_document_attention(model)  # the attention kernel for rows of several documents
+    documents = config.data.padding_free or config.data.pack_samples
+    if documents and model_config.attn_implementation in REPLACED and config.sequence_parallel_size == 1:
+        kept = use_document_attention(model)  # rows of several documents: no mask over the row
+        if kept:
+            say(f"per-document attention does not apply to this model ({kept}): packed rows use a masked row")
     moe = facts.moe
     if moe is not None and moe_checks.wants_grouped(config.arctic_moe, config.expert_parallel_size, moe):
         layout = install_expert_parallel(unwrap(model), config.expert_parallel_size, moe.num_experts)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttrain.data.samples import IGNORE_INDEX
+from posttrain.data.samples import IGNORE_INDEX, document_bounds
 from posttrain.errors import UserError
 from posttrain.models.document_attention import per_document
 from posttrain.models.token_logps import target_labels
@@ -124,6 +124,7 @@ class SequenceSlicer:
         count, length = input_ids.shape
         real = batch.pop("attention_mask", torch.ones_like(input_ids)).bool()
         positions = batch.get("position_ids")
+        packed = positions is not None
         if positions is None:
             positions = torch.arange(length).expand(count, length)
         target = -(-length // self.sp) * self.sp
@@ -149,5 +150,12 @@ class SequenceSlicer:
             num_input_tokens=int(real[:, part].sum()),
             num_samples=batch["num_samples"] if self.sp_rank == 0 else 0,
         )
+        if packed:
+            # every rank attends over the whole (gathered) sequence with its share of the heads
+            bounds = document_bounds(positions)
+            bounds["num_attention_sq"] = bounds["num_attention_sq"] // self.sp
+            batch.update(bounds)
+        else:
+            batch["num_attention_sq"] = batch.get("num_attention_sq", 0) // self.sp
         del batch["labels"]
         return batch

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttrain.data.samples import IGNORE_INDEX
+from posttrain.data.samples import DOCUMENT_KEYS, IGNORE_INDEX
 from posttrain.errors import UserError
 from posttrain.models.peft import base_model
 
@@ -32,7 +32,7 @@ TILED_LOSS_CHUNK_ELEMENTS = 2**27
 #: the fewest rows of a chunk (smaller matrix products waste the hardware)
 TILED_LOSS_MIN_ROWS = 256
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", *DOCUMENT_KEYS)
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:

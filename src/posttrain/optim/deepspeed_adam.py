@@ -18,6 +18,7 @@ from posttrain.config.optimizer import OptimizerConfig
 from posttrain.context import RunContext
 from posttrain.optim.adamw import adam_arguments
 from posttrain.registry import OPTIMIZERS
+from posttrain.utils.ops import deepspeed_op_build
 
 
 @OPTIMIZERS.register("cpu_adam", config=OptimizerConfig)
@@ -25,7 +26,8 @@ def build_cpu_adam(config: OptimizerConfig, model: torch.nn.Module, ctx: RunCont
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     groups, hyper = adam_arguments(config, model)
-    return DeepSpeedCPUAdam(groups, **hyper, adamw_mode=True)
+    with deepspeed_op_build("cpu_adam"):
+        return DeepSpeedCPUAdam(groups, **hyper, adamw_mode=True)
 
 
 @OPTIMIZERS.register("fused_adam", config=OptimizerConfig)
@@ -35,7 +37,8 @@ def build_fused_adam(
     from deepspeed.ops.adam import FusedAdam
 
     groups, hyper = adam_arguments(config, model)
-    return FusedAdam(groups, **hyper, adam_w_mode=True)
+    with deepspeed_op_build("fused_adam"):
+        return FusedAdam(groups, **hyper, adam_w_mode=True)
 
 
 OPTIMIZERS.add("fused_adam_moe", build_fused_adam, config=OptimizerConfig)

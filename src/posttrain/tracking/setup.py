@@ -11,9 +11,10 @@ from posttrain.context import RunContext
 from posttrain.dist import all_reduce_sum
 from posttrain.errors import UserError
 from posttrain.logs import say
+from posttrain.tracking.flops import flops_model, peak_tflops
 from posttrain.tracking.metrics import MetricsFile
 from posttrain.tracking.outputs import ProgressBar, RunOutputs, wants_progress_bar
-from posttrain.tracking.system import StepMeter, Timers, params_norm, peak_tflops
+from posttrain.tracking.system import StepMeter, Timers, params_norm
 from posttrain.tracking.trackers import MlflowTracker, TensorBoardTracker, Tracker, WandbTracker
 
 
@@ -67,7 +68,6 @@ def build_meter(
     ctx: RunContext, model: torch.nn.Module, device: torch.device, dtype: torch.dtype
 ) -> StepMeter:
     config = ctx.config
-    parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     norm = None
     if config.tensorboard.enable and config.tensorboard.log_params_norm:
         partitioned = any(hasattr(p, "ds_tensor") for p in model.parameters())
@@ -80,7 +80,8 @@ def build_meter(
 
     peak = peak_tflops(config.metrics.peak_tflops, device, dtype)
     timers = Timers(config.metrics.timers, device)
-    return StepMeter(device, timers, parameters, peak, ctx.dist.world_size, norm)
+    flops = flops_model(model, recompute=not config.model.disable_activation_checkpoint)
+    return StepMeter(device, timers, flops, peak, ctx.dist.world_size, norm)
 
 
 def export_dirs(ctx: RunContext) -> list[Path]:

@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-#: dense bf16/fp16 tensor-core TFLOPS per device, by a substring of ``torch.cuda.get_device_name()``
-PEAK_TFLOPS_16BIT = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "L40S": 362.1, "L4": 121.0, "A10": 125.0}
+from posttrain.tracking.flops import FlopsModel
 
 
 class Timers:
@@ -58,23 +57,6 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     return {"memory_rss_gib": psutil.Process().memory_info().rss / gib}
 
 
-def peak_tflops(configured: float | None, device: torch.device, dtype: torch.dtype) -> float | None:
-    """The configured peak, else the table's for a known GPU in a 16-bit dtype, else None (no MFU)."""
-    if configured is not None:
-        return configured
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((value for key, value in PEAK_TFLOPS_16BIT.items() if key in name), None)
-
-
-def training_flops(parameters: int, tokens: int) -> float:
-    """Estimated FLOPs of one training step: 6 x parameters x tokens (2 for the forward pass, 4 for the
-    backward pass; attention's sequence-length term and recomputation are left out, so long sequences and
-    activation checkpointing make this an underestimate)."""
-    return 6.0 * parameters * tokens
-
-
 def params_norm(model: torch.nn.Module) -> torch.Tensor:
     """Sum of squares of this rank's parameters (its ZeRO-3 partition when partitioned); the caller sums
     over ranks when partitioned and takes the square root."""
@@ -94,22 +76,33 @@ class StepMeter:
         self,
         device: torch.device,
         timers: Timers,
-        parameters: int,
+        flops: FlopsModel,
         peak: float | None,
         world_size: int,
         params_norm: Any = None,
     ) -> None:
-        self.device, self.timers, self.parameters, self.peak = device, timers, parameters, peak
+        self.device, self.timers, self.flops, self.peak = device, timers, flops, peak
         self.world_size, self.params_norm = world_size, params_norm
 
-    def measure(self, samples: int, input_tokens: int, elapsed: float) -> dict[str, float | None]:
+    def measure(
+        self, samples: int, input_tokens: int, attention_sq: int, elapsed: float
+    ) -> dict[str, float | None]:
+        """Per device: ``tflops`` (model FLOPs, ``tracking.flops``) and ``mfu``; with activation checkpointing
+        also ``hardware_tflops`` and ``hfu`` (the recomputed forward included). The counts are the step's
+        over all ranks."""
         out: dict[str, float | None] = {}
         if elapsed > 0:
             out["samples_per_second"] = samples / elapsed
-            tflops = training_flops(self.parameters, input_tokens) / elapsed / 1e12 / self.world_size
-            out["tflops"] = tflops  # per device
+            per_device = 1e12 * elapsed * self.world_size
+            tflops = self.flops.model_flops(input_tokens, attention_sq) / per_device
+            out["tflops"] = tflops
             if self.peak:
                 out["mfu"] = tflops / self.peak
+            if self.flops.recompute:
+                hardware = self.flops.hardware_flops(input_tokens, attention_sq) / per_device
+                out["hardware_tflops"] = hardware
+                if self.peak:
+                    out["hfu"] = hardware / self.peak
         out.update(memory_metrics(self.device))
         out.update(self.timers.pop())
         if self.params_norm is not None:
