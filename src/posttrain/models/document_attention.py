@@ -34,13 +34,19 @@ REPLACED = ("sdpa", "eager")
 
 
 def causal_documents_eager(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: torch.Tensor,
+    scale: float,
+    cumulative: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention per document of ``[1, heads, tokens, dim]`` inputs whose documents end at ``bounds``
-    (host int64: 0, ends...); ``[1, heads, tokens, dim]`` out."""
+    (host int64: 0, ends...; ``cumulative``: the same on the device, when the batch brought it there);
+    ``[1, heads, tokens, dim]`` out."""
     gqa = key.shape[1] != query.shape[1]
     if _varlen_applies(query):
-        return _varlen(query, key, value, bounds, scale, gqa)
+        return _varlen(query, key, value, bounds, scale, gqa, cumulative)
     outputs = [
         F.scaled_dot_product_attention(
             query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scale, enable_gqa=gqa
@@ -52,20 +58,25 @@ def causal_documents_eager(
 
 @torch.library.custom_op("posttrain::causal_documents", mutates_args=())
 def causal_documents(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: torch.Tensor,
+    scale: float,
+    cumulative: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`causal_documents_eager` as one operator for ``torch.compile``."""
-    return causal_documents_eager(query, key, value, bounds, scale).contiguous()
+    return causal_documents_eager(query, key, value, bounds, scale, cumulative).contiguous()
 
 
 @causal_documents.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float) -> Any:
+def _(query: Any, key: Any, value: Any, bounds: Any, scale: float, cumulative: Any = None) -> Any:
     return query.new_empty(query.shape)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    query, key, value, bounds, scale = inputs
-    ctx.save_for_backward(query, key, value, bounds)
+    query, key, value, bounds, scale, cumulative = inputs
+    ctx.save_for_backward(query, key, value, bounds, cumulative)
     ctx.scale = scale
 
 
@@ -77,24 +88,30 @@ def causal_documents_backward(
     value: torch.Tensor,
     bounds: torch.Tensor,
     scale: float,
+    cumulative: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of :func:`causal_documents`, recomputing the attention (the operator keeps no
     activations); an operator of its own so that the compiler does not trace into the documents."""
     _, pullback = torch.func.vjp(
-        lambda q, k, v: causal_documents_eager(q, k, v, bounds, scale), query, key, value
+        lambda q, k, v: causal_documents_eager(q, k, v, bounds, scale, cumulative), query, key, value
     )
     gq, gk, gv = pullback(grad)
     return gq.contiguous(), gk.contiguous(), gv.contiguous()
 
 
 @causal_documents_backward.register_fake
-def _(grad: Any, query: Any, key: Any, value: Any, bounds: Any, scale: float) -> Any:
+def _(grad: Any, query: Any, key: Any, value: Any, bounds: Any, scale: float, cumulative: Any = None) -> Any:
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-    query, key, value, bounds = ctx.saved_tensors
-    return (*causal_documents_backward(grad, query, key, value, bounds, ctx.scale), None, None)
+    query, key, value, bounds, cumulative = ctx.saved_tensors
+    return (
+        *causal_documents_backward(grad, query, key, value, bounds, ctx.scale, cumulative),
+        None,
+        None,
+        None,
+    )
 
 
 causal_documents.register_autograd(_backward, setup_context=_setup)
@@ -122,10 +139,9 @@ def per_document(core: Callable[..., Any]) -> Callable[..., Any]:
         scale = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
         batch, heads, length, dim = query.shape
         q, k, v = (_flat(x, batch, length) for x in (query, key, value))
-        if torch.compiler.is_compiling():
-            out = causal_documents(q, k, v, bounds, float(scale))
-        else:
-            out = causal_documents_eager(q, k, v, bounds, float(scale))
+        cumulative = kwargs.get("cu_seq_lens_q")  # the bounds already on the device (the loop moved them)
+        documents = causal_documents if torch.compiler.is_compiling() else causal_documents_eager
+        out = documents(q, k, v, bounds, float(scale), cumulative)
         # [1, heads, batch x length, dim] -> [batch, length, heads, dim], as transformers' attention returns
         return out.reshape(heads, batch, length, dim).permute(1, 2, 0, 3), None
 
@@ -160,13 +176,21 @@ def _varlen_attn() -> Callable[..., Any] | None:
 
 
 def _varlen(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float, gqa: bool
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: torch.Tensor,
+    scale: float,
+    gqa: bool,
+    cumulative: torch.Tensor | None,
 ) -> torch.Tensor:
     """One flash-attention call over every document: ``[1, heads, tokens, dim]`` in and out."""
     varlen_attn = _varlen_attn()
     assert varlen_attn is not None
     longest = int((bounds[1:] - bounds[:-1]).max())  # host tensor: no device read
-    cumulative = bounds.to(device=query.device, dtype=torch.int32, non_blocking=True)
+    if cumulative is None or cumulative.device != query.device:
+        cumulative = bounds.to(device=query.device, dtype=torch.int32)
+    cumulative = cumulative.to(torch.int32)
 
     def tokens(x: torch.Tensor) -> torch.Tensor:  # [1, h, t, d] -> [t, h, d]
         return x[0].transpose(0, 1)

@@ -55,6 +55,17 @@ def chunk_rows(vocab_size: int, hidden_size: int, rows: int) -> int:
     return max(TILED_LOSS_MIN_ROWS, min(TILED_LOSS_CHUNK_ELEMENTS // vocab, matched))
 
 
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in fp32: for 16-bit CUDA inputs one tensor-core GEMM accumulating in fp32 (``out_dtype``),
+    not an fp32 GEMM over upcast copies; fp32 inputs as they are."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # a torch without out_dtype for this GEMM
+            return (a @ b).float()
+    return a.float() @ b.float()
+
+
 class ChunkedHeadNLL(torch.autograd.Function):
     """``nll[i] = logsumexp(h_i W^T + b) - (h_i W^T + b)[t_i]`` for the rows with a label, 0 elsewhere,
     computed a chunk of rows at a time (:func:`chunk_rows`) in forward and again in backward. The weight is
@@ -106,7 +117,7 @@ class ChunkedHeadNLL(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[index] = grad_low @ weight
             if grad_weight is not None:
-                grad_weight += grad_low.t().float() @ hidden[index].float()
+                grad_weight += _mm_fp32(grad_low.t(), hidden[index])
             if grad_bias is not None:
                 grad_bias += grad.sum(0)
             del logits, grad, grad_low  # before the next chunk's logits exist

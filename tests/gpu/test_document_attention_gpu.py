@@ -1,0 +1,91 @@
+"""Per-document attention on a GPU: one varlen flash-attention call per layer for all documents, no host
+sync inside attention, and the masked whole row's loss and gradients in bf16."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from posttrain.data.collate import Collator
+from posttrain.data.packing import join_samples
+from posttrain.models import document_attention
+from posttrain.models.document_attention import per_document, use_document_attention
+from posttrain.models.token_logps import row_nll
+from posttrain.tiny_model import build_model
+
+pytestmark = pytest.mark.gpu
+
+
+def _packed(documents: int, total: int) -> dict:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(16, 240, size=documents)
+    lengths = (lengths * total / lengths.sum()).astype(int)
+    lengths[-1] += total - lengths.sum()
+    samples = [
+        {"input_ids": rng.integers(5, 1000, n).tolist(), "labels": rng.integers(5, 1000, n).tolist()}
+        for n in lengths
+    ]
+    return Collator(0)([join_samples(samples)])
+
+
+def _on_gpu(batch: dict) -> dict:
+    """As the loop moves it: every tensor but the host-side bounds."""
+    from posttrain.loop import to_device
+
+    return to_device(batch, torch.device("cuda"))
+
+
+def test_one_varlen_call_per_layer_and_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    if document_attention._varlen_attn() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    calls = []
+    real = document_attention._varlen_attn()
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(document_attention, "_varlen_attn", lambda: counting)
+    batch = _on_gpu(_packed(64, 8192))
+    heads, dim = 8, 64
+    query = torch.randn(1, heads, 8192, dim, device="cuda", dtype=torch.bfloat16)
+    key, value = (torch.randn(1, 2, 8192, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    attention = per_document(lambda *a, **k: pytest.fail("the whole-row core ran"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync inside raises
+    try:
+        out, _ = attention(
+            None,
+            query,
+            key,
+            value,
+            None,
+            document_bounds=batch["document_bounds"],
+            cu_seq_lens_q=batch["cu_seq_lens_q"],
+            scaling=dim**-0.5,
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(calls) == 1 and out.shape == (1, 8192, heads, dim)
+
+
+def test_bf16_documents_equal_the_masked_row_on_gpu() -> None:
+    model = (
+        build_model(1024, hidden_size=128, heads=4, max_position_embeddings=8192, seed=1).cuda().bfloat16()
+    )
+    batch = _packed(64, 8192)
+    masked = copy.deepcopy(model)
+    masked.set_attn_implementation("sdpa")
+    reference = row_nll(masked, _on_gpu({k: batch[k] for k in ("input_ids", "labels", "position_ids")})).sum()
+    ours = copy.deepcopy(model)
+    ours.set_attn_implementation("sdpa")
+    assert use_document_attention(ours) == ""
+    loss = row_nll(ours, _on_gpu(batch)).sum()
+    assert torch.allclose(loss.float(), reference.float(), rtol=2e-2)
+    reference.backward()
+    loss.backward()
+    for (name, a), (_, b) in zip(masked.named_parameters(), ours.named_parameters(), strict=True):
+        assert torch.allclose(a.grad.float(), b.grad.float(), rtol=0.1, atol=1e-2), name
