@@ -33,9 +33,9 @@ class Collator:
     """Pads ``input_ids`` with ``pad_id`` and ``labels`` with -100.
 
     Packed samples (with ``position_ids``) are passed with ``position_ids``, no attention mask, and the
-    documents' bounds (``samples.document_bounds``), computed here once so no attention layer derives them. ``num_target_tokens`` (labels that are predicted, i.e.
-    after the one-token shift) is counted here, on the CPU, so the loop never syncs with the device for it.
-    Samples hold lists or numpy arrays of token ids.
+    documents' bounds (``samples.document_bounds``), computed here once so no attention layer derives them.
+    ``num_target_tokens`` (labels that are predicted, i.e. after the one-token shift) is counted here, on the
+    CPU, so the loop never syncs with the device for it. Samples hold lists or numpy arrays of token ids.
 
     ``padding_free``: the samples are laid one after another in a single row instead, with ``position_ids``
     restarting per sample (so, as for packed rows, no token attends across samples) and each sample's first

@@ -134,7 +134,7 @@ def per_document(core: Callable[..., Any]) -> Callable[..., Any]:
         bounds = kwargs.get("document_bounds")
         if bounds is None and not torch.compiler.is_compiling():
             bounds = _bounds_from_positions(query, kwargs.get("position_ids"))
-        if bounds is None:
+        if bounds is None or (len(bounds) <= 2 and query.shape[0] == 1):  # no documents, or one
             return core(module, query, key, value, mask, *args, **kwargs)
         scale = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
         batch, heads, length, dim = query.shape
