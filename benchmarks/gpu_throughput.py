@@ -273,30 +273,25 @@ def _env() -> dict[str, str]:
 # ------------------------------------------------------------------ MFU and the driver
 
 
+def flops_of(model_dir: Path) -> Any:
+    """The model's FLOPs model (``tracking/flops.py``), counted on the meta device: no weight is read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from posttrain.tracking.flops import flops_model
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return flops_model(model, recompute=False)
+
+
 def mfu(
-    model_dir: Path, result: dict[str, Any], attention_sq_per_token: float, peak: float | None
+    flops: Any, result: dict[str, Any], attention_sq_per_token: float, peak: float | None
 ) -> float | None:
-    """Model FLOPs per second over the device's peak, attention per document (``tracking/flops.py``)."""
+    """Model FLOPs per second over the device's peak, attention per document."""
     if not peak or not result["tokens"]:
         return None
-    from transformers import AutoConfig
-
-    from posttrain.tracking.flops import FlopsModel
-
-    config = AutoConfig.from_pretrained(model_dir)
-    hidden, vocab = config.hidden_size, config.vocab_size
-    total = _llama_parameters(config)
-    flops = FlopsModel(total - vocab * hidden, vocab * hidden, config.num_hidden_layers, hidden, False)
     per_token = flops.model_flops(1, 0) + flops.model_flops(0, 1) * attention_sq_per_token
     return per_token * result["tokens_per_second"] / 1e12 / peak
-
-
-def _llama_parameters(config: Any) -> int:
-    hidden, ffn, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    head_dim = hidden // config.num_attention_heads
-    kv = config.num_key_value_heads * head_dim
-    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * ffn + 2 * hidden
-    return layers * per_layer + hidden + 2 * config.vocab_size * hidden
 
 
 def child(args: Any) -> None:
@@ -390,6 +385,7 @@ def run_all(args: Any) -> None:
             json.dumps(posttrain_config(work, model, chats, args, mode))
         )
     attention = _attention_per_token(work, modes[0]) if modes else 0.0
+    flops = flops_of(model)
     plan: list[tuple[str, str]] = []
     if "bare" in runners:
         plan += [("bare-bf16", modes[0]), ("bare-fp32-master", modes[0])]
@@ -406,7 +402,7 @@ def run_all(args: Any) -> None:
         result = _spawn(args, runner, mode, model, chats)
         if result is None:
             continue
-        result["mfu"] = mfu(model, result, attention, peak)
+        result["mfu"] = mfu(flops, result, attention, peak)
         results["results"][f"{runner}/{mode}"] = result
     _print(results)
     if args.json:

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from posttrain.data.samples import document_bounds
+
 #: the attention name the model is switched to (transformers builds no mask for a name it does not know)
 DOCUMENT_SDPA = "posttrain_sdpa_documents"
 #: implementations whose whole-row mask per-document attention replaces
@@ -157,10 +159,7 @@ def _bounds_from_positions(query: torch.Tensor, positions: Any) -> torch.Tensor 
     """The bounds of a batch-1 row from its positions (one host read; the collator's bounds avoid it)."""
     if positions is None or query.shape[0] != 1:
         return None
-    starts = (positions[0] == 0).nonzero().squeeze(1).tolist()
-    if starts[:1] != [0]:
-        starts = [0, *starts]
-    return torch.tensor([*starts, query.shape[2]], dtype=torch.int64)
+    return document_bounds(positions)["document_bounds"]
 
 
 def _varlen_applies(query: torch.Tensor) -> bool:
