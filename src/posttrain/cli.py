@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -54,14 +55,30 @@ def _parser() -> argparse.ArgumentParser:
 
     preprocess = sub.add_parser(
         "preprocess",
-        help="build and cache the data only, and print the pre-flight report (no model is loaded)",
+        help="build and cache the data only, and print the pre-flight report and the memory plan (no weight "
+        "is read)",
     )
     preprocess.add_argument("config", type=Path)
     preprocess.add_argument("overrides", nargs="*")
     preprocess.add_argument(
-        "--world-size", type=int, default=None, help="processes the run will use (default: --nproc 1)"
+        "--world-size",
+        type=int,
+        default=None,
+        help="processes the run will use (default: --gpus-per-node, else 1)",
     )
     preprocess.add_argument("--color", action="store_true", help="highlight trained tokens with colour")
+    preprocess.add_argument(
+        "--json", action="store_true", help="print the data summary and memory plan as JSON"
+    )
+    preprocess.add_argument(
+        "--gpu-memory", help="plan for GPUs of this much memory, e.g. 80GiB (default: found)"
+    )
+    preprocess.add_argument(
+        "--host-memory", help="plan for hosts of this much memory, e.g. 512GiB (default: found)"
+    )
+    preprocess.add_argument(
+        "--gpus-per-node", type=int, help="processes sharing one host's memory (default: the world size)"
+    )
 
     plot_lr = sub.add_parser(
         "plot-lr", help="draw the run's learning-rate (and weight-decay) schedule to a PNG"
@@ -192,14 +209,23 @@ def _preflight(args: argparse.Namespace) -> tuple[Any, Any]:
     from posttrain.preflight import preflight
 
     setup_logging(config.logger, 0)
-    return config, preflight(config, _world_size(args.world_size))
+    return config, preflight(config, _world_size(args.world_size or getattr(args, "gpus_per_node", None)))
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
-    from posttrain.preflight import report_text
+    from posttrain.memory.machine import described, detect
+    from posttrain.preflight import memory_report, report_text
 
-    config, flight = _preflight(args)
-    print(report_text(flight, config, color=args.color))
+    # with --json, stdout holds the JSON alone: the log lines go to stderr
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        config, flight = _preflight(args)
+        world = flight.sizes.world_size * flight.config.sequence_parallel_size
+        machine = described(args.gpu_memory, args.host_memory, args.gpus_per_node, world) or detect(world)
+        text, data = memory_report(flight, machine)
+    if args.json:
+        print(json.dumps({"data": flight.summary(), "memory": data}, indent=2))
+    else:
+        print(report_text(flight, config, color=args.color) + "\n\n" + text)
     return 0
 
 

@@ -34,19 +34,34 @@ class DataPlan:
     def steps_per_epoch(self) -> int:
         return len(self.step_plan[0])
 
+    def summary(self) -> dict[str, Any]:
+        """The plan's numbers as data (``posttrain preprocess --json``)."""
+        return {
+            "train_sequences": len(self.data.train),
+            "eval_sequences": len(self.data.eval),
+            "max_length": self.max_length,
+            "steps_per_epoch": self.steps_per_epoch,
+            "total_steps": self.total_steps,
+            "global_batch_size": self.sizes.global_batch_size,
+            "micro_batch_size": self.sizes.micro_batch_size,
+            "gradient_accumulation_steps": self.sizes.gradient_accumulation_steps,
+            "learning_rate": self.lr,
+        }
+
 
 def model_facts(config: TrainerConfig) -> ModelFacts | None:
     """What the model factory can tell before building the model (None when it cannot)."""
     return MODEL_FACTORIES.get(config.model.type).obj.facts(config.model)
 
 
-def max_length_for(config: TrainerConfig, facts: ModelFacts | None) -> int:
+def max_length_for(config: TrainerConfig, facts: ModelFacts | None, announce: bool = True) -> int:
     """``data.max_length`` as set, else the model's maximum positions (``max_position_embeddings``)."""
     if "max_length" in config.data.model_fields_set:
         return config.data.max_length
     found = facts.max_positions if facts is not None else None
     if isinstance(found, int):
-        get_logger().info("data.max_length not set: using the model's max_position_embeddings=%d", found)
+        if announce:
+            get_logger().info("data.max_length not set: using the model's max_position_embeddings=%d", found)
         return found
     return config.data.max_length
 

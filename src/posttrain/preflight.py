@@ -22,6 +22,9 @@ from posttrain.data.samples import IGNORE_INDEX
 from posttrain.data.views import View
 from posttrain.dataplan import DataPlan, model_facts, plan_data
 from posttrain.dist import DistInfo
+from posttrain.memory.check import memory_plan
+from posttrain.memory.machine import Machine
+from posttrain.memory.report import plan_as_data, plan_text
 from posttrain.plan import BatchSizes, check_rampup, lr_explanation, resolve
 from posttrain.registry import DATA_FACTORIES, TOKENIZER_FACTORIES
 from posttrain.utils.fs import atomic_write
@@ -133,6 +136,27 @@ def report_text(flight: DataPlan, original: TrainerConfig, color: bool = False) 
             out.append(f"--- {prefix.rstrip('_') or 'sequence'} ({len(sample[key])} tokens)")
             out.append(text)
     return "\n".join(out)
+
+
+def longest_row(flight: DataPlan) -> int:
+    """The most tokens a row of a micro-batch can hold: the sequence length for packed rows, else the
+    longest training sample (a padded micro-batch is as long as its longest sample)."""
+    data = flight.data
+    if data.train_report.packed or flight.config.data.padding_free or not len(data.train):
+        return flight.max_length
+    view = data.train
+    return max(int(np.max(view.lengths(column))) for column in view.input_columns)
+
+
+def memory_report(flight: DataPlan, machine: Machine) -> tuple[str, dict[str, Any] | None]:
+    """The memory plan of the pre-flight's config, for rows as long as the data's longest, as text and
+    data; a model factory that reports no config before loading gets a line saying so."""
+    config = flight.config
+    if model_facts(config) is None:
+        return f"memory plan: not available (model.type {config.model.type!r} reports no config)", None
+    world = flight.sizes.world_size * config.sequence_parallel_size
+    memory = memory_plan(config, world, machine, longest_row(flight))
+    return plan_text(memory, machine), plan_as_data(memory, machine)
 
 
 def lr_curve(flight: DataPlan) -> tuple[list[float], list[float]]:

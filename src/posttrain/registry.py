@@ -196,7 +196,9 @@ class TrainerSpec:
     config names no ``type``. ``loss`` builds the loss function ``(model, batch) -> (loss sum, metric sums)``
     from the validated config; ``collator`` builds the batch collator from the pad id; ``prepare`` (optional)
     runs once after the engine exists and before resuming, e.g. to compute reference log-probabilities.
-    ``perplexity``: the loss is a mean token NLL, so exp(loss) is logged as perplexity.
+    ``perplexity``: the loss is a mean token NLL, so exp(loss) is logged as perplexity. ``rows_per_sample``:
+    the sequences one sample puts through the model at once (2 for a preference pair); the memory plan
+    counts activations by it.
     """
 
     name: str
@@ -206,6 +208,7 @@ class TrainerSpec:
     prepare: Callable[..., None] | None = None
     description: str = ""
     perplexity: bool = True
+    rows_per_sample: int = 1
 
 
 def hf_components(data: str) -> dict[str, tuple[str, ...]]:

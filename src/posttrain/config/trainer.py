@@ -169,6 +169,12 @@ class TrainerConfig(BaseConfig):
     ``auto``: for micro-batches of at least 8,192 tokens per process (models whose head is a plain linear
     layer); ``true``/``false``: always/never."""
 
+    check_memory: bool = True
+    """Before loading the model, plan the run's memory from the model's ``config.json`` (``posttrain
+    preprocess`` prints the plan): stop (exit 2) when the host cannot hold the model states the config keeps
+    there (offloaded optimizer and parameters, or everything on a CPU run), warn when a GPU's estimated
+    peak is above its memory. ``false`` skips the plan."""
+
     seed: int = Field(default=42, ge=0)
     """Seed of Python's, NumPy's and torch's random generators (model init, dropout)."""
 

@@ -141,6 +141,7 @@ TRAINERS.add(
         prepare=prepare_reference,
         description="DPO-family preference tuning",
         perplexity=False,
+        rows_per_sample=2,  # chosen and rejected in one forward
     ),
     config=DPOTrainerConfig,
 )

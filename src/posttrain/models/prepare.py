@@ -21,9 +21,11 @@ from posttrain.config.deepspeed import build_deepspeed_config, single_process_st
 from posttrain.config.model import ModelConfig
 from posttrain.config.trainer import TrainerConfig
 from posttrain.context import RunContext
+from posttrain.dataplan import max_length_for
 from posttrain.errors import UserError
 from posttrain.extras import StepExtra
 from posttrain.logs import get_logger, say
+from posttrain.memory.check import check_before_loading
 from posttrain.models.compile import compile_blocks
 from posttrain.models.document_attention import REPLACED, use_document_attention
 from posttrain.models.expert_parallel import install_expert_parallel
@@ -59,6 +61,7 @@ def load_model(ctx: RunContext, tokenizer: Any) -> LoadedModel:
     _resolve_auto_dtype(config, facts.dtype)
     ds_config = deepspeed_config(config, facts, ctx.dist.world_size)
     if model is None:
+        check_before_loading(ctx, max_length_for(config, facts, announce=False))
         zero3 = zero3_registration(ds_config)
         model = factory(config.model, ctx)
     _resolve_auto_dtype(config, str(next(model.parameters()).dtype))

@@ -1,0 +1,296 @@
+"""The memory plan's estimate against the measured peak, for configs where tensors dominate.
+
+    python benchmarks/memory_plan.py            # every CPU case (about 5 minutes on 2 cores)
+    python benchmarks/memory_plan.py --quick    # the cases the test suite checks
+    python benchmarks/memory_plan.py --gpu      # on a GPU machine: the issue's three GPU cases as well
+
+On CPU each case trains two steps with ``posttrain.run`` and measures the growth of the process's peak
+resident memory (``VmHWM``, reset before each case) over its resident memory before the case, after one
+warm-up run has paid the one-time costs; glibc is told to return freed blocks (``MALLOC_MMAP_THRESHOLD_``) so
+cases do not reuse each other's memory. Two-process cases run under torchrun and report the larger rank.
+The estimate compared is the plan's tensors on device and host (``MemoryPlan.tensors_peak``: the runtime
+constant is already in the baseline). On a GPU the measurement is ``torch.cuda.max_memory_allocated`` over
+the allocation before the case, against the plan's device peak less its runtime constant.
+
+The GPU cases (``--gpu``; on CPU they are printed as estimates only): a 1.1B LLaMA at 128K and 256K tokens per
+sample with tiled MLP, tiled loss and offloaded checkpoints (measured on one H100: 26.2 GiB allocated at 128K,
+49.4 GiB reserved at 256K), and a Llama-8B shape at 128K with ZeRO 3, parameter and optimizer offload and
+``cpu_adam`` (killed by the host's OOM killer on a 128 GB host: the plan should say it does not fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+MIB = 2**20
+#: (hidden, layers, heads): a 100M-parameter model (weights dominate) and a small one for long rows
+MODELS = {"100m": (1024, 6, 16), "small": (256, 2, 4)}
+BASE: dict[str, Any] = {
+    "type": "causal",
+    "model": {"dtype": "float32", "disable_activation_checkpoint": True},
+    "data": {"text_column": "text", "pack_samples": False, "dl_num_workers": 0},
+    "micro_batch_size": 1,
+    "train_iters": 2,
+    "optimizer": {"lr": 1e-4},
+    "loss_log_interval": 0,
+    "checkpoint": [],
+    "check_memory": False,
+}
+#: name -> (model, max_length, processes, config changes, in --quick)
+CASES: dict[str, tuple[str, int, int, dict[str, Any], bool]] = {
+    "100M ZeRO 0": ("100m", 512, 1, {}, False),
+    "100M ZeRO 0 checkpointing": ("100m", 512, 1, {"model": {"disable_activation_checkpoint": False}}, False),
+    "100M ZeRO 3": ("100m", 512, 1, {"deepspeed": {"zero_optimization": {"stage": 3}}}, True),
+    "100M ZeRO 2, 2 processes": ("100m", 512, 2, {"deepspeed": {"zero_optimization": {"stage": 2}}}, True),
+    "100M ZeRO 3, 2 processes": ("100m", 512, 2, {"deepspeed": {"zero_optimization": {"stage": 3}}}, False),
+    "100M LoRA r=64": (
+        "100m",
+        2048,
+        1,
+        {"model": {"peft_config": {"peft_type": "LORA", "r": 64, "target_modules": "all-linear"}}},
+        True,
+    ),
+    "8K plain loss": ("small", 8192, 1, {"tiled_loss_compute": False}, True),
+    "8K tiled loss": ("small", 8192, 1, {"tiled_loss_compute": True}, False),
+    "8K checkpointing": ("small", 8192, 1, {"model": {"disable_activation_checkpoint": False}}, True),
+    "8K tiled MLP": ("small", 8192, 1, {"tiled_mlp_compute": True}, True),
+    "8K checkpointing + tiled MLP": (
+        "small",
+        8192,
+        1,
+        {"model": {"disable_activation_checkpoint": False}, "tiled_mlp_compute": True},
+        False,
+    ),
+    "8K packed, long documents": ("small", 8192, 1, {"data": {"pack_samples": True}, "corpus": "long"}, True),
+    "8K packed SFT, short chats": ("small", 8192, 1, {"type": "sft", "data": {"pack_samples": True}}, False),
+}
+
+
+def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    out = json.loads(json.dumps(base))
+    for key, value in changes.items():
+        out[key] = (
+            merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
+    return out
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    """Free what can be freed, reset the peak (VmHWM), and return the resident memory now."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    return _status("VmRSS")
+
+
+def case_config(name: str, work: Path) -> dict[str, Any]:
+    model, length, _, changes, _ = CASES[name]
+    config = merge(BASE, changes)
+    corpus = config.pop("corpus", "text")
+    config["model"]["name_or_path"] = str(work / model)
+    config["data"]["max_length"] = length
+    chat = config["type"] == "sft"
+    config["data"]["sources"] = [str(work / ("chat.jsonl" if chat else f"{corpus}.jsonl"))]
+    if chat:
+        del config["data"]["text_column"]
+    config["logger"] = {"output_dir": str(work / "runs" / name.replace(" ", "_").replace(",", ""))}
+    return config
+
+
+def prepare(work: Path) -> None:
+    """The models and the data, written once."""
+    from posttrain.testing.data import chat_rows, text_rows, write_jsonl
+    from posttrain.tiny_model import write_tiny_model
+
+    for name, (hidden, layers, heads) in MODELS.items():
+        if not (work / name).exists():
+            write_tiny_model(work / name, hidden_size=hidden, layers=layers, heads=heads, vocab_size=2048)
+    if not (work / "long.jsonl").exists():
+        write_jsonl(work / "text.jsonl", text_rows(3000))
+        write_jsonl(work / "chat.jsonl", chat_rows(3000))
+        # documents of 1K to 5K tokens, several to a packed row
+        rng = random.Random(0)
+        counts = [rng.randint(300, 1500) for _ in range(24)]
+        write_jsonl(work / "long.jsonl", [{"text": " ".join(map(str, range(n)))} for n in counts])
+
+
+def measure(config: dict[str, Any]) -> float:
+    """The growth of this process's peak memory over its memory before training ``config``."""
+    import torch
+
+    from posttrain.config import load_config
+    from posttrain.run import run
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _reset_peak()
+    result = run(load_config(data=config))
+    peak = torch.cuda.max_memory_allocated() if cuda else _status("VmHWM")
+    del result
+    return float(peak - base)
+
+
+def estimate(config: dict[str, Any], processes: int) -> float:
+    """The plan's tensors for ``config`` on ``processes`` processes (rows as long as ``max_length``)."""
+    import torch
+
+    from posttrain.config import load_config
+    from posttrain.memory.check import memory_plan
+    from posttrain.memory.machine import detect
+    from posttrain.plan import resolve
+
+    resolved, _, _ = resolve(load_config(data=config), processes)
+    machine = detect(processes)
+    memory = memory_plan(resolved, processes, machine, resolved.data.max_length)
+    if torch.cuda.is_available():
+        return memory.peak("device", runtime=False)
+    return memory.tensors_peak()
+
+
+def warm_up(work: Path) -> None:
+    """One small run first: imports, thread pools and DeepSpeed's one-time set-up are in every baseline."""
+    config = case_config("8K plain loss", work)
+    config["data"]["max_length"] = 256
+    config["logger"]["output_dir"] += "_warmup"
+    measure(config)
+
+
+def worker(name: str, work: Path, out: Path) -> None:
+    """One case in this process (a rank of a torchrun launch, or the parent's own run)."""
+    warm_up(work)
+    growth = measure(case_config(name, work))
+    rank = int(os.environ.get("RANK", "0"))
+    (out / f"{rank}.json").write_text(json.dumps(growth))
+
+
+def run_case(name: str, work: Path) -> tuple[float, float]:
+    """(estimate, measured) bytes for one case, each case in a fresh process (or two)."""
+    _, _, processes, _, _ = CASES[name]
+    out = Path(tempfile.mkdtemp(dir=work))
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1" if processes > 1 else "2"}
+    me = [str(Path(__file__).resolve()), "--worker", name, "--work", str(work), "--out", str(out)]
+    if processes > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), *me]
+    else:
+        command = [sys.executable, *me]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"case {name!r} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    measured = max(json.loads(p.read_text()) for p in out.glob("*.json"))
+    return estimate(case_config(name, work), processes), measured
+
+
+def gpu_cases(work: Path) -> list[str]:
+    """The issue's GPU cases as plans: each a config on a config.json alone (no weights)."""
+    from transformers import AutoConfig
+
+    from posttrain.config import load_config
+    from posttrain.memory.check import memory_plan
+    from posttrain.memory.machine import Machine
+    from posttrain.memory.report import plan_text
+    from posttrain.plan import resolve
+
+    shapes = {
+        "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                   intermediate_size=8192, vocab_size=32768),
+        "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                   intermediate_size=14336, vocab_size=128256),
+    }  # fmt: skip
+    for name, dims in shapes.items():
+        path = work / f"config-{name}"
+        if not path.exists():
+            AutoConfig.for_model(
+                "llama", max_position_embeddings=262144, dtype="bfloat16", **dims
+            ).save_pretrained(path)
+    long = {
+        "model": {"dtype": "bfloat16", "disable_activation_checkpoint": False},
+        "activation_checkpoint_cpu_offload": True,
+        "tiled_mlp_compute": True,
+        "tiled_loss_compute": True,
+    }
+    offload = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"},
+        }
+    }
+    cases = {
+        "1.1B, 128K tokens (measured: 26.2 GiB allocated)": ("1b", 131072, long),
+        "1.1B, 256K tokens (measured: 49.4 GiB reserved)": ("1b", 262144, long),
+        "Llama-8B shape, 128K, ZeRO 3 + offload, cpu_adam (OOM-killed on a 128 GB host)": (
+            "8b",
+            131072,
+            merge(long, {"deepspeed": offload, "optimizer": {"type": "cpu_adam"}}),
+        ),
+    }
+    h100 = Machine("cuda", 80 * 10**9, 128 * 10**9, 1, "H100 80GB, 128 GB host (as in the issue)", True)
+    out = []
+    for title, (shape, length, changes) in cases.items():
+        config = merge(merge(BASE, changes), {"type": "sft"})
+        config["model"]["name_or_path"] = str(work / f"config-{shape}")
+        config["data"] = {"sources": [str(work / "chat.jsonl")], "max_length": length}
+        resolved, _, _ = resolve(load_config(data=config), 1)
+        out.append(f"\n== {title}\n" + plan_text(memory_plan(resolved, 1, h100, length), h100))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="only the cases the test suite checks")
+    parser.add_argument("--cases", help="case names separated by ; (default: all, or --quick's)")
+    parser.add_argument("--gpu", action="store_true", help="print the GPU cases' plans (estimates)")
+    parser.add_argument("--json", type=Path, help="write the table here")
+    parser.add_argument("--work", type=Path, help="where models, data and runs go (default: a temporary dir)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    work = args.work or Path(tempfile.mkdtemp(prefix="memory-plan-"))
+    if args.worker:
+        worker(args.worker, work, args.out)
+        return 0
+    prepare(work)
+    names = args.cases.split(";") if args.cases else [n for n, c in CASES.items() if c[4] or not args.quick]
+    rows = []
+    print(f"{'case':<34} {'estimate':>10} {'measured':>10} {'error':>7}", flush=True)
+    for name in names:
+        estimated, measured = run_case(name, work)
+        error = estimated / measured - 1
+        rows.append({"case": name, "estimate_bytes": estimated, "measured_bytes": measured, "error": error})
+        print(f"{name:<34} {estimated / MIB:>8.0f}Mi {measured / MIB:>8.0f}Mi {error:>+7.1%}", flush=True)
+    if args.gpu:
+        print("\n".join(gpu_cases(work)))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""The memory plan's arithmetic: itemised bytes per process on its device and on the host, from the settings
+that decide them (pure: a :class:`Settings` and a :class:`~posttrain.memory.shape.ModelShape` in, a
+:class:`MemoryPlan` out, so the fixes can re-plan a changed setting in microseconds).
+
+Each item belongs to a phase. Model states live all run; activations and the loss's working memory live in
+forward and backward; the optimizer's temporaries and gradient-reduction flattening live at the step. The
+peak is the states plus the larger of the two transient phases.
+
+The per-token activation counts are those of transformers' decoder layers as autograd saves them
+(LLaMA-style: two RMSNorms, q/k/v/o projections with rotary embeddings, a gated MLP): per layer and token
+``4 h + 2 q + kv`` elements for attention and norms (``6 (q + kv)`` more when a row's documents
+attend apart on a CPU), ``4 I`` for a gated MLP (``2 I`` ungated), ``top_k``
+experts' share for a mixture of experts, plus the float32 copies half-precision RMSNorms keep. They were
+measured on CPU against the process's peak (``benchmarks/memory_plan.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from posttrain.memory.shape import ModelShape
+from posttrain.models.token_logps import TILED_LOSS_MIN_TOKENS, chunk_rows
+
+GiB = 2**30
+Place = Literal["device", "host"]
+Phase = Literal["states", "activations", "step"]
+
+#: bytes per element of the weight dtypes a run trains in
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: 4-bit NF4 weights: half a byte each, plus one float32 scale per block of 64 (double quantisation: less)
+FOUR_BIT_BYTES = 0.5 + 4 / 64
+#: what a process holds before the model: the CUDA context and cuBLAS/cuDNN workspaces on a GPU, and on the
+#: host the libraries (torch, CUDA, transformers, DeepSpeed) a training process imports. Stated, not measured
+#: per machine; the accuracy tests compare tensors only (growth over a baseline taken after the imports).
+RUNTIME_OVERHEAD = {"cuda": (1.0 * GiB, 3.0 * GiB), "cpu": (0.0, 0.5 * GiB)}
+#: torch's AdamW (foreach) allocates one float32 temporary the size of a parameter group at each step
+FOREACH_TEMPORARIES = 1
+#: DeepSpeed's stage-0 gradient all-reduce flattens at most this many elements at a time
+ALLREDUCE_BUCKET = 500_000_000
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the memory of one process depends on, read from a resolved config (``from_config``)."""
+
+    dtype: str  # float32 | bfloat16 | float16
+    world_size: int  # processes (DeepSpeed shards over every one of them)
+    stage: int  # the ZeRO stage as the run will use it
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_param: str = "none"
+    optimizer: str = "adamw"  # adamw | cpu_adam | fused_adam ...
+    reduce_bucket: int = 0  # elements
+    prefetch_bucket: int = 0  # ZeRO-3 (elements)
+    max_live_parameters: int = 0  # ZeRO-3 (elements)
+    checkpointing: bool = True
+    checkpoint_offload: bool = False
+    tiled_mlp: bool = False
+    tiled_loss: bool = False
+    sequence_parallel: int = 1
+    expert_parallel: int = 1
+    micro_batch: int = 1
+    gradient_accumulation: int = 1
+    tokens_per_row: int = 2048  # the longest row of a micro-batch (before sequence parallelism)
+    rows_per_sample: int = 1  # 2 for preference pairs (chosen and rejected in one forward)
+    eager_attention: bool = False
+    documents: bool = False  # rows of several documents (packing, padding-free) attend per document
+    four_bit: bool = False
+    device: str = "cuda"  # where the model trains: cuda | cpu
+
+    @property
+    def tokens(self) -> int:
+        """Tokens one process holds in a micro-batch."""
+        rows = self.micro_batch * self.rows_per_sample
+        return rows * -(-self.tokens_per_row // self.sequence_parallel)
+
+
+@dataclass(frozen=True)
+class Item:
+    part: str
+    place: Place
+    phase: Phase
+    bytes: float
+    detail: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    """The itemised estimate for one process; ``device_peak`` and ``host_peak`` are that process's peaks
+    (on a CPU run the device is the host)."""
+
+    settings: Settings
+    shape: ModelShape
+    items: list[Item] = field(default_factory=list)
+
+    def add(self, part: str, place: Place, phase: Phase, size: float, detail: str = "") -> None:
+        if size > 0:
+            self.items.append(Item(part, place, phase, float(size), detail))
+
+    def peak(self, place: Place, runtime: bool = True) -> float:
+        def total(phase: Phase) -> float:
+            return sum(
+                i.bytes
+                for i in self.items
+                if i.place == place and i.phase == phase and (runtime or i.part != "runtime")
+            )
+
+        return total("states") + max(total("activations"), total("step"))
+
+    @property
+    def device_peak(self) -> float:
+        return self.peak("device")
+
+    @property
+    def host_peak(self) -> float:
+        return self.peak("host")
+
+    def tensors_peak(self) -> float:
+        """What one process's tensors take at the peak, on device and host together (no runtime constant):
+        what the CPU accuracy tests compare with the process's growth."""
+        return self.peak("device", runtime=False) + self.peak("host", runtime=False)
+
+
+def plan(settings: Settings, shape: ModelShape) -> MemoryPlan:
+    """The memory plan of one process of a run with ``settings`` on a model of ``shape``."""
+    out = MemoryPlan(settings, shape)
+    _weights(out)
+    _gradients_and_optimizer(out)
+    _deepspeed_buffers(out)
+    _activations(out)
+    _loss(out)
+    device, host = RUNTIME_OVERHEAD["cuda" if settings.device == "cuda" else "cpu"]
+    out.add("runtime", "device", "states", device, "CUDA context, cuBLAS/cuDNN workspaces (stated constant)")
+    out.add("runtime", "host", "states", host, "libraries of a training process (stated constant)")
+    if settings.device != "cuda":  # one memory: everything the device would hold is on the host
+        out.items = [Item(i.part, "host", i.phase, i.bytes, i.detail) for i in out.items]
+    return out
+
+
+def _local(s: Settings, shape: ModelShape, count: int) -> float:
+    """Of ``count`` parameters, those one process holds before ZeRO sharding: experts are split over the
+    expert-parallel group."""
+    if not shape.experts or s.expert_parallel == 1:
+        return count
+    return count - shape.experts * (1 - 1 / s.expert_parallel) * (count / shape.params)
+
+
+def _weights(out: MemoryPlan) -> None:
+    s, shape = out.settings, out.shape
+    b = DTYPE_BYTES[s.dtype]
+    params = _local(s, shape, shape.params)
+    if s.four_bit:
+        quantised = shape.params - shape.embedding - shape.head - shape.trainable
+        size = quantised * FOUR_BIT_BYTES + (params - quantised) * b
+        detail = f"{quantised / 1e6:,.0f}M in 4 bit, {(params - quantised) / 1e6:,.0f}M in {s.dtype}"
+    else:
+        size, detail = params * b, f"{params / 1e6:,.1f}M x {b} B ({s.dtype})"
+    if s.stage == 3:
+        place: Place = "host" if s.offload_param != "none" else "device"
+        out.add("parameters", place, "states", size / s.world_size, detail + f", 1/{s.world_size} (ZeRO 3)")
+        live = max(s.max_live_parameters, s.prefetch_bucket, shape.largest_module)
+        out.add("ZeRO-3 gathered parameters", "device", "states", live * b, f"{live / 1e6:,.1f}M elements")
+    else:
+        out.add("parameters", "device", "states", size, detail)
+
+
+def _gradients_and_optimizer(out: MemoryPlan) -> None:
+    s, shape = out.settings, out.shape
+    b = DTYPE_BYTES[s.dtype]
+    trainable = _local(s, shape, shape.trainable)
+    shard = s.world_size if s.stage >= 1 else 1
+    half = b < 4
+    offload: Place = "host" if s.offload_optimizer == "cpu" else "device"
+    if not (s.stage >= 2 and offload == "host"):  # ZeRO 2/3 offload moves each reduced gradient to the host
+        grads = trainable / s.world_size if s.stage >= 2 else trainable
+        detail = s.dtype + (", partitioned" if s.stage >= 2 else "")
+        out.add("gradients", "device", "states", grads * b, detail)
+    if s.offload_optimizer == "nvme":
+        return  # on disk: nothing in memory but the pinned swap buffers DeepSpeed sizes itself
+    where = f", 1/{shard}" if shard > 1 else ""
+    # sharded, each process keeps 1/world of every parameter's state (experts: 1/(world/EP) of its 1/EP)
+    states = trainable if shard == 1 else shape.trainable / shard
+    if half:
+        # DeepSpeed's mixed precision: float32 master weights and a float32 gradient for each of them
+        out.add("master weights", offload, "states", states * 4, "float32" + where)
+        # stage 0 (DeepSpeed's bf16 optimizer) accumulates in them, offload keeps them pinned on the host;
+        # ZeRO 1-3 on the device build them from the 16-bit gradients at the step and free them after
+        persistent = s.stage == 0 or offload == "host"
+        out.add(
+            "float32 gradients", offload, "states" if persistent else "step", states * 4, "float32" + where
+        )
+    elif s.stage >= 1:
+        out.add("master weights", offload, "states", states * 4, "float32 copy" + where)
+    out.add("optimizer states", offload, "states", states * 8, "Adam moments, float32" + where)
+    if s.optimizer == "adamw" and s.offload_optimizer == "none":
+        out.add(
+            "optimizer step temporaries", "device", "step", FOREACH_TEMPORARIES * 4 * states, "torch AdamW"
+        )
+
+
+def _deepspeed_buffers(out: MemoryPlan) -> None:
+    s, shape = out.settings, out.shape
+    b = 4 if s.dtype == "float32" else DTYPE_BYTES[s.dtype]
+    if s.stage == 0 and s.world_size > 1:
+        flat = min(_local(s, shape, shape.trainable), ALLREDUCE_BUCKET)
+        out.add(
+            "all-reduce buffer", "device", "step", flat * b, "DeepSpeed flattens gradients to reduce them"
+        )
+    elif (s.stage in (1, 2) and s.world_size > 1) or s.stage == 3:
+        bucket = min(s.reduce_bucket, shape.trainable)
+        out.add(
+            "reduce buckets",
+            "device",
+            "states",
+            2 * bucket * b,
+            f"2 x reduce_bucket_size {s.reduce_bucket:,}",
+        )
+
+
+def layer_elements(shape: ModelShape, settings: Settings) -> tuple[float, float]:
+    """Per token, the elements one decoder layer saves for backward: (attention and norms, MLP)."""
+    h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
+    attention = 4 * h + 2 * q + kv + shape.adapter_inputs
+    if settings.documents and settings.device != "cuda":
+        # attention per document without varlen kernels (CPU): each call's copies of its slices of q, k, v,
+        # and the backward's recomputation; calibrated on CPU (benchmarks/memory_plan.py, packed cases)
+        attention += 6 * (q + kv)
+    if shape.num_experts:
+        mlp = shape.top_k * (4 * shape.expert_intermediate + 2 * h) + 4 * shape.shared_intermediate
+        mlp += shape.num_experts
+    else:
+        mlp = (4 if shape.gated else 2) * shape.intermediate
+    if settings.tiled_mlp:
+        mlp = h  # the MLP keeps its input; each tile is recomputed in backward (see ``_activations``)
+    return attention, mlp
+
+
+def _activations(out: MemoryPlan) -> None:
+    s, shape = out.settings, out.shape
+    b = DTYPE_BYTES[s.dtype]
+    tokens = s.tokens
+    attention, mlp = layer_elements(shape, s)
+    norm_copies = 8 * shape.hidden if b < 4 else 0  # half precision: each RMSNorm keeps a float32 input
+    per_layer = tokens * ((attention + mlp) * b + norm_copies)
+    if s.eager_attention:
+        rows = s.micro_batch * s.rows_per_sample
+        per_layer += 2 * rows * shape.heads * s.tokens_per_row * (tokens // rows) * b
+    if s.checkpointing:
+        saved = shape.layers * tokens * shape.hidden * b
+        place: Place = "host" if s.checkpoint_offload and s.device == "cuda" else "device"
+        out.add("checkpointed layer inputs", place, "activations", saved, f"{shape.layers} layers")
+        out.add("activations", "device", "activations", per_layer, "one layer recomputed in backward")
+    else:
+        out.add("activations", "device", "activations", shape.layers * per_layer, f"{shape.layers} layers")
+    if s.tiled_mlp:
+        intermediate = shape.intermediate or shape.top_k * shape.expert_intermediate
+        tile = min(tokens, shape.hidden)
+        out.add("tiled MLP working memory", "device", "activations", 4 * tile * intermediate * b, "one tile")
+    out.add(
+        "embeddings, final norm, gradient flow",
+        "device",
+        "activations",
+        2 * tokens * shape.hidden * b,
+        f"{tokens:,} tokens",
+    )
+
+
+def _loss(out: MemoryPlan) -> None:
+    s, shape = out.settings, out.shape
+    b = DTYPE_BYTES[s.dtype]
+    tokens, vocab = s.tokens, shape.vocab
+    if s.tiled_loss:
+        rows = chunk_rows(vocab, shape.hidden, tokens)
+        working = rows * vocab * (8 + b) + tokens * shape.hidden * b + vocab * shape.hidden * 4
+        out.add(
+            "loss (tiled)", "device", "activations", working, f"chunks of {rows:,} rows x {vocab:,} logits"
+        )
+    else:
+        working = tokens * vocab * (b + 8 + (4 if b < 4 else 0))
+        out.add("loss (whole logits)", "device", "activations", working, f"{tokens:,} x {vocab:,} logits")
+
+
+def tiled_loss_on(setting: bool | str, tokens: int) -> bool:
+    """Whether ``tiled_loss_compute`` tiles a micro-batch of ``tokens`` per process."""
+    return tokens >= TILED_LOSS_MIN_TOKENS if setting == "auto" else bool(setting)

@@ -1,0 +1,58 @@
+"""The memory plan's inputs, read from a resolved config: the DeepSpeed config the run will build (ZeRO stage,
+offload, buckets), the memory features, the batch and the method's rows per sample."""
+
+from __future__ import annotations
+
+from posttrain.config.deepspeed import build_deepspeed_config
+from posttrain.config.deepspeed_block import offload_device
+from posttrain.config.trainer import TrainerConfig
+from posttrain.memory.estimate import Settings, tiled_loss_on
+from posttrain.memory.shape import ModelShape
+from posttrain.registry import TRAINERS
+
+
+def settings_for(
+    config: TrainerConfig, shape: ModelShape, world_size: int, tokens_per_row: int, device: str
+) -> Settings:
+    """``config`` resolved for ``world_size`` processes (batch sizes filled in), rows of at most
+    ``tokens_per_row`` tokens, training on ``device`` (``cuda`` or ``cpu``)."""
+    ds = build_deepspeed_config(config, world_size=world_size, hidden_size=shape.hidden)
+    zero = ds["zero_optimization"]
+    dtype = shape.dtype if config.model.dtype == "auto" else config.model.dtype
+    quantisation = config.model.quantization_config or {}
+    sp = config.sequence_parallel_size
+    rows = TRAINERS.get(config.type).obj.rows_per_sample
+    tokens = config.micro_batch_size * rows * -(-tokens_per_row // sp)
+    return Settings(
+        dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32",
+        world_size=world_size,
+        stage=int(zero["stage"]),
+        offload_optimizer=offload_device(ds, "optimizer"),
+        offload_param=offload_device(ds, "param"),
+        optimizer=config.optimizer.type or "adamw",
+        reduce_bucket=_count(zero.get("reduce_bucket_size")),
+        prefetch_bucket=_count(zero.get("stage3_prefetch_bucket_size")),
+        max_live_parameters=_count(zero.get("stage3_max_live_parameters")),
+        checkpointing=not config.model.disable_activation_checkpoint,
+        checkpoint_offload=config.activation_checkpoint_cpu_offload,
+        tiled_mlp=config.tiled_mlp_compute,
+        tiled_loss=tiled_loss_on(config.tiled_loss_compute, tokens),
+        sequence_parallel=sp,
+        expert_parallel=config.expert_parallel_size,
+        micro_batch=config.micro_batch_size,
+        gradient_accumulation=config.gradient_accumulation_steps,
+        tokens_per_row=tokens_per_row,
+        rows_per_sample=rows,
+        eager_attention=config.model.attn_implementation == "eager",
+        documents=config.data.pack_samples or config.data.padding_free,
+        four_bit=bool(quantisation.get("load_in_4bit")),
+        device=device,
+    )
+
+
+def _count(value: object) -> int:
+    """A bucket size as DeepSpeed reads it (a number, possibly written 5e8); 0 for ``auto`` or none."""
+    try:
+        return int(float(value))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0

@@ -1,0 +1,133 @@
+"""The model's shape for the memory plan: parameter counts by part and the sizes activations scale with,
+from the checkpoint's ``config.json`` on the meta device (no weight is read, any size takes seconds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.config.model import ModelConfig
+from posttrain.errors import UserError
+
+#: module-name pieces that mark a mixture-of-experts layer's experts and its shared expert
+EXPERT_MARK, SHARED_MARK = ".experts.", "shared_expert"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts (elements) and dimensions of a causal LM. ``trainable`` counts what gets gradients
+    and optimizer state: every parameter, or the adapters of a PEFT run."""
+
+    params: int
+    trainable: int
+    embedding: int  # input embedding
+    head: int  # the LM head when it is not tied to the embedding
+    experts: int  # all experts' parameters, every layer
+    largest_module: int  # the largest single module (ZeRO-3 gathers one at a time)
+    layers: int
+    hidden: int
+    intermediate: int  # the dense MLP's width (0 when every layer is a mixture of experts)
+    q_dim: int  # query heads x head size
+    kv_dim: int  # key/value heads x head size
+    heads: int
+    vocab: int
+    num_experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    adapter_inputs: int = 0  # per token and layer: the inputs of adapted modules (copied by LoRA dropout)
+    gated: bool = True
+    dtype: str = "float32"  # the checkpoint's weight dtype (what ``model.dtype: auto`` loads)
+
+    @property
+    def dense(self) -> int:
+        """Parameters outside the experts (replicated on every expert-parallel rank)."""
+        return self.params - self.experts
+
+
+def _text(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def model_shape(model: ModelConfig) -> ModelShape:
+    """Build the configured model on the meta device and count it (adapters applied as the run will)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        hf_config = AutoConfig.from_pretrained(model.name_or_path, **model.hub_arguments())
+    except (OSError, ValueError) as error:
+        raise UserError(
+            f"model.name_or_path={model.name_or_path!r}: no config.json to plan memory from ({error}); "
+            "point it at a local checkpoint directory, or set check_memory: false"
+        ) from None
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=model.trust_remote_code)
+    if model.peft_config is not None:
+        from posttrain.models.peft import apply_peft
+
+        with torch.device("meta"):
+            built = apply_peft(built, model.peft_config, None)
+    return shape_of(built, hf_config)
+
+
+def shape_of(built: torch.nn.Module, hf_config: Any) -> ModelShape:
+    """Count a built (meta) model: its parts, and the sizes its activations scale with."""
+    text = _text(hf_config)
+    named = dict(built.named_parameters(remove_duplicate=True))
+    unique = {id(p): (name, p) for name, p in named.items()}
+    params = sum(p.numel() for _, p in unique.values())
+    trainable = sum(p.numel() for _, p in unique.values() if p.requires_grad)
+    base = built.get_base_model() if hasattr(built, "get_base_model") else built
+    embedding = base.get_input_embeddings().weight
+    head_module = base.get_output_embeddings()
+    head = head_module.weight if head_module is not None else None
+    experts = sum(p.numel() for name, p in unique.values() if EXPERT_MARK in f".{name}.")
+    shared = sum(p.numel() for name, p in unique.values() if SHARED_MARK in name and "gate." not in name)
+    hidden = int(text.hidden_size)
+    heads = int(text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    layers = int(text.num_hidden_layers)
+    num_experts = int(getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 0)
+    moe = experts > 0 and num_experts > 1
+    gated = any(hasattr(m, "gate_proj") for m in base.modules())
+    per_expert = experts / max(1, layers * num_experts) if moe else 0
+    return ModelShape(
+        params=params,
+        trainable=trainable,
+        embedding=embedding.numel(),
+        head=head.numel() if head is not None and head is not embedding else 0,
+        experts=experts if moe else 0,
+        largest_module=max(
+            (sum(p.numel() for p in m.parameters(recurse=False)) for m in built.modules()), default=0
+        ),
+        layers=layers,
+        hidden=hidden,
+        intermediate=0 if moe else int(getattr(text, "intermediate_size", 4 * hidden)),
+        q_dim=heads * head_dim,
+        kv_dim=kv_heads * head_dim,
+        heads=heads,
+        vocab=int(text.vocab_size),
+        num_experts=num_experts if moe else 0,
+        top_k=int(getattr(text, "num_experts_per_tok", 0) or 0) if moe else 0,
+        expert_intermediate=round(per_expert / ((3 if gated else 2) * hidden)) if moe else 0,
+        shared_intermediate=round(shared / max(1, layers) / (3 * hidden)) if shared else 0,
+        adapter_inputs=_adapter_inputs(built, layers),
+        gated=gated,
+        dtype=str(getattr(hf_config, "dtype", None) or "float32").removeprefix("torch."),
+    )
+
+
+def _adapter_inputs(built: torch.nn.Module, layers: int) -> int:
+    """Per token and layer, the input features of modules whose LoRA dropout copies their input."""
+    total = 0
+    for module in built.modules():
+        dropout = getattr(module, "lora_dropout", None)
+        if not dropout:
+            continue
+        for drop in dropout.values():
+            if isinstance(drop, torch.nn.Dropout) and drop.p > 0:
+                total += int(getattr(module, "in_features", 0))
+    return total // max(1, layers)

@@ -1,0 +1,145 @@
+"""The memory plan's arithmetic: counts from config.json on the meta device, the itemised estimate against
+hand-counted bytes and DeepSpeed's own estimator, the fixes, the size parser."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from posttrain.config.model import ModelConfig
+from posttrain.errors import UserError
+from posttrain.memory.estimate import GiB, Settings, plan
+from posttrain.memory.fixes import cheapest_fixes, fits
+from posttrain.memory.machine import Machine, parse_size
+from posttrain.memory.report import deepspeed_estimate, model_states, plan_text
+from posttrain.memory.shape import model_shape
+
+LLAMA = dict(hidden_size=256, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+             intermediate_size=1024, vocab_size=3000)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoConfig
+
+    path = tmp_path_factory.mktemp("shape") / "llama"
+    AutoConfig.for_model("llama", tie_word_embeddings=False, dtype="bfloat16", **LLAMA).save_pretrained(path)
+    return path
+
+
+def hand_count() -> int:
+    h, i, v, layers = 256, 1024, 3000, 3
+    kv = 2 * (h // 8)
+    layer = h * h * 2 + h * kv * 2 + 3 * h * i + 2 * h  # q, o; k, v; gate, up, down; two norms
+    return v * h * 2 + layers * layer + h  # embedding, head, layers, final norm
+
+
+def test_shape_counts_from_config_json_alone(llama_dir: Path) -> None:
+    shape = model_shape(ModelConfig(name_or_path=str(llama_dir)))
+    assert shape.params == shape.trainable == hand_count()
+    assert (shape.embedding, shape.head, shape.layers, shape.kv_dim) == (3000 * 256, 3000 * 256, 3, 64)
+    assert shape.dtype == "bfloat16" and shape.gated and shape.intermediate == 1024
+
+
+def test_lora_shape_trains_only_the_adapters(llama_dir: Path) -> None:
+    peft = {"peft_type": "LORA", "r": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.1}
+    shape = model_shape(ModelConfig(name_or_path=str(llama_dir), peft_config=peft))
+    assert shape.trainable == 3 * (8 * (256 + 256) + 8 * (256 + 64))  # A: r x in, B: out x r
+    assert shape.adapter_inputs == 2 * 256  # dropout copies each adapted module's input
+
+
+def test_missing_config_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"no config\.json"):
+        model_shape(ModelConfig(name_or_path=str(tmp_path / "nothing")))
+
+
+def settings(**changes: object) -> Settings:
+    base = Settings(dtype="bfloat16", world_size=8, stage=2, reduce_bucket=0, checkpointing=True)
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_zero2_model_states_match_deepspeeds_estimator(llama_dir: Path) -> None:
+    shape = model_shape(ModelConfig(name_or_path=str(llama_dir)))
+    machine = Machine("cuda", 80 * GiB, 512 * GiB, 8)
+    memory = plan(settings(), shape)
+    _, device = deepspeed_estimate(memory, machine)  # type: ignore[misc]
+    assert model_states(memory, "device") == pytest.approx(device, rel=1e-6)  # 2 P + 18 P / GPUs
+
+
+def test_items_are_the_hand_counted_bytes(llama_dir: Path) -> None:
+    shape = model_shape(ModelConfig(name_or_path=str(llama_dir)))
+    p = shape.params
+    memory = plan(settings(dtype="float32", world_size=1, stage=0, device="cpu"), shape)
+    by_part = {item.part: item.bytes for item in memory.items}
+    assert by_part["parameters"] == by_part["gradients"] == 4 * p
+    assert by_part["optimizer states"] == 8 * p and by_part["optimizer step temporaries"] == 4 * p
+    assert "master weights" not in by_part and {i.place for i in memory.items} == {"host"}
+    sharded = plan(settings(stage=3, world_size=4), shape)
+    parts = {item.part: item for item in sharded.items}
+    assert (
+        parts["parameters"].bytes == pytest.approx(2 * p / 4) and parts["master weights"].bytes == 4 * p / 4
+    )
+    offloaded = plan(settings(stage=3, world_size=4, offload_optimizer="cpu", offload_param="cpu"), shape)
+    assert {i.part for i in offloaded.items if i.place == "host" and i.phase == "states"} >= {
+        "parameters",
+        "master weights",
+        "optimizer states",
+    }
+
+
+def test_activation_features_each_lower_the_peak(llama_dir: Path) -> None:
+    shape = model_shape(ModelConfig(name_or_path=str(llama_dir)))
+    plain = settings(checkpointing=False, tokens_per_row=32768, world_size=1, stage=0)
+    peaks = [plan(plain, shape).device_peak]
+    for change in (
+        {"checkpointing": True},
+        {"tiled_loss": True},
+        {"tiled_mlp": True},
+        {"sequence_parallel": 2},
+    ):
+        plain = replace(plain, **change)  # type: ignore[arg-type]
+        peaks.append(plan(plain, shape).device_peak)
+    assert all(later < earlier for earlier, later in itertools.pairwise(peaks)), peaks
+    offloaded = plan(replace(plain, checkpoint_offload=True), shape)
+    assert offloaded.device_peak < peaks[-1] and offloaded.host_peak > plan(plain, shape).host_peak
+
+
+def test_fixes_come_in_order_until_the_plan_fits(llama_dir: Path) -> None:
+    shape = model_shape(ModelConfig(name_or_path=str(llama_dir)))
+    memory = plan(settings(checkpointing=False, tokens_per_row=65536, world_size=8, stage=0), shape)
+    machine = Machine("cuda", 1.5 * GiB, 512 * GiB, 8, "small GPUs", described=True)
+    assert fits(memory, machine) == (False, True)
+    fixes, fixed = cheapest_fixes(memory, machine)
+    assert fixed and fits(fixes[-1].plan, machine) == (True, True)
+    changes = [fix.change for fix in fixes]
+    assert changes[0] == "model.disable_activation_checkpoint: false"
+    assert changes.index("tiled_loss_compute: true") < len(changes)
+    assert all(fix.device_saved > 0 for fix in fixes)
+    text = plan_text(memory, machine)
+    assert "does NOT fit (the GPU)" in text and "1. model.disable_activation_checkpoint: false" in text
+
+
+def test_host_overflow_suggests_disk(llama_dir: Path) -> None:
+    shape = model_shape(ModelConfig(name_or_path=str(llama_dir)))
+    memory = plan(settings(world_size=1, offload_optimizer="cpu", optimizer="cpu_adam"), shape)
+    machine = Machine("cuda", 80 * GiB, 0.05 * GiB, 1, "tiny host", described=True)
+    assert fits(memory, machine) == (True, False)
+    fixes, _ = cheapest_fixes(memory, machine)
+    assert fixes[0].change.startswith("deepspeed.zero_optimization.offload_optimizer.device: nvme")
+    assert fixes[0].host_saved > 0
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("80GiB", 80 * 2**30), ("80GB", 80e9), ("512G", 512 * 2**30), ("1.5 TiB", 1.5 * 2**40), ("1024", 1024)],
+)
+def test_parse_size(text: str, size: float) -> None:
+    assert parse_size(text, "--gpu-memory") == size
+
+
+def test_parse_size_refuses_nonsense() -> None:
+    with pytest.raises(UserError, match=r"--host-memory 'lots'.*e\.g\. 80GiB"):
+        parse_size("lots", "--host-memory")
