@@ -131,6 +131,9 @@ def prepare(work: Path) -> None:
         rng = random.Random(0)
         counts = [rng.randint(300, 1500) for _ in range(24)]
         write_jsonl(work / "long.jsonl", [{"text": " ".join(map(str, range(n)))} for n in counts])
+        # for the GPU cases' rows of 128K and 256K tokens: documents of 4K to 16K tokens
+        counts = [rng.randint(1500, 6000) for _ in range(160)]
+        write_jsonl(work / "huge.jsonl", [{"text": " ".join(map(str, range(n)))} for n in counts])
 
 
 def measure(config: dict[str, Any]) -> float:
@@ -153,21 +156,20 @@ def measure(config: dict[str, Any]) -> float:
     return float(peak - base)
 
 
-def estimate(config: dict[str, Any], processes: int) -> float:
-    """The plan's tensors for ``config`` on ``processes`` processes (rows as long as ``max_length``)."""
-    import torch
-
+def estimate(config: dict[str, Any], processes: int, machine: Any = None) -> tuple[float, Any]:
+    """The plan's tensors for ``config`` on ``processes`` processes (rows as long as ``max_length``): on a
+    GPU the device peak, on a CPU device and host together (the runtime constant left out: it is in the
+    baseline); and the plan itself."""
     from posttrain.config import load_config
     from posttrain.memory.check import memory_plan
     from posttrain.memory.machine import detect
     from posttrain.plan import resolve
 
     resolved, _, _ = resolve(load_config(data=config), processes)
-    machine = detect(processes)
+    machine = machine or detect(processes)
     memory = memory_plan(resolved, processes, machine, resolved.data.max_length)
-    if torch.cuda.is_available():
-        return memory.peak("device", runtime=False)
-    return memory.tensors_peak()
+    tensors = memory.peak("device", runtime=False) if machine.device == "cuda" else memory.tensors_peak()
+    return tensors, memory
 
 
 def warm_up(work: Path) -> None:
@@ -178,83 +180,128 @@ def warm_up(work: Path) -> None:
     measure(config)
 
 
-def worker(name: str, work: Path, out: Path) -> None:
+def worker(config_file: Path, work: Path, out: Path) -> None:
     """One case in this process (a rank of a torchrun launch, or the parent's own run)."""
     warm_up(work)
-    growth = measure(case_config(name, work))
+    growth = measure(json.loads(config_file.read_text()))
     rank = int(os.environ.get("RANK", "0"))
     (out / f"{rank}.json").write_text(json.dumps(growth))
 
 
-def run_case(name: str, work: Path) -> tuple[float, float]:
-    """(estimate, measured) bytes for one case, each case in a fresh process (or two)."""
-    _, _, processes, _, _ = CASES[name]
+def run_measured(config: dict[str, Any], processes: int, work: Path) -> float:
+    """The measured growth of training ``config``, in a fresh process (or ``processes`` of them; the
+    largest rank's)."""
     out = Path(tempfile.mkdtemp(dir=work))
+    (out / "config.json").write_text(json.dumps(config))
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1" if processes > 1 else "2"}
-    me = [str(Path(__file__).resolve()), "--worker", name, "--work", str(work), "--out", str(out)]
+    me = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        str(out / "config.json"),
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+    ]
     if processes > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), *me]
     else:
         command = [sys.executable, *me]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"case {name!r} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    measured = max(json.loads(p.read_text()) for p in out.glob("*.json"))
-    return estimate(case_config(name, work), processes), measured
+        raise RuntimeError(
+            f"{config['logger']['output_dir']} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
+    return max(json.loads(p.read_text()) for p in out.glob("[0-9]*.json"))
 
 
-def gpu_cases(work: Path) -> list[str]:
-    """The issue's GPU cases as plans: each a config on a config.json alone (no weights)."""
-    from transformers import AutoConfig
+def run_case(name: str, work: Path) -> tuple[float, float]:
+    """(estimate, measured) bytes for one case."""
+    processes = CASES[name][2]
+    config = case_config(name, work)
+    return estimate(config, processes)[0], run_measured(config, processes, work)
 
-    from posttrain.config import load_config
-    from posttrain.memory.check import memory_plan
-    from posttrain.memory.machine import Machine
-    from posttrain.memory.report import plan_text
-    from posttrain.plan import resolve
 
-    shapes = {
-        "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                   intermediate_size=8192, vocab_size=32768),
-        "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                   intermediate_size=14336, vocab_size=128256),
-    }  # fmt: skip
-    for name, dims in shapes.items():
-        path = work / f"config-{name}"
-        if not path.exists():
-            AutoConfig.for_model(
-                "llama", max_position_embeddings=262144, dtype="bfloat16", **dims
-            ).save_pretrained(path)
-    long = {
-        "model": {"dtype": "bfloat16", "disable_activation_checkpoint": False},
-        "activation_checkpoint_cpu_offload": True,
-        "tiled_mlp_compute": True,
-        "tiled_loss_compute": True,
-    }
-    offload = {
+#: the issue's GPU cases: LLaMA shape, tokens per row, what was measured (on one H100 80GB, 128 GB host)
+GPU_SHAPES = {
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=32768),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, vocab_size=128256),
+}  # fmt: skip
+LONG: dict[str, Any] = {
+    "model": {"dtype": "bfloat16", "disable_activation_checkpoint": False},
+    "data": {"pack_samples": True},
+    "activation_checkpoint_cpu_offload": True,
+    "tiled_mlp_compute": True,
+    "tiled_loss_compute": True,
+}
+OFFLOAD = {
+    "deepspeed": {
         "zero_optimization": {
             "stage": 3,
             "offload_optimizer": {"device": "cpu"},
             "offload_param": {"device": "cpu"},
         }
-    }
-    cases = {
-        "1.1B, 128K tokens (measured: 26.2 GiB allocated)": ("1b", 131072, long),
-        "1.1B, 256K tokens (measured: 49.4 GiB reserved)": ("1b", 262144, long),
-        "Llama-8B shape, 128K, ZeRO 3 + offload, cpu_adam (OOM-killed on a 128 GB host)": (
-            "8b",
-            131072,
-            merge(long, {"deepspeed": offload, "optimizer": {"type": "cpu_adam"}}),
-        ),
-    }
+    },
+    "optimizer": {"type": "cpu_adam"},
+}
+GPU_CASES: dict[str, tuple[str, int, dict[str, Any], bool]] = {
+    "1.1B, 128K tokens (issue: 26.2 GiB allocated)": ("1b", 131072, LONG, True),
+    "1.1B, 256K tokens (issue: 49.4 GiB reserved)": ("1b", 262144, LONG, True),
+    "Llama-8B shape, 128K, ZeRO 3 + offload, cpu_adam (issue: OOM-killed on a 128 GB host)": (
+        "8b",
+        131072,
+        merge(LONG, OFFLOAD),
+        False,  # estimate only
+    ),
+}
+
+
+def _gpu_model(work: Path, shape: str, weights: bool) -> Path:
+    """A config.json of the shape beside the small model's tokenizer; random bf16 weights when asked."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = work / f"gpu-{shape}"
+    config = AutoConfig.for_model(
+        "llama", max_position_embeddings=262144, dtype="bfloat16", **GPU_SHAPES[shape]
+    )
+    if not path.exists():
+        shutil.copytree(work / "small", path, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+        config.save_pretrained(path)
+    if weights and not any(path.glob("*.safetensors")):
+        import torch
+
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def gpu_cases(work: Path) -> list[str]:
+    """The issue's GPU cases: each plan for one H100 80GB on a 128 GB host, and on a GPU machine the
+    measurement of the two that ran there."""
+    import torch
+
+    from posttrain.memory.machine import Machine
+    from posttrain.memory.report import gib, plan_text
+
     h100 = Machine("cuda", 80 * 10**9, 128 * 10**9, 1, "H100 80GB, 128 GB host (as in the issue)", True)
+    cuda = torch.cuda.is_available()
     out = []
-    for title, (shape, length, changes) in cases.items():
-        config = merge(merge(BASE, changes), {"type": "sft"})
-        config["model"]["name_or_path"] = str(work / f"config-{shape}")
-        config["data"] = {"sources": [str(work / "chat.jsonl")], "max_length": length}
-        resolved, _, _ = resolve(load_config(data=config), 1)
-        out.append(f"\n== {title}\n" + plan_text(memory_plan(resolved, 1, h100, length), h100))
+    for title, (shape, length, changes, measurable) in GPU_CASES.items():
+        config = merge(BASE, changes)
+        config["model"]["name_or_path"] = str(_gpu_model(work, shape, cuda and measurable))
+        config["data"].update(sources=[str(work / "huge.jsonl")], max_length=length)
+        config["logger"] = {"output_dir": str(work / "runs" / f"gpu-{shape}-{length}")}
+        tensors, memory = estimate(config, 1, h100)
+        lines = [f"\n== {title}", plan_text(memory, h100)]
+        if cuda and measurable:
+            measured = run_measured(config, 1, work)
+            lines.append(
+                f"measured here: {gib(measured)} allocated; estimate {gib(tensors)} ({tensors / measured - 1:+.1%})"
+            )
+        out.append("\n".join(lines))
     return out
 
 
@@ -270,14 +317,19 @@ def main() -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     work = args.work or Path(tempfile.mkdtemp(prefix="memory-plan-"))
     if args.worker:
-        worker(args.worker, work, args.out)
+        worker(Path(args.worker), work, args.out)
         return 0
     prepare(work)
     names = args.cases.split(";") if args.cases else [n for n, c in CASES.items() if c[4] or not args.quick]
+    gpus = torch.cuda.device_count()
+    if gpus:  # one process per GPU
+        names = [name for name in names if CASES[name][2] <= gpus]
     rows = []
     print(f"{'case':<34} {'estimate':>10} {'measured':>10} {'error':>7}", flush=True)
     for name in names:

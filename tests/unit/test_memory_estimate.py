@@ -92,7 +92,7 @@ def test_items_are_the_hand_counted_bytes(llama_dir: Path) -> None:
 
 def test_activation_features_each_lower_the_peak(llama_dir: Path) -> None:
     shape = model_shape(ModelConfig(name_or_path=str(llama_dir)))
-    plain = settings(checkpointing=False, tokens_per_row=32768, world_size=1, stage=0)
+    plain = settings(checkpointing=False, tiled_loss=False, tokens_per_row=32768, world_size=1, stage=0)
     peaks = [plan(plain, shape).device_peak]
     for change in (
         {"checkpointing": True},
@@ -109,7 +109,9 @@ def test_activation_features_each_lower_the_peak(llama_dir: Path) -> None:
 
 def test_fixes_come_in_order_until_the_plan_fits(llama_dir: Path) -> None:
     shape = model_shape(ModelConfig(name_or_path=str(llama_dir)))
-    memory = plan(settings(checkpointing=False, tokens_per_row=65536, world_size=8, stage=0), shape)
+    memory = plan(
+        settings(checkpointing=False, tiled_loss=False, tokens_per_row=65536, world_size=8, stage=0), shape
+    )
     machine = Machine("cuda", 1.5 * GiB, 512 * GiB, 8, "small GPUs", described=True)
     assert fits(memory, machine) == (False, True)
     fixes, fixed = cheapest_fixes(memory, machine)

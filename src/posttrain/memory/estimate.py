@@ -56,7 +56,7 @@ class Settings:
     checkpointing: bool = True
     checkpoint_offload: bool = False
     tiled_mlp: bool = False
-    tiled_loss: bool = False
+    tiled_loss: bool | str = "auto"  # as ``tiled_loss_compute``: true, false or auto (by tokens per process)
     sequence_parallel: int = 1
     expert_parallel: int = 1
     micro_batch: int = 1
@@ -73,6 +73,13 @@ class Settings:
         """Tokens one process holds in a micro-batch."""
         rows = self.micro_batch * self.rows_per_sample
         return rows * -(-self.tokens_per_row // self.sequence_parallel)
+
+    @property
+    def loss_tiled(self) -> bool:
+        """Whether the loss is computed in chunks (``tiled_loss_compute: auto`` decides by tokens)."""
+        if self.tiled_loss == "auto":
+            return self.tokens >= TILED_LOSS_MIN_TOKENS
+        return bool(self.tiled_loss)
 
 
 @dataclass(frozen=True)
@@ -156,8 +163,10 @@ def _weights(out: MemoryPlan) -> None:
     else:
         size, detail = params * b, f"{params / 1e6:,.1f}M x {b} B ({s.dtype})"
     if s.stage == 3:
-        place: Place = "host" if s.offload_param != "none" else "device"
-        out.add("parameters", place, "states", size / s.world_size, detail + f", 1/{s.world_size} (ZeRO 3)")
+        if s.offload_param != "nvme":  # on NVMe: on disk, behind buffers DeepSpeed sizes itself
+            place: Place = "host" if s.offload_param == "cpu" else "device"
+            detail += f", 1/{s.world_size} (ZeRO 3)"
+            out.add("parameters", place, "states", size / s.world_size, detail)
         live = max(s.max_live_parameters, s.prefetch_bucket, shape.largest_module)
         out.add("ZeRO-3 gathered parameters", "device", "states", live * b, f"{live / 1e6:,.1f}M elements")
     else:
@@ -171,7 +180,7 @@ def _gradients_and_optimizer(out: MemoryPlan) -> None:
     shard = s.world_size if s.stage >= 1 else 1
     half = b < 4
     offload: Place = "host" if s.offload_optimizer == "cpu" else "device"
-    if not (s.stage >= 2 and offload == "host"):  # ZeRO 2/3 offload moves each reduced gradient to the host
+    if not (s.stage >= 2 and s.offload_optimizer != "none"):  # ZeRO 2/3 offload moves reduced gradients off
         grads = trainable / s.world_size if s.stage >= 2 else trainable
         detail = s.dtype + (", partitioned" if s.stage >= 2 else "")
         out.add("gradients", "device", "states", grads * b, detail)
@@ -191,6 +200,8 @@ def _gradients_and_optimizer(out: MemoryPlan) -> None:
         )
     elif s.stage >= 1:
         out.add("master weights", offload, "states", states * 4, "float32 copy" + where)
+        if s.stage == 3:  # ZeRO-3 flattens each sub-group's gradient partition for the step, float32 or not
+            out.add("float32 gradients", offload, "step", states * 4, "flattened for the step" + where)
     out.add("optimizer states", offload, "states", states * 8, "Adam moments, float32" + where)
     if s.optimizer == "adamw" and s.offload_optimizer == "none":
         out.add(
@@ -200,7 +211,7 @@ def _gradients_and_optimizer(out: MemoryPlan) -> None:
 
 def _deepspeed_buffers(out: MemoryPlan) -> None:
     s, shape = out.settings, out.shape
-    b = 4 if s.dtype == "float32" else DTYPE_BYTES[s.dtype]
+    b = DTYPE_BYTES[s.dtype]
     if s.stage == 0 and s.world_size > 1:
         flat = min(_local(s, shape, shape.trainable), ALLREDUCE_BUCKET)
         out.add(
@@ -269,7 +280,7 @@ def _loss(out: MemoryPlan) -> None:
     s, shape = out.settings, out.shape
     b = DTYPE_BYTES[s.dtype]
     tokens, vocab = s.tokens, shape.vocab
-    if s.tiled_loss:
+    if s.loss_tiled:
         rows = chunk_rows(vocab, shape.hidden, tokens)
         working = rows * vocab * (8 + b) + tokens * shape.hidden * b + vocab * shape.hidden * 4
         out.add(
@@ -278,8 +289,3 @@ def _loss(out: MemoryPlan) -> None:
     else:
         working = tokens * vocab * (b + 8 + (4 if b < 4 else 0))
         out.add("loss (whole logits)", "device", "activations", working, f"{tokens:,} x {vocab:,} logits")
-
-
-def tiled_loss_on(setting: bool | str, tokens: int) -> bool:
-    """Whether ``tiled_loss_compute`` tiles a micro-batch of ``tokens`` per process."""
-    return tokens >= TILED_LOSS_MIN_TOKENS if setting == "auto" else bool(setting)

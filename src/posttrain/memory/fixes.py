@@ -38,7 +38,7 @@ def _checkpointing(s: Settings, shape: ModelShape, machine: Machine) -> Iterator
 
 
 def _tiling(s: Settings, shape: ModelShape, machine: Machine) -> Iterator[Step]:
-    if not s.tiled_loss:
+    if not s.loss_tiled:
         yield replace(s, tiled_loss=True), "tiled_loss_compute: true"
     if not s.tiled_mlp and shape.gated and not shape.num_experts:
         yield replace(s, tiled_mlp=True), "tiled_mlp_compute: true"
@@ -81,6 +81,11 @@ def _to_disk(s: Settings, shape: ModelShape, machine: Machine) -> Iterator[Step]
     if s.offload_optimizer == "cpu":
         s = replace(s, offload_optimizer="nvme")
         yield s, "deepspeed.zero_optimization.offload_optimizer.device: nvme (with nvme_path)"
+    if s.offload_param == "cpu":
+        s = replace(s, offload_param="nvme")
+        yield s, "deepspeed.zero_optimization.offload_param.device: nvme (with nvme_path)"
+    if s.checkpoint_offload:
+        yield replace(s, checkpoint_offload=False), "activation_checkpoint_cpu_offload: false"
 
 
 STEPS: tuple[Callable[[Settings, ModelShape, Machine], Iterator[Step]], ...] = (

@@ -6,7 +6,7 @@ from __future__ import annotations
 from posttrain.config.deepspeed import build_deepspeed_config
 from posttrain.config.deepspeed_block import offload_device
 from posttrain.config.trainer import TrainerConfig
-from posttrain.memory.estimate import Settings, tiled_loss_on
+from posttrain.memory.estimate import Settings
 from posttrain.memory.shape import ModelShape
 from posttrain.registry import TRAINERS
 
@@ -22,7 +22,6 @@ def settings_for(
     quantisation = config.model.quantization_config or {}
     sp = config.sequence_parallel_size
     rows = TRAINERS.get(config.type).obj.rows_per_sample
-    tokens = config.micro_batch_size * rows * -(-tokens_per_row // sp)
     return Settings(
         dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32",
         world_size=world_size,
@@ -36,7 +35,7 @@ def settings_for(
         checkpointing=not config.model.disable_activation_checkpoint,
         checkpoint_offload=config.activation_checkpoint_cpu_offload,
         tiled_mlp=config.tiled_mlp_compute,
-        tiled_loss=tiled_loss_on(config.tiled_loss_compute, tokens),
+        tiled_loss=config.tiled_loss_compute,
         sequence_parallel=sp,
         expert_parallel=config.expert_parallel_size,
         micro_batch=config.micro_batch_size,
