@@ -25,6 +25,7 @@ from posttrain.dist import DistInfo
 from posttrain.memory.check import memory_plan
 from posttrain.memory.machine import Machine
 from posttrain.memory.report import plan_as_data, plan_text
+from posttrain.memory.shape import ShapeUnavailable
 from posttrain.plan import BatchSizes, check_rampup, lr_explanation, resolve
 from posttrain.registry import DATA_FACTORIES, TOKENIZER_FACTORIES
 from posttrain.utils.fs import atomic_write
@@ -155,7 +156,10 @@ def memory_report(flight: DataPlan, machine: Machine) -> tuple[str, dict[str, An
     if model_facts(config) is None:
         return f"memory plan: not available (model.type {config.model.type!r} reports no config)", None
     world = flight.sizes.world_size * config.sequence_parallel_size
-    memory = memory_plan(config, world, machine, longest_row(flight))
+    try:
+        memory = memory_plan(config, world, machine, longest_row(flight))
+    except ShapeUnavailable as error:
+        return f"memory plan: not available (the model cannot be built on the meta device: {error})", None
     return plan_text(memory, machine), plan_as_data(memory, machine)
 
 

@@ -145,3 +145,24 @@ def test_parse_size(text: str, size: float) -> None:
 def test_parse_size_refuses_nonsense() -> None:
     with pytest.raises(UserError, match=r"--host-memory 'lots'.*e\.g\. 80GiB"):
         parse_size("lots", "--host-memory")
+
+
+def test_moe_experts_split_over_expert_parallelism(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(
+        "mixtral", hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=1000,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    shape = model_shape(ModelConfig(name_or_path=str(tmp_path)))
+    assert (shape.num_experts, shape.top_k, shape.expert_intermediate) == (8, 2, 256)
+    assert shape.experts == 2 * 8 * 3 * 128 * 256  # layers x experts x (gate, up, down)
+    one = plan(settings(world_size=2, stage=0, device="cpu"), shape)
+    two = plan(settings(world_size=2, stage=0, expert_parallel=2, device="cpu"), shape)
+    weights = {
+        plan_.settings.expert_parallel: i.bytes
+        for plan_ in (one, two)
+        for i in plan_.items
+        if i.part == "parameters"
+    }
+    assert weights[1] - weights[2] == pytest.approx(shape.experts / 2 * 2)  # half the experts, bf16

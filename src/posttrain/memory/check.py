@@ -15,7 +15,7 @@ from posttrain.memory.fixes import fits
 from posttrain.memory.machine import Machine, detect
 from posttrain.memory.report import gib, plan_text
 from posttrain.memory.settings import settings_for
-from posttrain.memory.shape import model_shape
+from posttrain.memory.shape import ShapeUnavailable, model_shape
 
 
 def memory_plan(config: TrainerConfig, world_size: int, machine: Machine, tokens_per_row: int) -> MemoryPlan:
@@ -35,7 +35,12 @@ def check_before_loading(ctx: RunContext, tokens_per_row: int) -> None:
     machine = detect(local)
     if ctx.dist.device.type != "cuda":
         machine = Machine("cpu", None, machine.host_memory, local, "CPU")
-    memory = memory_plan(config, ctx.dist.world_size, machine, tokens_per_row)
+    try:
+        memory = memory_plan(config, ctx.dist.world_size, machine, tokens_per_row)
+    except ShapeUnavailable as error:
+        if ctx.dist.is_main:
+            get_logger().warning("check_memory: no memory plan for this model (%s); going on without", error)
+        return
     states = sum(i.bytes for i in memory.items if i.place == "host" and i.phase == "states")
     if states * local > machine.host_memory:
         raise UserError(

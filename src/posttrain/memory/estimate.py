@@ -2,9 +2,11 @@
 that decide them (pure: a :class:`Settings` and a :class:`~posttrain.memory.shape.ModelShape` in, a
 :class:`MemoryPlan` out, so the fixes can re-plan a changed setting in microseconds).
 
-Each item belongs to a phase. Model states live all run; activations and the loss's working memory live in
-forward and backward; the optimizer's temporaries and gradient-reduction flattening live at the step. The
-peak is the states plus the larger of the two transient phases.
+Each item says when it is live. Model states live all run (``states``); the optimizer's temporaries and
+gradient-reduction flattening live at the ``step``; activations live through ``forward+backward``; the
+loss's working memory at the end of the ``forward``; with activation checkpointing, the one layer recomputed
+at a time lives in ``backward`` (after the loss's memory is gone). The peak is the largest sum over the
+moments ``forward``, ``backward`` and ``step``.
 
 The per-token activation counts are those of transformers' decoder layers as autograd saves them
 (LLaMA-style: two RMSNorms, q/k/v/o projections with rotary embeddings, a gated MLP): per layer and token
@@ -24,7 +26,8 @@ from posttrain.models.token_logps import TILED_LOSS_MIN_TOKENS, chunk_rows
 
 GiB = 2**30
 Place = Literal["device", "host"]
-Phase = Literal["states", "activations", "step"]
+Phase = Literal["states", "forward", "backward", "forward+backward", "step"]
+MOMENTS = ("forward", "backward", "step")
 
 #: bytes per element of the weight dtypes a run trains in
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -105,14 +108,16 @@ class MemoryPlan:
             self.items.append(Item(part, place, phase, float(size), detail))
 
     def peak(self, place: Place, runtime: bool = True) -> float:
-        def total(phase: Phase) -> float:
+        def live(moment: str) -> float:
             return sum(
                 i.bytes
                 for i in self.items
-                if i.place == place and i.phase == phase and (runtime or i.part != "runtime")
+                if i.place == place
+                and (i.phase == "states" or moment in i.phase.split("+"))
+                and (runtime or i.part != "runtime")
             )
 
-        return total("states") + max(total("activations"), total("step"))
+        return max(live(moment) for moment in MOMENTS)
 
     @property
     def device_peak(self) -> float:
@@ -259,18 +264,20 @@ def _activations(out: MemoryPlan) -> None:
     if s.checkpointing:
         saved = shape.layers * tokens * shape.hidden * b
         place: Place = "host" if s.checkpoint_offload and s.device == "cuda" else "device"
-        out.add("checkpointed layer inputs", place, "activations", saved, f"{shape.layers} layers")
-        out.add("activations", "device", "activations", per_layer, "one layer recomputed in backward")
+        out.add("checkpointed layer inputs", place, "forward+backward", saved, f"{shape.layers} layers")
+        out.add("activations", "device", "backward", per_layer, "one layer recomputed in backward")
     else:
-        out.add("activations", "device", "activations", shape.layers * per_layer, f"{shape.layers} layers")
+        out.add(
+            "activations", "device", "forward+backward", shape.layers * per_layer, f"{shape.layers} layers"
+        )
     if s.tiled_mlp:
         intermediate = shape.intermediate or shape.top_k * shape.expert_intermediate
         tile = min(tokens, shape.hidden)
-        out.add("tiled MLP working memory", "device", "activations", 4 * tile * intermediate * b, "one tile")
+        out.add("tiled MLP working memory", "device", "backward", 4 * tile * intermediate * b, "one tile")
     out.add(
         "embeddings, final norm, gradient flow",
         "device",
-        "activations",
+        "forward+backward",
         2 * tokens * shape.hidden * b,
         f"{tokens:,} tokens",
     )
@@ -283,9 +290,7 @@ def _loss(out: MemoryPlan) -> None:
     if s.loss_tiled:
         rows = chunk_rows(vocab, shape.hidden, tokens)
         working = rows * vocab * (8 + b) + tokens * shape.hidden * b + vocab * shape.hidden * 4
-        out.add(
-            "loss (tiled)", "device", "activations", working, f"chunks of {rows:,} rows x {vocab:,} logits"
-        )
+        out.add("loss (tiled)", "device", "forward", working, f"chunks of {rows:,} rows x {vocab:,} logits")
     else:
         working = tokens * vocab * (b + 8 + (4 if b < 4 else 0))
-        out.add("loss (whole logits)", "device", "activations", working, f"{tokens:,} x {vocab:,} logits")
+        out.add("loss (whole logits)", "device", "forward", working, f"{tokens:,} x {vocab:,} logits")

@@ -77,13 +77,13 @@ def plan_text(memory: MemoryPlan, machine: Machine) -> str:
         f"{s.micro_batch} x {s.tokens_per_row:,} tokens"
         + (f" / {s.sequence_parallel} (sequence parallel)" if s.sequence_parallel > 1 else "")
         + f", {memory.shape.params / 1e6:,.1f}M parameters ({memory.shape.trainable / 1e6:,.1f}M trained)",
-        f"  {'item':<38} {'where':<7} {'when':<12} {'size':>12}  detail",
+        f"  {'item':<38} {'where':<7} {'when':<16} {'size':>12}  detail",
     ]
     for item in memory.items:
         place = ("GPU" if machine.device == "cuda" else "memory") if item.place == "device" else "host"
-        out.append(f"  {item.part:<38} {place:<7} {item.phase:<12} {gib(item.bytes):>12}  {item.detail}")
+        out.append(f"  {item.part:<38} {place:<7} {item.phase:<16} {gib(item.bytes):>12}  {item.detail}")
     out.append(
-        "  peak = all-run states + the larger of activations and the optimizer step: "
+        "  peak = the states + what is live at the fullest moment (end of forward, backward, optimizer step): "
         + (f"GPU {gib(memory.device_peak)}, " if machine.device == "cuda" else "")
         + f"host {gib(memory.host_peak)} per process"
     )

@@ -11,6 +11,12 @@ import torch
 from posttrain.config.model import ModelConfig
 from posttrain.errors import UserError
 
+
+class ShapeUnavailable(Exception):
+    """The configured model cannot be built on the meta device (a model class transformers cannot create
+    from its config): there is no plan, and the run goes on without one."""
+
+
 #: module-name pieces that mark a mixture-of-experts layer's experts and its shared expert
 EXPERT_MARK, SHARED_MARK = ".experts.", "shared_expert"
 
@@ -62,14 +68,16 @@ def model_shape(model: ModelConfig) -> ModelShape:
             f"model.name_or_path={model.name_or_path!r}: no config.json to plan memory from ({error}); "
             "point it at a local checkpoint directory, or set check_memory: false"
         ) from None
-    with torch.device("meta"):
-        built = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=model.trust_remote_code)
-    if model.peft_config is not None:
-        from posttrain.models.peft import apply_peft
-
+    try:
         with torch.device("meta"):
-            built = apply_peft(built, model.peft_config, None)
-    return shape_of(built, hf_config)
+            built = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=model.trust_remote_code)
+            if model.peft_config is not None:
+                from posttrain.models.peft import apply_peft
+
+                built = apply_peft(built, model.peft_config, None)
+        return shape_of(built, hf_config)
+    except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as error:
+        raise ShapeUnavailable(f"{type(error).__name__}: {error}") from error
 
 
 def shape_of(built: torch.nn.Module, hf_config: Any) -> ModelShape:
@@ -92,7 +100,7 @@ def shape_of(built: torch.nn.Module, hf_config: Any) -> ModelShape:
     layers = int(text.num_hidden_layers)
     num_experts = int(getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 0)
     moe = experts > 0 and num_experts > 1
-    gated = any(hasattr(m, "gate_proj") for m in base.modules())
+    gated = any(hasattr(m, "gate_proj") or hasattr(m, "gate_up_proj") for m in base.modules())
     per_expert = experts / max(1, layers * num_experts) if moe else 0
     return ModelShape(
         params=params,
