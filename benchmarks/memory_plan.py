@@ -193,7 +193,11 @@ def run_measured(config: dict[str, Any], processes: int, work: Path) -> float:
     largest rank's)."""
     out = Path(tempfile.mkdtemp(dir=work))
     (out / "config.json").write_text(json.dumps(config))
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1" if processes > 1 else "2"}
+    from posttrain.dist import free_port
+    from posttrain.testing.env import child_env
+
+    # a child starts its own process group (never the caller's, when the caller is a test process)
+    env = child_env(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1" if processes > 1 else "2")
     me = [
         str(Path(__file__).resolve()),
         "--worker",
@@ -204,7 +208,8 @@ def run_measured(config: dict[str, Any], processes: int, work: Path) -> float:
         str(out),
     ]
     if processes > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), *me]
+        launch = ["--nproc_per_node", str(processes), f"--master_port={free_port()}"]
+        command = [sys.executable, "-m", "torch.distributed.run", *launch, *me]
     else:
         command = [sys.executable, *me]
     done = subprocess.run(command, env=env, capture_output=True, text=True)

@@ -209,7 +209,8 @@ def _preflight(args: argparse.Namespace) -> tuple[Any, Any]:
     from posttrain.preflight import preflight
 
     setup_logging(config.logger, 0)
-    return config, preflight(config, _world_size(args.world_size or getattr(args, "gpus_per_node", None)))
+    world = args.world_size if args.world_size is not None else getattr(args, "gpus_per_node", None)
+    return config, preflight(config, _world_size(world))
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.testing.env import child_env
+
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,6 +24,7 @@ def test_estimates_within_20_percent_of_max_memory_allocated(tmp_path: Path) -> 
         capture_output=True,
         text=True,
         timeout=1200,
+        env=child_env(),
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())

@@ -15,6 +15,8 @@ import pytest
 import yaml
 
 from posttrain.cli import main
+from posttrain.testing.env import child_env
+from tests.integration.helpers import train
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,9 +101,8 @@ def test_train_stops_before_loading_when_the_host_cannot_hold_the_states(
 ) -> None:
     config = {**base_config, "model": {"name_or_path": str(eight_b_dir), "dtype": "bfloat16"}}
     path = _write(tmp_path, config)
-    done = subprocess.run(
-        [sys.executable, "-m", "posttrain", "train", str(path)], capture_output=True, text=True, timeout=300
-    )
+    command = [sys.executable, "-m", "posttrain", "train", str(path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=child_env())
     assert done.returncode == 2, done.stderr[-2000:]
     assert "check_memory: the host cannot hold what this run keeps in its memory" in done.stderr
     assert "optimizer states" in done.stderr and "set check_memory: false" in done.stderr
@@ -115,9 +116,23 @@ def test_estimates_within_20_percent_of_the_measured_peak(tmp_path: Path) -> Non
         capture_output=True,
         text=True,
         timeout=900,
+        env=child_env(),
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert len(rows) >= 6
     wrong = [row for row in rows if abs(row["error"]) > 0.20]
     assert not wrong, done.stdout
+
+
+def test_train_warns_when_the_peak_is_over_and_goes_on(base_config: dict, capsys) -> None:
+    # rows of up to 4M tokens would need tens of GiB of activations; the data's rows are short, so the run
+    # trains after the warning
+    config = {**base_config, "data": {**base_config["data"], "max_length": 4_000_000}, "train_iters": 1}
+    result = train(config)
+    assert result.state.step == 1
+    out = capsys.readouterr().out
+    assert "check_memory: the estimated peak is above what the host has" in out
+    assert "`posttrain preprocess` prints the plan" in out
+    train({**config, "check_memory": False})
+    assert "check_memory" not in capsys.readouterr().out  # the one key turns the check off
