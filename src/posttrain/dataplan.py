@@ -14,7 +14,7 @@ from posttrain.data.build import Datasets
 from posttrain.data.cache import load_datasets
 from posttrain.logs import get_logger, say
 from posttrain.models.facts import ModelFacts
-from posttrain.plan import BatchSizes, step_plan
+from posttrain.plan import BatchSizes, resolve_intervals, step_plan
 from posttrain.registry import MODEL_FACTORIES
 
 
@@ -91,4 +91,7 @@ def plan_data(
         data.train = data.train.repeat(repeats)
         say(f"min_iterations={config.min_iterations}: training data repeated {repeats}x")
         plan, total = _steps(config, len(data.train), sizes)
+    config, notes = resolve_intervals(config, total)
+    for note in notes:
+        say(note)
     return DataPlan(config, sizes, lr, tokenizer, max_length, data, plan, total, repeats)

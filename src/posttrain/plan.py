@@ -72,6 +72,42 @@ def resolve(config: TrainerConfig, world_size: int) -> tuple[TrainerConfig, Batc
     return resolved, sizes, lr
 
 
+def interval_steps(value: int | float, total_steps: int) -> int:
+    """A step interval as steps: a whole number as is, a fraction below 1 of ``total_steps`` rounded up
+    (at least 1), as Hugging Face resolves ``eval_steps: 0.2``."""
+    if isinstance(value, float) and 0 < value < 1:
+        return max(1, math.ceil(value * total_steps))
+    return int(value)
+
+
+def resolve_intervals(config: TrainerConfig, total_steps: int) -> tuple[TrainerConfig, list[str]]:
+    """The config with every step interval given as a fraction turned into steps, and a line for each."""
+    notes: list[str] = []
+
+    def steps(name: str, value: int | float) -> int:
+        resolved = interval_steps(value, total_steps)
+        if resolved != value:
+            notes.append(f"{name}: {value:g} of the run's {total_steps} steps = every {resolved} steps")
+        return resolved
+
+    checkpoints = [
+        c.model_copy(
+            update={"save_every_n_steps": steps(f"checkpoint[{i}].save_every_n_steps", c.save_every_n_steps)}
+        )
+        for i, c in enumerate(config.checkpoint)
+    ]
+    update = {
+        "eval_interval": steps("eval_interval", config.eval_interval),
+        "loss_log_interval": steps("loss_log_interval", config.loss_log_interval),
+        "checkpoint": checkpoints,
+    }
+    if not notes:
+        return config, notes
+    resolved = config.model_copy(update=update)
+    resolved._derived = set(config._derived)
+    return resolved, notes
+
+
 def lr_explanation(config: TrainerConfig, sizes: BatchSizes, lr: float) -> str:
     optimizer = config.optimizer
     parts = [f"{optimizer.lr:g}"]

@@ -218,7 +218,7 @@ def hf_components(data: str) -> dict[str, tuple[str, ...]]:
         "model": ("huggingface", "liger"),
         "tokenizer": ("huggingface",),
         "data": (data,),
-        "optimizer": ("adamw", "cpu_adam", "fused_adam"),
+        "optimizer": ("adamw", "cpu_adam", "fused_adam", "fused_adam_moe"),
         "scheduler": ("huggingface", "megatron"),
         "checkpoint": ("huggingface", "deepspeed"),
     }

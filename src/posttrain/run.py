@@ -106,6 +106,7 @@ def plan_batches(setup: Setup, tokenizer: Any, loaded: LoadedModel) -> Batches:
     ctx = setup.ctx
     config = ctx.config
     plan = plan_data(ctx, setup.sizes, setup.lr, tokenizer, loaded.facts)
+    ctx.config = plan.config  # step intervals given as fractions of the run are steps from here on
     _report_data(plan)
     if plan.total_steps == 0 and not config.skip_train:
         raise UserError("nothing to train: epochs is 0 and train_iters is 0")

@@ -243,7 +243,8 @@ def test_converted_configs_validate_and_train(
     assert conv.system == system
     flat = SYSTEMS[system].flatten(SYSTEMS[system].unwrap(yaml.safe_load(source.read_text()), conv))
     lined = {key for key, _, _ in conv.lines}
-    assert set(flat) <= lined, set(flat) - lined  # every source key has its line
+    named = {conv.where(key) for key in flat}  # lines name keys by their path in the file
+    assert named <= lined, named - lined  # every source key has its line
     assert not [line for line in conv.lines if line[1] == UNKNOWN], conv.lines
     written = tmp_path / "run.yaml"
     written.write_text(render_config(conv, source))

@@ -124,3 +124,18 @@ def test_eval_interval_end_and_cap_while_training(base_config) -> None:
     train(config)
     evals = [line["iter"] for line in metrics(config) if "eval_loss" in line]
     assert evals == [4, 6]  # every 4 steps, then once at the end
+
+
+def test_intervals_given_as_fractions_of_the_run(base_config, capsys) -> None:
+    """Hugging Face's ``eval_steps: 0.5``: a share of the run's steps, resolved once the steps are known."""
+    config = merge(
+        base_config,
+        data={"train_eval_split": [0.75, 0.25]},
+        eval_interval=0.5,
+        train_iters=6,
+        eval_at_end=False,
+    )
+    train(config)
+    evals = [line["iter"] for line in metrics(config) if "eval_loss" in line]
+    assert evals == [3, 6]
+    assert "eval_interval: 0.5 of the run's 6 steps = every 3 steps" in capsys.readouterr().out

@@ -161,3 +161,19 @@ def test_model_loading_arguments_and_the_token_never_written(base_config, monkey
     assert "model.dtype auto: float32" in capsys.readouterr().out
     written = [p for p in Path(config["logger"]["output_dir"]).rglob("*") if p.is_file()]
     assert written and not [p for p in written if secret.encode() in p.read_bytes()]
+
+
+def test_hf_config_kwargs_override_the_checkpoints_config(base_config: dict) -> None:
+    """ArcticTraining's ``model.hf_config_kwargs``: the facts, the memory plan and the loaded model all read
+    the overridden config."""
+    from posttrain.config.model import ModelConfig
+    from posttrain.memory.shape import model_shape
+    from posttrain.registry import MODEL_FACTORIES
+
+    overrides = {"rms_norm_eps": 1e-3, "max_position_embeddings": 96}
+    model = ModelConfig(name_or_path=base_config["model"]["name_or_path"], hf_config_kwargs=overrides)
+    assert MODEL_FACTORIES.get("huggingface").obj.facts(model).max_positions == 96
+    assert model_shape(model).params > 0
+    config = merge(base_config, model={"hf_config_kwargs": overrides}, train_iters=1)
+    result = train(config)
+    assert result.model.config.rms_norm_eps == 1e-3 and result.model.config.max_position_embeddings == 96

@@ -68,7 +68,9 @@ def test_unknown_and_unsupported_keys_each_get_a_line() -> None:
     assert verdicts["tensor_parallel_degree"] == UNSUPPORTED
     assert verdicts["offset_alpha"] == UNSUPPORTED
     assert verdicts["mystery_knob"] == UNKNOWN
-    assert verdicts["lora_rank"] == SAME  # the nested model_args form is read like the flat one
+    assert (
+        verdicts["model_args.lora_rank"] == SAME
+    )  # the nested form is read like the flat one, named in full
     detail = dict((k, d) for k, _, d in conv.lines)["tensor_parallel_degree"]
     assert "ZeRO" in detail and "sequence_parallel_size" in detail
 
@@ -101,7 +103,7 @@ def test_silogen_helm_values_file() -> None:
     assert detect(values) == "silogen"
     conv = convert(SYSTEMS["silogen"], values)
     config = conv.config
-    assert config["model"]["name_or_path"] == "hf://org/model"
+    assert config["model"]["name_or_path"] == "org/model"  # hf:// is the chart's way to name a hub model
     assert config["deepspeed"]["zero_optimization"]["stage"] == 3
     assert config["checkpoint"][0]["save_merged"] is True
     assert config["data"]["mask_inputs"] is False  # SiloGen's default, stated

@@ -8,7 +8,7 @@ from typing import ClassVar
 from pydantic import Field
 
 from posttrain.config.base import BaseConfig, ModeKeys, Problem, uses_adapters
-from posttrain.config.human import HumanInt
+from posttrain.config.human import HumanInt, StepInterval
 
 
 class CheckpointConfig(BaseConfig):
@@ -24,8 +24,9 @@ class CheckpointConfig(BaseConfig):
     auto_resume: bool = False
     """Resume from the newest complete checkpoint in ``output_dir`` if there is one."""
 
-    save_every_n_steps: HumanInt = Field(default=0, ge=0)
-    """Save every N optimizer steps (0: never)."""
+    save_every_n_steps: StepInterval = Field(default=0, ge=0)
+    """Save every N optimizer steps (0: never). A fraction below 1 is a share of the run's steps (0.1: every
+    10% of them, rounded up), as Hugging Face reads ``save_steps``."""
 
     save_every_n_epochs: HumanInt = Field(default=0, ge=0)
     """Save at the end of every N-th epoch (0: never)."""

@@ -246,9 +246,15 @@ class DataConfig(BaseConfig):
                     yield Problem(f"sources[{index}].sampling_weight", "only used with data.mix: weighted")
         elif not any(source.sampling_weight > 0 for source in self.sources):
             yield Problem("sources", "data.mix: weighted needs at least one source with sampling_weight > 0")
-        if self.cache_processed_data is not None and self.use_data_cache is not None:
+        if (
+            self.cache_processed_data is not None
+            and self.use_data_cache is not None
+            and self.cache_processed_data != self.use_data_cache
+        ):  # ArcticTraining warns when both are set; posttrain refuses only when they disagree
             yield Problem(
-                "cache_processed_data", "deprecated alias of use_data_cache; set only use_data_cache"
+                "cache_processed_data",
+                f"{self.cache_processed_data} disagrees with use_data_cache: {self.use_data_cache} "
+                "(a deprecated alias of it); set only use_data_cache",
             )
 
     @property

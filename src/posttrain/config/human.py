@@ -103,5 +103,24 @@ def coerce_tree(value: Any) -> Any:
     return value
 
 
+def to_interval(value: Any) -> Any:
+    """Validator for step intervals: a whole number of steps, or (as in Hugging Face's ``eval_steps``,
+    ``save_steps``, ``logging_steps``) a fraction below 1 of the run's total steps, resolved when the step
+    count is known."""
+    if isinstance(value, str) and looks_numeric(value):
+        number = parse_human(value)
+        value = int(number) if number.denominator == 1 else float(number)
+    if isinstance(value, float) and not value.is_integer():
+        if 0 < value < 1:
+            return value
+        raise ValueError(
+            f"{value!r}: a step interval is a whole number of steps, or a fraction below 1 of the run's total "
+            "steps (0.2: every 20% of the run)"
+        )
+    return to_int(value)
+
+
 HumanInt = Annotated[int, BeforeValidator(to_int)]
+#: a whole number of steps, or a fraction in (0, 1) of the run's steps (``plan.resolve_intervals``)
+StepInterval = Annotated[int | float, BeforeValidator(to_interval)]
 HumanFloat = Annotated[float, BeforeValidator(to_float)]

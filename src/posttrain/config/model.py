@@ -97,6 +97,10 @@ class ModelConfig(BaseConfig):
     peft_pretrained: str | None = None
     """Directory of a saved PEFT adapter to load and continue training (SiloGen's ``PRETRAINED_PEFT``)."""
 
+    hf_config_kwargs: dict[str, Any] = {}
+    """Overrides of the checkpoint's ``config.json`` (``AutoConfig.from_pretrained`` keyword arguments), e.g.
+    ``{max_position_embeddings: 65536, rope_scaling: {...}}``, applied before the model is built."""
+
     quantization_config: dict[str, Any] | None = None
     """Load the base model quantised through bitsandbytes for QLoRA (SiloGen's ``quant_conf``), e.g.
     ``{load_in_4bit: true, bnb_4bit_quant_type: nf4}``: ``transformers.BitsAndBytesConfig`` arguments.

@@ -12,7 +12,7 @@ from posttrain.config.base import BaseConfig, ModeKeys, Problem
 from posttrain.config.checkpoint import CheckpointConfig
 from posttrain.config.data import DataConfig
 from posttrain.config.deepspeed_block import deepspeed_problems
-from posttrain.config.human import HumanFloat, HumanInt, coerce_tree
+from posttrain.config.human import HumanFloat, HumanInt, StepInterval, coerce_tree
 from posttrain.config.logger import LoggerConfig
 from posttrain.config.model import ModelConfig
 from posttrain.config.optimizer import OptimizerConfig
@@ -94,8 +94,9 @@ class TrainerConfig(BaseConfig):
     epochs: int = Field(default=1, ge=0)
     """Passes over the training data."""
 
-    loss_log_interval: HumanInt = Field(default=1, ge=0)
-    """Print a metrics line every N optimizer steps (0: never). The metrics file gets every step."""
+    loss_log_interval: StepInterval = Field(default=1, ge=0)
+    """Print a metrics line every N optimizer steps (0: never). The metrics file gets every step. A fraction
+    below 1 is a share of the run's steps (0.1: every 10% of them), as Hugging Face reads ``logging_steps``."""
 
     train_log_iter_interval: Literal[0, 1] = 1
     """Write a line to ``train_log_metrics_path`` every step (1) or never (0)."""
@@ -184,9 +185,10 @@ class TrainerConfig(BaseConfig):
     train_iters: HumanInt = Field(default=0, ge=0)
     """Stop after this many optimizer steps (0: run all epochs). Schedulers are sized by it when set."""
 
-    eval_interval: HumanInt = Field(default=0, ge=0, alias="eval_frequency")
+    eval_interval: StepInterval = Field(default=0, ge=0, alias="eval_frequency")
     """Evaluate every N optimizer steps (0: never). Needs eval data and is needed by it. ArcticTraining's
-    older name ``eval_frequency`` is accepted."""
+    older name ``eval_frequency`` is accepted. A fraction below 1 is a share of the run's steps (0.2: every
+    20% of them, rounded up), as Hugging Face reads ``eval_steps``."""
 
     eval_log_iter_interval: HumanInt = Field(default=1, ge=0)
     """Print every N-th evaluation's metrics line (0: never print; the metrics file still gets them)."""

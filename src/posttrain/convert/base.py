@@ -35,6 +35,14 @@ class Conversion:
     comments: dict[str, list[str]] = field(
         default_factory=dict
     )  # top-level key -> where its values came from
+    wrapped: dict[str, str] = field(default_factory=dict)
+    """Top-level keys of an unwrapped file -> the wrapper they sit under in the file (``finetuning_config``,
+    ``trainer_args``...): reports name every key by its path in the file."""
+
+    def where(self, key: str) -> str:
+        """``key`` (a key of the unwrapped config) as the path the file writes it at."""
+        wrapper = self.wrapped.get(key.split(".")[0])
+        return f"{wrapper}.{key}" if wrapper else key
 
     def set(self, path: str, value: Any, source: str = "") -> None:
         """Set ``a.b.c`` in the config (creating mappings on the way); ``source`` is noted for the comments."""
@@ -44,7 +52,7 @@ class Conversion:
             target = target.setdefault(part, {})
         target[parts[-1]] = value
         if source:
-            self.comments.setdefault(parts[0], []).append(f"{path} <- {source}")
+            self.comments.setdefault(parts[0], []).append(f"{path} <- {self.where(source)}")
 
     def get(self, path: str, default: Any = None) -> Any:
         target: Any = self.config
@@ -59,7 +67,8 @@ class Conversion:
         return self.get(path, marker) is not marker
 
     def line(self, key: str, verdict: str, detail: str) -> None:
-        self.lines.append((key, verdict, detail))
+        """One report line; a source key is named by its path in the file (a derived ``(key)`` as is)."""
+        self.lines.append((key if key.startswith("(") else self.where(key), verdict, detail))
 
 
 Apply = Callable[[Conversion, str, Any], str | None]
@@ -188,8 +197,8 @@ def resumable_engine(out: str, every: Any = 0, keep: Any = 0, resume: bool = Tru
     """The ``deepspeed`` checkpoint engine under ``out/checkpoints``: every ``every`` steps, the newest ``keep``
     kept (0 or less: all), resuming from there when ``resume``."""
     engine: dict[str, Any] = {"type": "deepspeed", "output_dir": f"{out}/checkpoints"}
-    if every:
-        engine["save_every_n_steps"] = int(every)
+    if every:  # a fraction below 1 stays one: a share of the run's steps, as Hugging Face reads it
+        engine["save_every_n_steps"] = every if 0 < float(every) < 1 else int(every)
     if keep and int(keep) > 0:
         engine["save_total_limit"] = int(keep)
     engine["auto_resume"] = resume
@@ -218,6 +227,23 @@ def step_limit(otherwise: str) -> Apply:
         return "train_iters"
 
     return apply
+
+
+def blend_sources(conv: Conversion, blend: list[tuple[str, Any]], split: Any, source: str) -> None:
+    """Megatron-style indexed datasets (``weight prefix`` pairs, an optional ``998,1,1`` train/valid/test
+    split) as ``type: megatron`` sources of a weighted mix, the split's valid part as the eval sources."""
+    sources = []
+    for prefix, weight in blend:
+        item: dict[str, Any] = {"type": "megatron", "name_or_path": prefix, "sampling_weight": float(weight)}
+        if split:
+            item |= {"split": "train", "split_ratio": str(split)}
+        sources.append(item)
+    conv.set("data.sources", sources, source)
+    if len(sources) > 1:
+        conv.set("data.mix", "weighted", source)
+    if split:
+        evals = [{k: v for k, v in s.items() if k != "sampling_weight"} | {"split": "valid"} for s in sources]
+        conv.set("data.eval_sources", evals, source)
 
 
 def matches(pattern: str, key: str) -> bool:
@@ -258,13 +284,18 @@ def convert(system: System, data: dict[str, Any]) -> Conversion:
 
 def _apply(conv: Conversion, rule: Rule, key: str, value: Any) -> None:
     shown = _show(value)
+    if value is None and rule.only_if is None and rule.verdict in (SAME, APPROX):
+        # a dump's null (``eval_interval: null``): not set, so posttrain's default stands; never copied
+        conv.line(key, NOT_NEEDED, "null: not set; posttrain's default applies")
+        return
     if rule.only_if is not None and not rule.only_if(value):
         conv.line(key, UNSUPPORTED, f"{shown}: {rule.note}")
         return
     if rule.only_if is not None and rule.verdict == UNSUPPORTED:
         conv.line(key, NOT_NEEDED, f"{shown}: the default; nothing to carry over")
         return
-    if rule.verdict in (NOT_NEEDED, UNSUPPORTED) and rule.apply is None:
+    if rule.apply is None and (rule.verdict in (NOT_NEEDED, UNSUPPORTED) or not rule.target):
+        # nothing to write: a rule with no target only reports (it must never write a key named '')
         conv.line(key, rule.verdict, f"{shown}: {rule.note}" if rule.note else shown)
         return
     try:

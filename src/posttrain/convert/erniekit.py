@@ -15,6 +15,7 @@ from posttrain.convert.base import (
     System,
     Unsupported,
     adam_beta,
+    blend_sources,
     export_engine,
     optimizer_offload,
     precision_flag,
@@ -35,6 +36,7 @@ def _unwrap(data: dict[str, Any], conv: Conversion) -> dict[str, Any]:
     for key, value in data.items():
         if key in ("model_args", "trainer_args", "data_args", "finetuning_args") and isinstance(value, dict):
             out.update(value)
+            conv.wrapped.update(dict.fromkeys(value, key))
         else:
             out[key] = value
     return out
@@ -96,6 +98,46 @@ def _scheduler(conv: Conversion, key: str, value: Any) -> str:
     return "scheduler.lr_decay_style"
 
 
+#: ERNIE pretraining's ``decay_function`` -> the WSD anneal's shape
+_WSD_DECAY = {"1-sqrt": "minus_sqrt", "linear": "linear", "cosine": "cosine", "exp": "exponential"}
+
+
+def _lr_scheduler(conv: Conversion, key: str, value: Any) -> str:
+    """ERNIE pretraining's ``lr_scheduler``: ``wsd:N`` (warmup, stable, then an anneal of N steps) or a
+    schedule name."""
+    name, _, steps = str(value).partition(":")
+    if name == "wsd":
+        if not steps.strip().isdigit():
+            raise Unsupported("wsd:<anneal steps>")
+        conv.set("scheduler.lr_decay_style", "WSD", key)
+        conv.set("scheduler.lr_wsd_decay_iters", int(steps), key)
+        conv.scratch.setdefault("wsd_style", "exponential")
+        return f"scheduler.lr_decay_style: WSD, lr_wsd_decay_iters: {steps} (the number after wsd: is the anneal)"
+    return _scheduler(conv, key, name)
+
+
+def _decay_function(conv: Conversion, key: str, value: Any) -> str:
+    if value not in _WSD_DECAY:
+        raise Unsupported(f"one of {', '.join(_WSD_DECAY)}")
+    conv.scratch["wsd_style"] = _WSD_DECAY[value]
+    return f"scheduler.lr_wsd_decay_style: {_WSD_DECAY[value]} (with lr_scheduler: wsd:N)"
+
+
+def _input_dir(conv: Conversion, key: str, value: Any) -> str:
+    """``"0.4 prefix 0.6 prefix"`` (or one prefix): Megatron-style indexed datasets, weighted."""
+    parts = str(value).split()
+    if len(parts) == 1:
+        conv.scratch["blend"] = [(parts[0], 1.0)]
+    elif len(parts) % 2 == 0:
+        try:
+            conv.scratch["blend"] = [(parts[i + 1], float(parts[i])) for i in range(0, len(parts), 2)]
+        except ValueError:
+            raise Unsupported("'weight prefix weight prefix ...' or one prefix") from None
+    else:
+        raise Unsupported("'weight prefix weight prefix ...' or one prefix")
+    return "data.sources (type: megatron, weighted)"
+
+
 def _sharding(conv: Conversion, key: str, value: Any) -> str:
     stage = str(value).replace("stage", "").strip()
     if stage not in ("1", "2", "3"):
@@ -147,8 +189,37 @@ def _do_train(conv: Conversion, key: str, value: Any) -> str:
     return "training runs"
 
 
+def _global_batch(conv: Conversion, total: int) -> None:
+    """``global_batch_size`` decides: posttrain derives accumulation from it and the per-process batch (the
+    micro-batch becomes the per-device cap), as ERNIE's pretraining divides it over its data-parallel ranks."""
+    conv.set("total_train_batch_size", int(total), "global_batch_size")
+    micro = conv.config.pop("micro_batch_size", None)
+    if micro is not None:
+        conv.set("max_per_device_train_batch_size", micro, "per_device_train_batch_size")
+        conv.line(
+            "(micro_batch_size)",
+            APPROX,
+            f"per_device_train_batch_size {micro} is max_per_device_train_batch_size under global_batch_size",
+        )
+    if conv.config.pop("gradient_accumulation_steps", None) is not None:
+        conv.line(
+            "(gradient_accumulation_steps)",
+            APPROX,
+            "derived from global_batch_size / (per-device batch x processes) at launch",
+        )
+
+
 def _finish(conv: Conversion) -> None:
+    if "blend" in conv.scratch:  # pretraining data (input_dir): continued pretraining, whatever else is set
+        conv.config.setdefault("type", "causal")
+        blend_sources(conv, conv.scratch["blend"], conv.scratch.get("split"), "input_dir, split")
     conv.config.setdefault("type", "sft")
+    if conv.get("scheduler.lr_decay_style") == "WSD":
+        conv.set(
+            "scheduler.lr_wsd_decay_style", conv.scratch.get("wsd_style", "exponential"), "decay_function"
+        )
+    if "global_batch_size" in conv.scratch:
+        _global_batch(conv, conv.scratch["global_batch_size"])
     for side, target in (("train", "sources"), ("eval", "eval_sources")):
         paths = conv.scratch.get((side, "path"), [])
         probs = conv.scratch.get((side, "prob"), [])
@@ -230,6 +301,26 @@ RULES = (
     Rule("num_samples_each_epoch", "", NOT_NEEDED, "the weighted mix sizes itself from the data"),
     Rule("random_shuffle", "", NOT_NEEDED, "posttrain always shuffles (seeded)", only_if=lambda v: v is True),
     Rule("max_seq_len", "data.max_length", SAME),
+    Rule("max_seq_length", "data.max_length", SAME),
+    Rule(
+        "base_seq_length",
+        "",
+        NOT_NEEDED,
+        "ERNIE's sequence-length warm-up base; rows are data.max_length long",
+    ),
+    Rule("input_dir", "data.sources", SAME, apply=_input_dir),
+    Rule("split", "data.sources[].split_ratio", SAME, apply=remember("split", "data.sources[].split_ratio")),
+    Rule(
+        "global_batch_size",
+        "total_train_batch_size",
+        SAME,
+        apply=remember("global_batch_size", "total_train_batch_size"),
+    ),
+    Rule("max_grad_norm", "deepspeed.gradient_clipping", SAME),
+    Rule("offload_optimizer", "optimizer.type: cpu_adam", SAME, apply=optimizer_offload),
+    Rule("lr_scheduler", "scheduler.lr_decay_style", SAME, apply=_lr_scheduler),
+    Rule("decay_function", "scheduler.lr_wsd_decay_style", SAME, apply=_decay_function),
+    Rule("tokenizer_name", "tokenizer.name_or_path", SAME),
     Rule("max_prompt_len", "data.max_prompt_length", SAME),
     Rule("batch_size", "micro_batch_size", SAME),
     Rule("per_device_train_batch_size", "micro_batch_size", SAME),
@@ -482,6 +573,45 @@ RULES = (
     Rule("apply_online_actscale_step", "", NOT_NEEDED, "an FP8 setting"),
     Rule("optim_shard_num", "", NOT_NEEDED, "DeepSpeed writes one optimizer shard per process"),
     Rule("use_sp_callback", "", NOT_NEEDED, _PADDLE),
+    # the nested pretraining form's own keys
+    Rule("env.*", "", NOT_NEEDED, "environment variables for ERNIE's launcher"),
+    Rule("model_config.*", "", NOT_NEEDED, "architecture settings: posttrain reads config.json"),
+    Rule("eval_iters", "eval_iters", SAME, value=lambda v: max(int(v), 0)),
+    Rule("use_moe", "", NOT_NEEDED, "a mixture of experts is read from config.json"),
+    Rule("gc_interval", "", NOT_NEEDED, "Python's collector runs as usual (manual_gc controls it)"),
+    Rule("metrics_output_path", "", NOT_NEEDED, "metrics go to logger.output_dir"),
+    Rule("log_global_grad_norm", "", NOT_NEEDED, "the gradient norm is logged every step"),
+    Rule("global_logging_interval", "", NOT_NEEDED, "every optimizer step is logged"),
+    Rule("enable_global_training_logs", "", NOT_NEEDED, "every optimizer step is logged"),
+    Rule("overwrite_output_dir", "", NOT_NEEDED, "posttrain resumes from or writes beside what is there"),
+    Rule("use_async_save", "", NOT_NEEDED, "checkpoints are written atomically"),
+    Rule(
+        "ignore_data_skip",
+        "",
+        UNSUPPORTED,
+        "resuming always skips the data already seen",
+        only_if=lambda v: not v,
+    ),
+    Rule("shuffle_consecutive", "", NOT_NEEDED, "posttrain shuffles samples (seeded)"),
+    Rule("num_consecutive", "", NOT_NEEDED, _PADDLE),
+    Rule("data_load_process_num", "data.num_proc", APPROX, "processes that tokenize the data"),
+    Rule("prefetch_factor", "", NOT_NEEDED, _PADDLE),
+    Rule("pipeline_schedule_mode", "", NOT_NEEDED, "pipeline parallelism settings"),
+    Rule(
+        "data_parallel_degree",
+        "",
+        NOT_NEEDED,
+        "every process not in a sequence-parallel group is data-parallel",
+    ),
+    Rule("sharding_degree", "", NOT_NEEDED, "ZeRO shards over every data-parallel process"),
+    Rule("sharding_comm_buffer_size_MB", "", NOT_NEEDED, _PADDLE),
+    Rule("use_train_part_sharding", "", NOT_NEEDED, _PADDLE),
+    Rule("load_sharded_model", "", NOT_NEEDED, "DeepSpeed checkpoints are sharded as ZeRO holds them"),
+    Rule("save_sharded_model", "", NOT_NEEDED, "DeepSpeed checkpoints are sharded as ZeRO holds them"),
+    Rule("skip_profile_timer", "", NOT_NEEDED, "step timings are in the metrics"),
+    Rule("enable_optimizer_timer", "", NOT_NEEDED, "step timings are in the metrics"),
+    Rule("enable_auto_parallel", "", NOT_NEEDED, _PADDLE),
+    Rule("to_static", "", NOT_NEEDED, _PADDLE),
 )
 
 ERNIEKIT = System(

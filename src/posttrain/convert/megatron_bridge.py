@@ -15,6 +15,7 @@ from posttrain.convert.base import (
     Unsupported,
     accept,
     adam_beta,
+    blend_sources,
     export_engine,
     optimizer_offload,
     precision_flag,
@@ -115,6 +116,11 @@ def _schedule_key(conv: Conversion, key: str, value: Any) -> str:
 def _unwrap(data: dict[str, Any], conv: Conversion) -> dict[str, Any]:
     """``checkpoint.save`` is known before any key is converted, so ``checkpoint.load`` is checked against it
     whatever the order of the two keys in the file."""
+    if isinstance(data.get("ConfigContainer"), dict):  # the perf scripts: the container beside perf_matrix
+        inner = data["ConfigContainer"]
+        conv.wrapped.update(dict.fromkeys(inner, "ConfigContainer"))
+        outer = {key: value for key, value in data.items() if key != "ConfigContainer"}
+        data = {**outer, **inner}
     checkpoint = data.get("checkpoint")
     if isinstance(checkpoint, dict):
         conv.scratch["save"] = checkpoint.get("save")
@@ -136,25 +142,7 @@ def _finish(conv: Conversion) -> None:
             conv.set("data.eval_sources", [f"{root}/validation.jsonl"], "dataset.dataset_root")
     elif blend:
         conv.config.setdefault("type", "causal")
-        split = conv.scratch.get("split")
-        sources = []
-        for prefix, weight in blend:
-            source: dict[str, Any] = {
-                "type": "megatron",
-                "name_or_path": prefix,
-                "sampling_weight": float(weight),
-            }
-            if split:
-                source |= {"split": "train", "split_ratio": str(split)}
-            sources.append(source)
-        conv.set("data.sources", sources, "dataset.blend / data_path")
-        if len(sources) > 1:
-            conv.set("data.mix", "weighted", "dataset.blend weights")
-        if split:
-            evals = [
-                {k: v for k, v in s.items() if k != "sampling_weight"} | {"split": "valid"} for s in sources
-            ]
-            conv.set("data.eval_sources", evals, "dataset.split")
+        blend_sources(conv, blend, conv.scratch.get("split"), "dataset.blend / data_path / dataset.split")
     else:
         conv.config.setdefault("type", "causal")
         conv.set("data.sources", ["REPLACE-WITH-DATA.jsonl"], "no dataset in the file")
@@ -202,6 +190,14 @@ def _finish(conv: Conversion) -> None:
 RULES = (
     Rule("*._target_", "", NOT_NEEDED, "a Hydra class path: posttrain's sections are fixed"),
     Rule("_target_", "", NOT_NEEDED, "a Hydra class path"),
+    Rule("peft", "", NOT_NEEDED, "no adapters: full fine-tuning"),  # a dump's peft: null
+    Rule(
+        "perf_matrix",
+        "",
+        UNSUPPORTED,
+        "the perf scripts' matrix of GPU counts and parallel sizes: convert one configuration at a time",
+        whole=True,
+    ),
     Rule("rng.seed", "seed", SAME),
     Rule("rng.*", "", NOT_NEEDED, "posttrain seeds Python, NumPy and PyTorch from seed on every rank"),
     Rule(
@@ -234,9 +230,11 @@ RULES = (
     ),
     Rule("train.manual_gc", "manual_gc", SAME),
     Rule("train.manual_gc_interval", "manual_gc_interval", SAME),
-    Rule("train.manual_gc_eval", "manual_gc_eval", SAME),
+    Rule("train.manual_gc_eval", "manual_gc_eval", SAME, value=bool),  # dumps may hold an int
     Rule("train.eval_iters", "eval_iters", SAME),
     Rule("train.eval_interval", "eval_interval", SAME),
+    Rule("validation.eval_interval", "eval_interval", SAME),  # the newer ValidationConfig section
+    Rule("validation.eval_iters", "eval_iters", SAME),
     Rule("train.skip_train", "skip_train", SAME),
     Rule(
         "train.*",

@@ -63,7 +63,11 @@ def detect(data: dict[str, Any]) -> str:
         "model",
         "_target_",
     }
-    if keys & bridge and all(isinstance(data[key], dict) for key in keys & bridge if key != "_target_"):
+    target = str(data.get("_target_", ""))
+    if target.endswith("ConfigContainer") or isinstance(data.get("ConfigContainer"), dict):
+        return "megatron-bridge"  # a ConfigContainer.to_yaml() dump, or the perf scripts' wrapped layout
+    sections = [key for key in keys & bridge if key != "_target_" and data[key] is not None]  # peft: null
+    if sections and all(isinstance(data[key], dict) for key in sections):
         return "megatron-bridge"
     raise UserError(
         "cannot tell which system wrote this config (no SiloGen, ERNIEKit or Megatron-Bridge keys); "

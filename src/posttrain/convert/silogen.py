@@ -47,7 +47,9 @@ def _unwrap(data: dict[str, Any], conv: Conversion) -> dict[str, Any]:
         for key, value in data.items()
         if key != "finetuning_config"
     }
-    return {**chart, **data["finetuning_config"]}
+    inner = data["finetuning_config"]
+    conv.wrapped.update(dict.fromkeys(inner, "finetuning_config"))
+    return {**chart, **inner}
 
 
 def _datasets(conv: Conversion, key: str, value: Any) -> str:
@@ -165,6 +167,24 @@ def _merge_adapter(conv: Conversion, key: str, value: Any) -> str:
     return "checkpoint (huggingface export) save_merged"
 
 
+def _save_strategy(conv: Conversion, key: str, value: Any) -> str:
+    conv.scratch["save_strategy"] = value
+    if value == "best":
+        raise Unsupported(
+            "posttrain keeps no best checkpoint; the export at the end is written, and save_steps saves "
+            "resumable checkpoints only with save_strategy: steps"
+        )
+    return _DEEPSPEED
+
+
+def _basemodel(conv: Conversion, key: str, value: Any) -> str:
+    """The chart's model: ``hf://org/name`` is the hub name ``org/name``."""
+    name = str(value).removeprefix("hf://")
+    conv.scratch["basemodel"] = name
+    where = "model.name_or_path (when run_conf.model is the chart's default path)"
+    return f"{where}, as {name!r}" if name != value else where
+
+
 def _gpus(conv: Conversion, key: str, value: Any) -> str:
     return f"the launch: posttrain train run.yaml --nproc {value}"
 
@@ -193,6 +213,12 @@ def _finish(conv: Conversion) -> None:
         if "split_seed" in conv.scratch:
             conv.set("data.split_seed", conv.scratch["split_seed"], "data_conf.validation_data.seed")
     has_eval = conv.scratch.get("validation") in ("AUTO_SPLIT", "CONCATENATION")
+    eval_steps = conv.scratch.get("eval_steps")
+    if eval_steps and has_eval and not conv.scratch.get("no_eval"):
+        conv.set("eval_interval", eval_steps, "training_args.eval_steps")
+    elif eval_steps:
+        why = "no validation data" if not has_eval else "eval_strategy is no"
+        conv.line("(eval_interval)", NOT_NEEDED, f"training_args.eval_steps={eval_steps!r} dropped: {why}")
     if has_eval and not conv.scratch.get("no_eval") and not conv.has("eval_interval"):
         conv.set("eval_interval", 0, "SiloGen evaluates at the end")
     if not has_eval:
@@ -315,16 +341,16 @@ RULES = (
     ),
     Rule(
         "training_args.logging_steps",
-        "",
-        NOT_NEEDED,
-        "every optimizer step is logged to train-log-metrics.jsonl",
+        "loss_log_interval",
+        SAME,
+        "the metrics file gets every step; below 1, a share of the run's steps",
     ),
     Rule("training_args.logging_first_step", "", NOT_NEEDED, "every optimizer step is logged"),
     Rule("training_args.logging_dir", "tensorboard.log_dir", SAME),
     Rule("training_args.eval_strategy", "eval_interval", SAME, apply=_eval_strategy),
     Rule("training_args.evaluation_strategy", "eval_interval", SAME, apply=_eval_strategy),
-    Rule("training_args.eval_steps", "eval_interval", SAME),
-    Rule("training_args.save_strategy", "checkpoint", SAME, apply=remember("save_strategy", _DEEPSPEED)),
+    Rule("training_args.eval_steps", "eval_interval", SAME, apply=remember("eval_steps", "eval_interval")),
+    Rule("training_args.save_strategy", "checkpoint", SAME, apply=_save_strategy),
     Rule(
         "training_args.save_steps",
         "checkpoint[deepspeed].save_every_n_steps",
@@ -387,6 +413,7 @@ RULES = (
     Rule("quant_conf.*", "model.quantization_config.*", SAME, apply=_quant_key),
     Rule("run_conf.model", "model.name_or_path", SAME),
     Rule("run_conf.model_args.torch_dtype", "model.dtype", SAME, apply=_dtype),
+    Rule("run_conf.model_args.dtype", "model.dtype", SAME, apply=_dtype),  # transformers 5's spelling
     Rule("run_conf.model_args.attn_implementation", "model.attn_implementation", SAME, apply=_attention),
     Rule("run_conf.model_args.trust_remote_code", "model.trust_remote_code", SAME),
     Rule("run_conf.model_args.revision", "model.revision", SAME),
@@ -450,7 +477,7 @@ RULES = (
         "basemodel",
         "model.name_or_path",
         SAME,
-        apply=remember("basemodel", "model.name_or_path (when run_conf.model is the chart's default path)"),
+        apply=_basemodel,
     ),
     Rule("mergeAdapter", "checkpoint[huggingface].save_merged", SAME, apply=_merge_adapter),
     Rule(

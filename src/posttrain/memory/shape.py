@@ -59,10 +59,12 @@ def _text(config: Any) -> Any:
 
 def model_shape(model: ModelConfig) -> ModelShape:
     """Build the configured model on the meta device and count it (adapters applied as the run will)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.models.huggingface import hf_config as read_config
 
     try:
-        hf_config = AutoConfig.from_pretrained(model.name_or_path, **model.hub_arguments())
+        hf_config = read_config(model)
     except (OSError, ValueError) as error:
         raise UserError(
             f"model.name_or_path={model.name_or_path!r}: no config.json to plan memory from ({error}); "

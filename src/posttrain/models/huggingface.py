@@ -22,12 +22,8 @@ class HuggingFaceModelFactory(ModelFactory):
 
     def facts(self, config: ModelConfig) -> ModelFacts | None:
         """From the checkpoint's ``config.json``; None when it is not a transformers checkpoint."""
-        from transformers import AutoConfig
-
         try:
-            return facts_from_hf_config(
-                AutoConfig.from_pretrained(config.name_or_path, **config.hub_arguments())
-            )
+            return facts_from_hf_config(hf_config(config))
         except (OSError, ValueError):
             return None
 
@@ -40,6 +36,7 @@ class HuggingFaceModelFactory(ModelFactory):
                 dtype=TORCH_DTYPES.get(config.dtype, "auto"),
                 attn_implementation=config.attn_implementation,
                 **config.hub_arguments(),
+                **({"config": hf_config(config)} if config.hf_config_kwargs else {}),
                 **_quantization(config),
                 **(
                     {"experts_implementation": config.experts_implementation}
@@ -58,6 +55,16 @@ class HuggingFaceModelFactory(ModelFactory):
 
     def __call__(self, config: ModelConfig, ctx: RunContext) -> torch.nn.Module:
         return self.load(config, ctx)
+
+
+def hf_config(config: ModelConfig) -> Any:  # -> transformers.PretrainedConfig
+    """The checkpoint's ``config.json`` with ``model.hf_config_kwargs`` applied: what the facts, the memory
+    plan and loading all read."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(
+        config.name_or_path, **config.hub_arguments(), **config.hf_config_kwargs
+    )
 
 
 MODEL_FACTORIES.add("huggingface", HuggingFaceModelFactory(), config=ModelConfig)
