@@ -346,6 +346,12 @@ RULES = (
         "the metrics file gets every step; below 1, a share of the run's steps",
     ),
     Rule("training_args.logging_first_step", "", NOT_NEEDED, "every optimizer step is logged"),
+    Rule(
+        "training_args.logging_strategy",
+        "loss_log_interval",
+        SAME,
+        apply=accept(("steps",), "posttrain logs every loss_log_interval steps", "loss_log_interval (steps)"),
+    ),
     Rule("training_args.logging_dir", "tensorboard.log_dir", SAME),
     Rule("training_args.eval_strategy", "eval_interval", SAME, apply=_eval_strategy),
     Rule("training_args.evaluation_strategy", "eval_interval", SAME, apply=_eval_strategy),
