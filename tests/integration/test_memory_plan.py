@@ -17,6 +17,7 @@ import yaml
 from posttrain.cli import main
 from posttrain.testing.env import child_env
 from tests.integration.helpers import train
+from tests.memory_helpers import quick_table
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,19 +111,9 @@ def test_train_stops_before_loading_when_the_host_cannot_hold_the_states(
 
 
 def test_estimates_within_20_percent_of_the_measured_peak(tmp_path: Path) -> None:
-    out = tmp_path / "table.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "memory_plan.py"), "--quick", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=child_env(),
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    rows, printed = quick_table(tmp_path)
     assert len(rows) >= 6
-    wrong = [row for row in rows if abs(row["error"]) > 0.20]
-    assert not wrong, done.stdout
+    assert not [row for row in rows if abs(row["error"]) > 0.20], printed
 
 
 def test_train_warns_when_the_peak_is_over_and_goes_on(base_config: dict, capsys) -> None:
