@@ -227,3 +227,28 @@ def test_arctictraining_compatibility_keys() -> None:
                 "data": {"sources": ["d.jsonl"], "use_data_cache": True, "cache_processed_data": False},
             }
         )
+
+
+def test_helm_overlay_and_recipe_override_layouts() -> None:
+    """The partial files people layer over a chart's values or a recipe: only what they change."""
+    overlay = {
+        "basemodel": "hf://org/base-1b",
+        "finetuning_config": {
+            "training_args": {"learning_rate": 1e-4, "num_train_epochs": 2, "eval_steps": 0.25}
+        },
+    }
+    config = check("silogen", overlay).config
+    assert config["optimizer"]["lr"] == 1e-4 and config["model"]["name_or_path"] == "org/base-1b"
+    recipe = {
+        "model": {"seq_length": 2048, "cross_entropy_loss_fusion": False},
+        "train": {"train_iters": 600, "global_batch_size": 64, "micro_batch_size": 1, "eval_iters": 5},
+        "optimizer": {"lr": 5e-6, "min_lr": 5e-6},
+        "scheduler": {"lr_warmup_iters": 0},
+        "dist": {"use_megatron_fsdp": False, "use_torch_fsdp2": False},
+        "logger": {"log_interval": 1},
+        "dataset": {"seq_length": 2048},
+        "rng": {"seed": 42},
+        "ddp": {"grad_reduce_in_fp32": True},
+    }
+    config = check("megatron-bridge", recipe).config
+    assert config["train_iters"] == 600 and config["total_train_batch_size"] == 64

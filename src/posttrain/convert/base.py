@@ -229,6 +229,17 @@ def step_limit(otherwise: str) -> Apply:
     return apply
 
 
+#: what a converted config holds where the source file names no data (a partial file: an overlay, a recipe
+#: override): a path the user replaces, reported on its own line
+DATA_PLACEHOLDER = "REPLACE-WITH-DATA.jsonl"
+
+
+def placeholder_data(conv: Conversion, why: str) -> None:
+    """``data.sources`` for a file that names no data: a placeholder, and a line saying so."""
+    conv.set("data.sources", [DATA_PLACEHOLDER], "no dataset in the file")
+    conv.line("(data)", UNSUPPORTED, f"{why}: data.sources is a placeholder to replace")
+
+
 def blend_sources(conv: Conversion, blend: list[tuple[str, Any]], split: Any, source: str) -> None:
     """Megatron-style indexed datasets (``weight prefix`` pairs, an optional ``998,1,1`` train/valid/test
     split) as ``type: megatron`` sources of a weighted mix, the split's valid part as the eval sources."""

@@ -18,6 +18,7 @@ from posttrain.convert.base import (
     blend_sources,
     export_engine,
     optimizer_offload,
+    placeholder_data,
     precision_flag,
     remember,
     resumable_engine,
@@ -240,6 +241,8 @@ def _finish(conv: Conversion) -> None:
         conv.set(f"data.{target}", sources, f"{side}_dataset_path/_prob/_type")
         if side == "train" and len(paths) > 1:
             conv.set("data.mix", conv.scratch.get("mix", "weighted"), "train_dataset_prob")
+    if not conv.has("data.sources"):
+        placeholder_data(conv, "no train_dataset_path or input_dir")
     if conv.scratch.get("packing") and conv.config["type"] != "dpo":
         conv.set("data.pack_samples", True, "packing")
         conv.set("micro_batch_size", 1, "packing (a packed sequence holds many samples)")

@@ -18,6 +18,7 @@ from posttrain.convert.base import (
     blend_sources,
     export_engine,
     optimizer_offload,
+    placeholder_data,
     precision_flag,
     remember,
     resumable_engine,
@@ -145,12 +146,7 @@ def _finish(conv: Conversion) -> None:
         blend_sources(conv, blend, conv.scratch.get("split"), "dataset.blend / data_path / dataset.split")
     else:
         conv.config.setdefault("type", "causal")
-        conv.set("data.sources", ["REPLACE-WITH-DATA.jsonl"], "no dataset in the file")
-        conv.line(
-            "(data)",
-            UNSUPPORTED,
-            "no blend, data_path or dataset_root: data.sources is a placeholder to replace",
-        )
+        placeholder_data(conv, "no blend, data_path or dataset_root")
     if not conv.has("model.name_or_path"):
         conv.set(
             "model.name_or_path",

@@ -18,6 +18,7 @@ from posttrain.convert.base import (
     accept,
     adam_beta,
     export_engine,
+    placeholder_data,
     precision_flag,
     remember,
     resumable_engine,
@@ -202,6 +203,10 @@ def _finish(conv: Conversion) -> None:
     if method != "sft" and conv.has("data.mask_inputs"):
         conv.config["data"].pop("mask_inputs")
         conv.line("(data.mask_inputs)", NOT_NEEDED, "preference tuning trains the answers only")
+    if not conv.has("data.sources"):  # an overlay of a chart's values: the data is in the chart's file
+        placeholder_data(
+            conv, "no data_conf.training_data (an overlay: the data is in the values it overlays)"
+        )
     model = conv.get("model.name_or_path")
     if "basemodel" in conv.scratch and model in (None, "/local_resources/basemodel"):
         conv.set("model.name_or_path", conv.scratch["basemodel"], "basemodel")
