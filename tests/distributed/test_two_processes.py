@@ -82,7 +82,7 @@ def test_a_bad_row_stops_both_ranks_with_its_file_and_row(base_config: dict, tmp
     command = [sys.executable, "-m", "posttrain", "train", str(path), "--nproc", "2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=child_env())
     output = done.stdout + done.stderr
-    assert done.returncode == 2 and "bad.jsonl row 2: missing 'messages'" in output, output[-3000:]
+    assert done.returncode == 2 and "bad.jsonl row 2: no conversation in this row" in output, output[-3000:]
     assert "Traceback" not in output and "ChildFailedError" not in output
 
 

@@ -48,7 +48,7 @@ def test_bad_data_row_exit_2_no_traceback(base_config: dict, tmp_path: Path) -> 
     path.write_text(yaml.safe_dump(base_config))
     done = posttrain("train", str(path))
     assert done.returncode == 2
-    assert f"{bad} row 2: missing 'messages'" in done.stderr
+    assert f"{bad} row 2: no conversation in this row (keys: msg)" in done.stderr
     assert "Traceback" not in done.stderr
 
 

@@ -56,7 +56,7 @@ def test_all_local_formats_and_hf_datasets(tiny_tokenizer, tmp_path: Path) -> No
     samples = items(out.train)
     assert samples[0] == samples[10] == samples[20] == samples[30] == samples[40]
 
-    with pytest.raises(DataError, match=r"d\.csv row 2: missing 'messages'"):
+    with pytest.raises(DataError, match=r"d\.csv row 2: no conversation in this row"):
         build(data_config([str(tmp_path / "d.csv")]), tiny_tokenizer, tmp_path)
 
 
@@ -102,7 +102,10 @@ def test_overlong_rows_dropped_or_truncated(tiny_tokenizer, tmp_path: Path) -> N
             "row 3: messages\\[1\\].role 'bot'",
         ),
         ('{"messages": []}', "row 3: 'messages' must be a non-empty list"),
-        ('{"text": "hi"}', "row 3: missing 'messages'"),
+        (
+            '{"text": "hi"}',
+            "row 3: a plain-text row .keys: text. has no conversation: train text with type: causal",
+        ),
         ("{not json", "row 3: invalid JSON"),
     ],
 )
@@ -132,3 +135,39 @@ def test_parallel_formatting_matches_and_names_bad_rows(tiny_tokenizer, tmp_path
     bad = write_jsonl(tmp_path / "bad.jsonl", rows)
     with pytest.raises(DataError, match=r"bad\.jsonl row 31: 'messages' must be a non-empty list"):
         build(data_config([str(bad)], num_proc=2), tiny_tokenizer, tmp_path)
+
+
+def test_alpaca_and_mapped_sharegpt_files_train_together(
+    base_config: dict, tiny_tokenizer, tmp_path: Path
+) -> None:
+    """Rows as they are on disk: an Alpaca file and a ShareGPT-like file with its own column and role names,
+    mixed in one SFT run."""
+    from tests.integration.helpers import merge, train
+
+    chats = chat_rows(24)
+    alpaca = write_jsonl(
+        tmp_path / "alpaca.jsonl",
+        [
+            {"instruction": r["messages"][0]["content"], "input": "", "output": r["messages"][1]["content"]}
+            for r in chats
+        ],
+    )
+    dialog = [
+        {
+            "dialog": [
+                {"speaker": "customer", "text": r["messages"][0]["content"]},
+                {"speaker": "bot", "text": r["messages"][1]["content"]},
+            ]
+        }
+        for r in chats
+    ]
+    shared = write_jsonl(tmp_path / "dialog.jsonl", dialog)
+    sources = [
+        str(alpaca),
+        {"name_or_path": str(shared), "columns": {"conversations": "dialog", "from": "speaker", "value": "text"},
+         "roles": {"customer": "human", "bot": "gpt"}},
+    ]  # fmt: skip
+    config = merge(base_config, data={"sources": sources}, train_iters=2)
+    result = train(config)
+    assert result.state.step == 2
+    assert build(config, tiny_tokenizer, tmp_path).train_report.rows == 48  # every row of both files

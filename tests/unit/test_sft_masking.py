@@ -75,7 +75,7 @@ def test_template_without_markers_uses_token_prefixes(tiny_tokenizer) -> None:
 @pytest.mark.parametrize(
     ("row", "message"),
     [
-        ({"text": "hi"}, "missing 'messages'"),
+        ({"text": "hi"}, "train text with type: causal"),
         ({"messages": []}, "non-empty list"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "'robot' is not one of"),
         ({"messages": [{"role": "user"}]}, "'role' and 'content'"),

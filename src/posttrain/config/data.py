@@ -40,6 +40,15 @@ class DataSourceConfig(BaseConfig):
     sample_seed: int = 42
     """Seed of the row sampling (only used with ``sample_ratio`` or ``sample_count``)."""
 
+    columns: dict[str, str] = {}
+    """This file's own names for the keys posttrain reads, ``{posttrain name: file name}``, at the top of a row
+    and inside its turns, e.g. ``{conversations: dialog, from: speaker, value: text}`` for ShareGPT-like
+    rows, or ``{instruction: question, output: answer}``."""
+
+    roles: dict[str, str] = {}
+    """This file's role names mapped to posttrain's (``user``, ``assistant``, ``system``) or ShareGPT's
+    (``human``, ``gpt``), e.g. ``{bot: assistant, customer: user}``."""
+
     sampling_weight: HumanFloat = 1.0
     """With ``data.mix: weighted``: this source's share of the draws (SiloGen's ``sampling_weight``).
     0 drops the source; negative weights are an error."""

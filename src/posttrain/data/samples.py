@@ -105,18 +105,12 @@ def pad_rows(rows: Sequence[tuple[Any, Any]], pad_id: int) -> tuple[torch.Tensor
 
 
 def check_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """The row's conversation, checked. ``messages`` rows, or ERNIEKit's ``src``/``tgt`` rows. An assistant
+    """The row's conversation, checked: a chat row in any of ``data.row_formats.CHAT_FORMATS`` (``messages``,
+    ShareGPT, Alpaca, prompt-completion, Megatron-Bridge's input/output, ERNIEKit's src/tgt). An assistant
     message may carry ``train: false`` (context only: not trained)."""
-    from posttrain.data import row_formats as formats
+    from posttrain.data.row_formats import chat_messages
 
-    if formats.is_erniekit(row):
-        messages = formats.erniekit_messages(row)
-    elif formats.is_prompt_completion(row):
-        messages = formats.prompt_completion_messages(row)
-    else:
-        messages = row.get("messages")
-    if messages is None:
-        raise RowError(f"missing 'messages' (keys present: {', '.join(map(str, row)) or 'none'})")
+    messages = chat_messages(row)
     if not isinstance(messages, list) or not messages:
         raise RowError("'messages' must be a non-empty list of {role, content} objects")
     clean = [_checked_message(index, message) for index, message in enumerate(messages)]

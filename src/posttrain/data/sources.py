@@ -266,7 +266,62 @@ def load_huggingface(config: HFSourceConfig, ctx: RunContext) -> RowReader:
 
 def open_source(config: DataSourceConfig, ctx: RunContext) -> RowReader:
     found = DATA_SOURCES.get(config.type).obj(config, ctx)
-    return ListReader(found) if isinstance(found, list) else found
+    reader = ListReader(found) if isinstance(found, list) else found
+    if config.columns or config.roles:
+        return MappedReader(reader, config.columns, config.roles)
+    return reader
+
+
+#: the keys of a chat row whose turns (lists of objects) are renamed too
+TURN_LISTS = ("messages", "conversations", "prompt", "completion", "chosen", "rejected")
+
+
+class MappedReader:
+    """A source's rows with the file's own names mapped to the ones posttrain reads: ``columns`` maps a
+    posttrain name to the file's (``{conversations: dialog, from: speaker, value: text}``), at the top of
+    the row and inside its turns; ``roles`` maps the file's role names to posttrain's or ShareGPT's
+    (``{bot: assistant}``). A renamed key that clashes with one already in the row is refused."""
+
+    def __init__(self, reader: RowReader, columns: dict[str, str], roles: dict[str, str]) -> None:
+        self.reader = reader
+        self.renames = {theirs: ours for ours, theirs in columns.items()}
+        self.roles = roles
+        if hasattr(reader, "read"):
+            self.read = self._read
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def rows(self, wanted: np.ndarray | None = None) -> Iterator[Row]:
+        for row in self.reader.rows(wanted):
+            yield Row(self.mapped(row), row.origin)
+
+    def _read(self, numbers: np.ndarray) -> list[Row]:
+        return [Row(self.mapped(row), row.origin) for row in self.reader.read(numbers)]  # type: ignore[attr-defined]
+
+    def _renamed(self, data: dict[str, Any], origin: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            name = self.renames.get(key, key)
+            if name in out:
+                raise DataError(f"{origin}: columns maps {key!r} to {name!r}, which the row already has")
+            out[name] = value
+        return out
+
+    def mapped(self, row: Row) -> dict[str, Any]:
+        data = self._renamed(row.data, row.origin)
+        for key in TURN_LISTS:
+            turns = data.get(key)
+            if isinstance(turns, list):
+                data[key] = [self._turn(t, row.origin) if isinstance(t, dict) else t for t in turns]
+        return data
+
+    def _turn(self, turn: dict[str, Any], origin: str) -> dict[str, Any]:
+        turn = self._renamed(turn, origin)
+        for field in ("role", "from"):
+            if field in turn and turn[field] in self.roles:
+                turn[field] = self.roles[turn[field]]
+        return turn
 
 
 def sample_rows(count: int, config: DataSourceConfig) -> np.ndarray | None:
