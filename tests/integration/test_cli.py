@@ -96,3 +96,22 @@ def test_qlora_without_gpu_is_a_clear_error(base_config: dict, tmp_path: Path) -
     assert done.returncode == 2
     assert "model.quantization_config (QLoRA through bitsandbytes) needs a CUDA GPU" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("{tmp}/no-such-model", "model.name_or_path='{tmp}/no-such-model': is not a directory"),
+        (
+            "no-such-org/no-such-model",
+            "not a local directory, and it could not be read from the Hugging Face Hub",
+        ),
+    ],
+)
+def test_a_model_that_is_not_there_is_one_clean_line(base_config: dict, tmp_path: Path, name: str, says: str):
+    base_config["model"]["name_or_path"] = name.format(tmp=tmp_path)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(base_config))
+    done = posttrain("train", str(path))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert says.format(tmp=tmp_path) in done.stderr and "Traceback" not in done.stderr

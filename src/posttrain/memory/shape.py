@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from posttrain.config.model import ModelConfig
-from posttrain.errors import UserError
+from posttrain.utils.hub import not_found
 
 
 class ShapeUnavailable(Exception):
@@ -66,10 +66,7 @@ def model_shape(model: ModelConfig) -> ModelShape:
     try:
         hf_config = read_config(model)
     except (OSError, ValueError) as error:
-        raise UserError(
-            f"model.name_or_path={model.name_or_path!r}: no config.json to plan memory from ({error}); "
-            "point it at a local checkpoint directory, or set check_memory: false"
-        ) from None
+        raise not_found("model.name_or_path", model.name_or_path, error) from None
     try:
         with torch.device("meta"):
             built = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=model.trust_remote_code)

@@ -12,6 +12,7 @@ from posttrain.context import RunContext
 from posttrain.errors import UserError
 from posttrain.models.facts import ModelFacts, facts_from_hf_config
 from posttrain.registry import MODEL_FACTORIES, ModelFactory
+from posttrain.utils.hub import load_or_explain
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -30,18 +31,22 @@ class HuggingFaceModelFactory(ModelFactory):
     def load(self, config: ModelConfig, ctx: RunContext) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
+        arguments: dict[str, Any] = {
+            "dtype": TORCH_DTYPES.get(config.dtype, "auto"),
+            "attn_implementation": config.attn_implementation,
+            **config.hub_arguments(),
+            **_quantization(config),
+        }
+        if config.experts_implementation:
+            arguments["experts_implementation"] = config.experts_implementation
         try:
-            return AutoModelForCausalLM.from_pretrained(
+            return load_or_explain(
+                "model.name_or_path",
                 config.name_or_path,
-                dtype=TORCH_DTYPES.get(config.dtype, "auto"),
-                attn_implementation=config.attn_implementation,
-                **config.hub_arguments(),
-                **({"config": hf_config(config)} if config.hf_config_kwargs else {}),
-                **_quantization(config),
-                **(
-                    {"experts_implementation": config.experts_implementation}
-                    if config.experts_implementation
-                    else {}
+                lambda: AutoModelForCausalLM.from_pretrained(
+                    config.name_or_path,
+                    **arguments,
+                    **({"config": hf_config(config)} if config.hf_config_kwargs else {}),
                 ),
             )
         except ValueError as error:

@@ -11,6 +11,7 @@ from posttrain.logs import say
 from posttrain.registry import TOKENIZER_FACTORIES
 from posttrain.tokenizers.chat_templates import apply_chat_template
 from posttrain.tokenizers.padding import ensure_pad_token
+from posttrain.utils.hub import load_or_explain
 
 
 @TOKENIZER_FACTORIES.register("huggingface", config=TokenizerConfig)
@@ -18,8 +19,11 @@ def build_huggingface_tokenizer(config: TokenizerConfig, ctx: RunContext) -> Any
     from transformers import AutoTokenizer
 
     # the model's hub settings (revision, remote code, token) apply to the tokenizer read beside it
-    tokenizer = AutoTokenizer.from_pretrained(
-        config.name_or_path or ctx.config.model.name_or_path, **ctx.config.model.hub_arguments()
+    name = config.name_or_path or ctx.config.model.name_or_path
+    own = config.name_or_path and config.name_or_path != ctx.config.model.name_or_path
+    key = "tokenizer.name_or_path" if own else "model.name_or_path"  # the tokenizer beside the model
+    tokenizer = load_or_explain(
+        key, name, lambda: AutoTokenizer.from_pretrained(name, **ctx.config.model.hub_arguments())
     )
     added = apply_chat_template(tokenizer, config.chat_template)
     if added:
