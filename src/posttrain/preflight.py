@@ -87,6 +87,12 @@ def _data_lines(report: DataReport, name: str) -> list[str]:
     return [*report.sources, report.summary(name)]
 
 
+def truncated_answers(config: TrainerConfig, report: DataReport) -> int:
+    """Samples whose end was cut (``overlong_samples: truncate``): their last answer lost its end-of-turn
+    token, which the end-of-turn check (run before the cut) cannot see."""
+    return report.truncated if config.data.overlong_samples == "truncate" else 0
+
+
 def report_text(flight: DataPlan, original: TrainerConfig, color: bool = False) -> str:
     config, data, sizes = flight.config, flight.data, flight.sizes
     out = [f"pre-flight report: trainer {config.type}, world size {sizes.world_size}", "", "data"]
@@ -97,6 +103,11 @@ def report_text(flight: DataPlan, original: TrainerConfig, color: bool = False) 
         out.append(
             f"  packing ({method}): {efficiency:.1%} of {len(data.train)} sequences x {flight.max_length} "
             "tokens hold real tokens"
+        )
+    elif config.data.padding_free:
+        out.append(
+            f"  padding-free: each micro-batch's {sizes.micro_batch_size} samples are joined into one row "
+            "(every token is real; documents attend apart)"
         )
     else:
         efficiency = padding_efficiency(data.train, sizes, config.data.seed)
@@ -111,6 +122,12 @@ def report_text(flight: DataPlan, original: TrainerConfig, color: bool = False) 
     factory = DATA_FACTORIES.get(config.data.type).obj
     if not factory.chat:
         out.append("  end-of-turn check: not applicable (raw text; EOS per document: data.add_eos)")
+    elif config.data.check_end_of_turn and truncated_answers(config, data.train_report):
+        out.append(
+            "  end-of-turn check: passed before truncation; the last answer of the "
+            f"{data.train_report.truncated} truncated samples lost its end-of-turn token (raise data.max_length, "
+            "or data.overlong_samples: drop)"
+        )
     elif config.data.check_end_of_turn:
         out.append("  end-of-turn check: passed (every assistant turn ends with a trained end-of-turn token)")
     else:

@@ -146,3 +146,17 @@ def test_preset_with_new_tokens_grows_embeddings_and_exports_them(base_config: d
     model = AutoModelForCausalLM.from_pretrained(export / "final")
     assert model.get_input_embeddings().num_embeddings == len(tokenizer) == 1024 + 3
     assert result.model.get_input_embeddings().num_embeddings == len(tokenizer)
+
+
+def test_the_report_says_what_the_run_will_do(base_config: dict, tmp_path: Path, capsys) -> None:
+    """Padding-free batches are not described as padded; truncated answers are not claimed to end well."""
+    free = {**base_config, "data": {**base_config["data"], "padding_free": True}}
+    assert main(["preprocess", str(_write(tmp_path, free))]) == 0
+    report = capsys.readouterr().out
+    assert "padding-free: each micro-batch's 4 samples are joined into one row" in report
+    assert "padded micro-batches" not in report
+    cut = {**base_config, "data": {**base_config["data"], "max_length": 24, "overlong_samples": "truncate"}}
+    assert main(["preprocess", str(_write(tmp_path, cut))]) == 0
+    report = capsys.readouterr().out
+    assert "end-of-turn check: passed before truncation; the last answer of the" in report
+    assert "passed (every assistant turn" not in report

@@ -144,7 +144,9 @@ class JsonReader:
             try:
                 value = json.loads(self.path.read_text(encoding="utf-8"))
             except json.JSONDecodeError as exc:
-                raise DataError(f"{self.path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+                raise DataError(
+                    f"{self.path}: invalid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})"
+                ) from None
             if isinstance(value, dict) and isinstance(value.get("data"), list):
                 value = value["data"]
             if not isinstance(value, list):
