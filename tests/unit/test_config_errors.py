@@ -490,3 +490,18 @@ def test_sample_layout_keys_a_method_does_not_honour_are_refused(
     error = errors_of(GOOD, tmp_path, [f"type={method}", f"data.{key}"])
     assert f"data.{key.split('=')[0]}" in [issue.path for issue in error.issues], error.render()
     assert says in error.render() and "remove the key" in error.render()
+
+
+def test_an_unknown_top_level_key_names_the_closest_not_all_sixty(tmp_path: Path) -> None:
+    from posttrain.config import load_config
+    from posttrain.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(
+            data={"model": {"name_or_path": "m"}, "data": {"sources": ["d.jsonl"]}, "eval_intervall": 5}
+        )
+    message = str(caught.value)
+    assert (
+        "did you mean 'eval_interval'?" in message and "keys in all: `posttrain schema --markdown`" in message
+    )
+    assert "kill_switch_path" not in message and len(message) < 400

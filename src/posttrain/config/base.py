@@ -118,6 +118,20 @@ def field_names(cls: type[BaseModel], *, deprecated: bool = True) -> set[str]:
     return set(fields) | {info.alias for info in fields.values() if info.alias}
 
 
+#: an unknown-key message lists the allowed keys up to this many; beyond, the closest and where to find all
+ALLOWED_SHOWN = 12
+
+
+def allowed_keys(key: str, allowed: list[str] | set[str] | frozenset[str]) -> str:
+    """``(allowed: a, b, c)``, or for a long list the keys closest to ``key`` and where the rest are."""
+    names = sorted(allowed)
+    if len(names) <= ALLOWED_SHOWN:
+        return f"(allowed: {', '.join(names)})"
+    close = difflib.get_close_matches(str(key), names, n=6, cutoff=0.3)
+    shown = f"closest: {', '.join(close)}; " if close else ""
+    return f"({shown}{len(names)} keys in all: `posttrain schema --markdown` or docs/reference.md)"
+
+
 def did_you_mean(key: str, allowed: list[str] | set[str] | frozenset[str]) -> str:
     """``; did you mean 'x'?`` for the closest allowed key, or nothing."""
     close = difflib.get_close_matches(str(key), sorted(allowed), n=1, cutoff=0.6)

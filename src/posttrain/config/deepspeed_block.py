@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from posttrain.config.base import Problem, did_you_mean, field_names, model_at
+from posttrain.config.base import Problem, allowed_keys, did_you_mean, field_names, model_at
 from posttrain.utils.imports import import_deepspeed
 
 #: top-level keys DeepSpeed reads (its config reference); blocks with a model are checked further below
@@ -125,7 +125,9 @@ def _model_problems(key: str, cls: type[BaseModel], value: Any) -> Iterator[Prob
                 owner = model_at(cls, tuple(error["loc"][:-1]))
                 allowed = sorted(field_names(owner, deprecated=False)) if owner else []
                 hint = did_you_mean(str(error["loc"][-1]), allowed)
-                yield Problem(path, f"unknown DeepSpeed key{hint} (allowed: {', '.join(allowed)})")
+                yield Problem(
+                    path, f"unknown DeepSpeed key{hint} {allowed_keys(str(error['loc'][-1]), allowed)}"
+                )
             else:
                 message = error["msg"].removeprefix("Value error, ")
                 yield Problem(path, f"{error.get('input')!r}: {message} (DeepSpeed's {cls.__name__})")

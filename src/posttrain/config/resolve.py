@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from posttrain.config.base import did_you_mean, field_names, model_at
+from posttrain.config.base import allowed_keys, did_you_mean, field_names, model_at
 from posttrain.config.data import LOCAL_SUFFIXES
 from posttrain.config.errors import ConfigError, ConfigIssue, format_path
 from posttrain.config.trainer import TrainerConfig
@@ -58,7 +58,7 @@ class _Validator:
                 owner = model_at(cls, err_loc[:-1])
                 allowed = sorted(field_names(owner)) if owner else []
                 hint = did_you_mean(str(err_loc[-1]), allowed)
-                self.add(full, f"unknown key{hint} (allowed: {', '.join(allowed)})")
+                self.add(full, f"unknown key{hint} {allowed_keys(str(err_loc[-1]), allowed)}")
             elif kind == "missing":
                 self.add(full, "required key is missing")
             else:
