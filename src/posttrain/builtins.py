@@ -1,20 +1,116 @@
-"""Import the built-in components so their registrations run (one import, explicit list)."""
+"""The built-in components: one explicit table, name -> config class and the component's place.
+
+Each component is registered by its place (``"package.module:attribute"``) and imported the first time it is
+used, so that ``validate``, ``schema`` and ``init``, which need only the config classes (all torch-free, under
+``posttrain.config``), answer without importing torch, transformers or DeepSpeed. A trainer's spec is plain
+data here; its loss, collator and prepare step are places too.
+"""
 
 from __future__ import annotations
 
+from posttrain.config.checkpoint import DeepSpeedCheckpointConfig, HFCheckpointConfig
+from posttrain.config.data import (
+    CausalDataConfig,
+    HFSourceConfig,
+    LocalSourceConfig,
+    MegatronSourceConfig,
+    SFTDataConfig,
+)
+from posttrain.config.dpo import DPODataConfig, DPOTrainerConfig
+from posttrain.config.model import ModelConfig
+from posttrain.config.optimizer import OptimizerConfig
+from posttrain.config.scheduler import HFSchedulerConfig, MegatronSchedulerConfig
+from posttrain.config.tokenizer import TokenizerConfig
+from posttrain.config.trainer import TrainerConfig
+from posttrain.registry import (
+    CHECKPOINT_ENGINES,
+    DATA_FACTORIES,
+    DATA_SOURCES,
+    MODEL_FACTORIES,
+    OPTIMIZERS,
+    SCHEDULERS,
+    TOKENIZER_FACTORIES,
+    TRAINERS,
+    TrainerSpec,
+    hf_components,
+)
+
+_TOKEN_LOSS = "posttrain.methods.sft:make_token_loss"
+
+TRAINER_SPECS = (
+    (
+        TrainerSpec(
+            name="sft",
+            accepts=hf_components("sft"),
+            loss=_TOKEN_LOSS,
+            description="supervised fine-tuning on chat data",
+        ),
+        TrainerConfig,
+    ),
+    (
+        TrainerSpec(
+            name="causal",
+            accepts=hf_components("causal"),
+            loss=_TOKEN_LOSS,
+            description="(continued) pretraining on raw text",
+        ),
+        TrainerConfig,
+    ),
+    (
+        TrainerSpec(
+            name="dpo",
+            accepts=hf_components("dpo"),
+            loss="posttrain.methods.dpo:make_dpo_loss",
+            collator="posttrain.data.dpo:PairCollator",
+            prepare="posttrain.methods.dpo:prepare_reference",
+            description="DPO-family preference tuning",
+            perplexity=False,
+            rows_per_sample=2,  # chosen and rejected in one forward
+        ),
+        DPOTrainerConfig,
+    ),
+)
+
+#: registry -> (name, place, config class)
+COMPONENTS = (
+    (MODEL_FACTORIES, "huggingface", "posttrain.models.huggingface:FACTORY", ModelConfig),
+    (MODEL_FACTORIES, "liger", "posttrain.models.liger:FACTORY", ModelConfig),
+    (
+        TOKENIZER_FACTORIES,
+        "huggingface",
+        "posttrain.tokenizers.huggingface:build_huggingface_tokenizer",
+        TokenizerConfig,
+    ),
+    (DATA_SOURCES, "local", "posttrain.data.sources:load_local", LocalSourceConfig),
+    (DATA_SOURCES, "huggingface", "posttrain.data.sources:load_huggingface", HFSourceConfig),
+    (DATA_SOURCES, "megatron", "posttrain.data.megatron:load_megatron", MegatronSourceConfig),
+    (DATA_FACTORIES, "sft", "posttrain.methods.sft:DATA", SFTDataConfig),
+    (DATA_FACTORIES, "causal", "posttrain.methods.causal:DATA", CausalDataConfig),
+    (DATA_FACTORIES, "dpo", "posttrain.methods.dpo:DATA", DPODataConfig),
+    (OPTIMIZERS, "adamw", "posttrain.optim.adamw:build_adamw", OptimizerConfig),
+    (OPTIMIZERS, "cpu_adam", "posttrain.optim.deepspeed_adam:build_cpu_adam", OptimizerConfig),
+    (OPTIMIZERS, "fused_adam", "posttrain.optim.deepspeed_adam:build_fused_adam", OptimizerConfig),
+    # ArcticTraining's name for fused_adam with expert parameter groups, which every optimizer here has
+    (OPTIMIZERS, "fused_adam_moe", "posttrain.optim.deepspeed_adam:build_fused_adam", OptimizerConfig),
+    (SCHEDULERS, "huggingface", "posttrain.optim.schedulers:build_huggingface_scheduler", HFSchedulerConfig),
+    (SCHEDULERS, "megatron", "posttrain.optim.megatron:build_megatron_scheduler", MegatronSchedulerConfig),
+    (
+        CHECKPOINT_ENGINES,
+        "huggingface",
+        "posttrain.checkpoint.huggingface:HFCheckpointEngine",
+        HFCheckpointConfig,
+    ),
+    (
+        CHECKPOINT_ENGINES,
+        "deepspeed",
+        "posttrain.checkpoint.deepspeed:DeepSpeedCheckpointEngine",
+        DeepSpeedCheckpointConfig,
+    ),
+)
+
 
 def register_builtins() -> None:
-    import posttrain.checkpoint.deepspeed
-    import posttrain.checkpoint.huggingface
-    import posttrain.data.megatron
-    import posttrain.data.sources
-    import posttrain.methods.causal
-    import posttrain.methods.dpo
-    import posttrain.methods.sft
-    import posttrain.models.huggingface
-    import posttrain.models.liger
-    import posttrain.optim.adamw
-    import posttrain.optim.deepspeed_adam
-    import posttrain.optim.megatron
-    import posttrain.optim.schedulers
-    import posttrain.tokenizers.huggingface  # noqa: F401
+    for spec, config in TRAINER_SPECS:
+        TRAINERS.add(spec.name, spec, config=config)
+    for registry, name, place, config in COMPONENTS:
+        registry.add(name, place, config=config)

@@ -19,9 +19,9 @@ def _quiet_environment() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from posttrain.utils.imports import accelerator
+    from posttrain.utils.imports import choose_accelerator_on_demand
 
-    accelerator()
+    choose_accelerator_on_demand()
 
 
 def _parser() -> argparse.ArgumentParser:

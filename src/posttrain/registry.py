@@ -13,6 +13,7 @@ are looked up here, and user code loaded through ``code:`` registers new compone
 from __future__ import annotations
 
 import difflib
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,15 +129,41 @@ class UnknownComponentError(KeyError):
         return str(self.args[0])
 
 
-@dataclass(frozen=True)
-class Entry(Generic[T]):
-    """One registered component: its name, the object itself and the pydantic config class it takes."""
+def load_component(ref: Any) -> Any:
+    """A component named by its place, ``"package.module:attribute"``, imported on first use; anything else
+    as it is. The built-ins are registered this way (``posttrain.builtins``), so that validating a config,
+    which needs only their config classes, imports neither torch nor transformers."""
+    if not isinstance(ref, str):
+        return ref
+    module, _, attribute = ref.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
-    name: str
-    obj: T
-    config: type
-    source: Any = None  # what was registered, when the registry adapted it
-    replaced: bool = False  # registered with replace=True
+
+class Entry(Generic[T]):
+    """One registered component: its name, the object itself (``obj``, imported on first use when it was
+    registered by its place) and the pydantic config class it takes."""
+
+    def __init__(
+        self,
+        name: str,
+        source: Any,
+        config: type,
+        adapt: Callable[[Any], T] | None = None,
+        replaced: bool = False,
+    ) -> None:
+        self.name = name
+        self.source = source  # what was registered: the object or its "module:attribute" place
+        self.config = config
+        self.replaced = replaced  # registered with replace=True
+        self._adapt = adapt
+        self._obj: T | None = None
+
+    @property
+    def obj(self) -> T:
+        if self._obj is None:
+            found = load_component(self.source)
+            self._obj = self._adapt(found) if self._adapt else found
+        return self._obj
 
 
 class Registry(Generic[T]):
@@ -155,20 +182,20 @@ class Registry(Generic[T]):
         """
 
         def decorator(obj: T) -> T:
-            stored = self._adapt(obj) if self._adapt else obj
             known = self._entries.get(name)
             if known is not None and known.source is not obj:
                 if _loading_builtins and known.replaced:
                     return obj  # a user's replacement registered before the built-ins were loaded wins
                 if not replace:
                     raise ValueError(f"{self.kind} type {name!r} is already registered; pass replace=True")
-            self._entries[name] = Entry(name=name, obj=stored, config=config, source=obj, replaced=replace)
+            self._entries[name] = Entry(name, obj, config, self._adapt, replace)
             return obj
 
         return decorator
 
-    def add(self, name: str, obj: T, *, config: type, replace: bool = False) -> T:
-        """Non-decorator form of :meth:`register`."""
+    def add(self, name: str, obj: T | str, *, config: type, replace: bool = False) -> T | str:
+        """Non-decorator form of :meth:`register`; ``obj`` may be the component's place,
+        ``"package.module:attribute"``, imported when the component is first used."""
         return self.register(name, config=config, replace=replace)(obj)
 
     def get(self, name: str) -> Entry[T]:
@@ -203,9 +230,9 @@ class TrainerSpec:
 
     name: str
     accepts: dict[str, tuple[str, ...]]
-    loss: Callable[[Any], Callable[..., Any]]
-    collator: Callable[[int], Callable[..., Any]] | None = None
-    prepare: Callable[..., None] | None = None
+    loss: Callable[[Any], Callable[..., Any]] | str
+    collator: Callable[[int], Callable[..., Any]] | str | None = None
+    prepare: Callable[..., None] | str | None = None
     description: str = ""
     perplexity: bool = True
     rows_per_sample: int = 1

@@ -31,7 +31,14 @@ from posttrain.models.sequence_parallel import SequenceSlicer
 from posttrain.models.sequence_parallel import uninstall as uninstall_sequence_parallel
 from posttrain.plan import BatchSizes, check_rampup, data_parallel_size, lr_explanation, resolve
 from posttrain.profiling import observers as profiling_observers
-from posttrain.registry import CHECKPOINT_ENGINES, OPTIMIZERS, SCHEDULERS, TOKENIZER_FACTORIES, TRAINERS
+from posttrain.registry import (
+    CHECKPOINT_ENGINES,
+    OPTIMIZERS,
+    SCHEDULERS,
+    TOKENIZER_FACTORIES,
+    TRAINERS,
+    load_component,
+)
 from posttrain.stops import StopSignals
 from posttrain.tokenizers.padding import input_pad_id
 from posttrain.tracking.setup import build_meter, export_dirs, open_outputs
@@ -112,7 +119,9 @@ def plan_batches(setup: Setup, tokenizer: Any, loaded: LoadedModel) -> Batches:
         raise UserError("nothing to train: epochs is 0 and train_iters is 0")
     pad_id = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
     spec = setup.spec
-    collator: Any = spec.collator(pad_id) if spec.collator else Collator(pad_id, config.data.padding_free)
+    collator: Any = (
+        load_component(spec.collator)(pad_id) if spec.collator else Collator(pad_id, config.data.padding_free)
+    )
     sp = config.sequence_parallel_size
     if sp > 1:
         collator = SequenceSlicer(collator, pad_id, sp, ctx.dist.rank % sp, config.micro_batch_size)
@@ -167,11 +176,13 @@ def loop_inputs(
     engine = _engine(ctx, loaded, plan.total_steps)
     checkpoints = [CHECKPOINT_ENGINES.get(c.type).obj(c, ctx, tokenizer) for c in config.checkpoint]
     if spec.prepare is not None:
-        spec.prepare(ctx, engine, plan.data, batches.collator)  # before resuming: sees the initial weights
+        load_component(spec.prepare)(
+            ctx, engine, plan.data, batches.collator
+        )  # before resuming: sees the initial weights
     state, resumed_from = _resume(checkpoints, engine)
     inputs = LoopInputs(
         engine=engine,
-        loss_fn=spec.loss(config),
+        loss_fn=load_component(spec.loss)(config),
         train_loader=batches.train,
         set_epoch=batches.sampler.set_epoch,
         eval_loader=batches.eval,

@@ -63,10 +63,10 @@ def _corpus(seed: int, n_lines: int = 4000) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = 2048, seed: int = 0):  # -> PreTrainedTokenizerFast
-    """Train a byte-level BPE tokenizer (digits split one per token) with a ChatML template."""
+def _train_bpe(vocab_size: int, seed: int):  # -> tokenizers.Tokenizer
+    """A byte-level BPE (digits split one per token) trained on ``_corpus(seed)``: the ``tokenizers`` library
+    alone, no transformers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -80,13 +80,18 @@ def build_tokenizer(vocab_size: int = 2048, seed: int = 0):  # -> PreTrainedToke
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(seed), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        model_max_length=1024,
-    )
+    return tokenizer
+
+
+#: what ``tokenizer_config.json`` says of the tiny tokenizer (read by every transformers version)
+_TOKENIZER_SETTINGS = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "model_max_length": 1024}
+
+
+def build_tokenizer(vocab_size: int = 2048, seed: int = 0):  # -> PreTrainedTokenizerFast
+    """Train a byte-level BPE tokenizer (digits split one per token) with a ChatML template."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=_train_bpe(vocab_size, seed), **_TOKENIZER_SETTINGS)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -173,10 +178,19 @@ def write_tiny_model(
     experts: int = 8,
     top_k: int = 2,
 ) -> Path:
-    """Write model + tokenizer in Hugging Face format to ``out_dir`` (atomically) and return the path."""
+    """Write model + tokenizer in Hugging Face format to ``out_dir`` (atomically) and return the path.
+
+    The dense LLaMA is written with ``tokenizers``, NumPy and ``safetensors`` alone (about half a second, no
+    torch or transformers import: ``posttrain init`` answers at once); the MoE families are built by
+    transformers."""
     from posttrain.utils.fs import atomic_dir
 
-    out = Path(out_dir)
+    if arch == "llama":
+        if hidden_size % heads:
+            raise ValueError(f"hidden_size {hidden_size} must be a multiple of the {heads} attention heads")
+        with atomic_dir(out_dir) as tmp:
+            _write_llama(tmp, seed, hidden_size, layers, vocab_size, heads)
+        return Path(out_dir)
     tokenizer = build_tokenizer(vocab_size=vocab_size, seed=seed)
     model = build_model(
         len(tokenizer),
@@ -194,7 +208,87 @@ def write_tiny_model(
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-    return out
+    return Path(out_dir)
+
+
+def llama_config(
+    vocab_size: int, hidden_size: int, layers: int, heads: int, special: dict[str, int]
+) -> dict[str, Any]:
+    """The tiny LLaMA's ``config.json``: what ``build_model`` sets; transformers fills in its defaults."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": hidden_size * 4,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "max_position_embeddings": 1024,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+        **special,
+    }
+
+
+def _llama_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
+    """LLaMA's initialisation in NumPy: every matrix N(0, initializer_range), the padding row of the
+    embedding zero, the norms one."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    hidden, ffn, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head_dim
+
+    def matrix(rows: int, cols: int) -> Any:
+        return (rng.standard_normal((rows, cols)) * config["initializer_range"]).astype(np.float32)
+
+    weights = {"model.embed_tokens.weight": matrix(vocab, hidden)}
+    weights["model.embed_tokens.weight"][config["pad_token_id"]] = 0.0
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        shapes = {
+            "self_attn.q_proj": (hidden, hidden),
+            "self_attn.k_proj": (kv, hidden),
+            "self_attn.v_proj": (kv, hidden),
+            "self_attn.o_proj": (hidden, hidden),
+            "mlp.gate_proj": (ffn, hidden),
+            "mlp.up_proj": (ffn, hidden),
+            "mlp.down_proj": (hidden, ffn),
+        }
+        weights |= {f"{prefix}{name}.weight": matrix(*shape) for name, shape in shapes.items()}
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            weights[f"{prefix}{norm}.weight"] = np.ones(hidden, dtype=np.float32)
+    weights["model.norm.weight"] = np.ones(hidden, dtype=np.float32)
+    weights["lm_head.weight"] = matrix(vocab, hidden)
+    return weights
+
+
+def _write_llama(out: Path, seed: int, hidden_size: int, layers: int, vocab_size: int, heads: int) -> None:
+    import json
+
+    from safetensors.numpy import save_file
+
+    tokenizer = _train_bpe(vocab_size, seed)
+    special = {
+        f"{role}_token_id": tokenizer.token_to_id(token)
+        for role, token in (("bos", BOS), ("eos", EOS), ("pad", PAD))
+    }
+    config = llama_config(tokenizer.get_vocab_size(), hidden_size, layers, heads, special)
+    tokenizer.save(str(out / "tokenizer.json"))
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", **_TOKENIZER_SETTINGS}
+    files = {
+        "tokenizer_config.json": settings | {"chat_template": CHAT_TEMPLATE},
+        "config.json": config,
+        "generation_config.json": special,
+    }
+    for name, content in files.items():
+        (out / name).write_text(json.dumps(content, indent=2) + "\n")
+    save_file(_llama_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})

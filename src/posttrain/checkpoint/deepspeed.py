@@ -31,7 +31,6 @@ from posttrain.config.checkpoint import DeepSpeedCheckpointConfig
 from posttrain.dist import barrier
 from posttrain.errors import UserError
 from posttrain.logs import say
-from posttrain.registry import CHECKPOINT_ENGINES
 from posttrain.utils.fs import atomic_write_text
 
 MARKER = "posttrain_state.json"
@@ -65,7 +64,6 @@ def complete_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-@CHECKPOINT_ENGINES.register("deepspeed", config=DeepSpeedCheckpointConfig)
 class DeepSpeedCheckpointEngine(CheckpointEngine):
     saves_on_early_stop = True
     config: DeepSpeedCheckpointConfig

@@ -20,7 +20,6 @@ from posttrain.config.data import MegatronSourceConfig
 from posttrain.context import RunContext
 from posttrain.data.sources import Row, rows_by_number
 from posttrain.errors import DataError
-from posttrain.registry import DATA_SOURCES
 
 MAGIC = b"MMIDIDX\x00\x00"
 #: Megatron's dtype codes
@@ -110,7 +109,6 @@ class MegatronReader:
         return rows_by_number(self, wanted)
 
 
-@DATA_SOURCES.register("megatron", config=MegatronSourceConfig)
 def load_megatron(config: MegatronSourceConfig, ctx: RunContext) -> MegatronReader:
     dataset = IndexedDataset(config.name_or_path)
     if not config.split_ratio:

@@ -237,7 +237,6 @@ class HFReader:
         return rows_by_number(self, wanted)
 
 
-@DATA_SOURCES.register("local", config=LocalSourceConfig)
 def load_local(config: LocalSourceConfig, ctx: RunContext) -> RowReader:
     path = Path(config.name_or_path).expanduser()
     if not path.is_file():
@@ -246,7 +245,6 @@ def load_local(config: LocalSourceConfig, ctx: RunContext) -> RowReader:
     return readers[path.suffix](path)
 
 
-@DATA_SOURCES.register("huggingface", config=HFSourceConfig)
 def load_huggingface(config: HFSourceConfig, ctx: RunContext) -> RowReader:
     import datasets
 

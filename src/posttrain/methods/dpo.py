@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from posttrain.config.dpo import DPODataConfig, DPOTrainerConfig
+from posttrain.config.dpo import DPOTrainerConfig
 from posttrain.context import RunContext
 from posttrain.data.build import DataFactory, Datasets, loop_format
 from posttrain.data.dpo import SIDES, PairCollator, fit_pair, format_dpo_row
@@ -25,7 +25,6 @@ from posttrain.logs import say
 from posttrain.methods.preference_losses import PreferenceParams, preference_loss
 from posttrain.models.prepare import load_reference_model
 from posttrain.models.token_logps import row_nll, target_labels
-from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 # ------------------------------------------------------------------------------------------------- loss
 
@@ -121,27 +120,9 @@ def prepare_reference(ctx: RunContext, engine: Any, data: Datasets, collator: Pa
     say(f"reference log-probabilities computed once for {len(data.train) + len(data.eval)} pairs ({source})")
 
 
-DATA_FACTORIES.add(
-    "dpo",
-    DataFactory(
-        format_batch=loop_format(format_dpo_row),
-        columns=tuple(f"{side}_{column}" for side in SIDES for column in ("input_ids", "labels")),
-        fit=fit_pair,
-    ),
-    config=DPODataConfig,
-)
-
-TRAINERS.add(
-    "dpo",
-    TrainerSpec(
-        name="dpo",
-        accepts=hf_components("dpo"),
-        loss=make_dpo_loss,
-        collator=PairCollator,
-        prepare=prepare_reference,
-        description="DPO-family preference tuning",
-        perplexity=False,
-        rows_per_sample=2,  # chosen and rejected in one forward
-    ),
-    config=DPOTrainerConfig,
+#: the ``dpo`` data factory (registered in ``posttrain.builtins``)
+DATA = DataFactory(
+    format_batch=loop_format(format_dpo_row),
+    columns=tuple(f"{side}_{column}" for side in SIDES for column in ("input_ids", "labels")),
+    fit=fit_pair,
 )

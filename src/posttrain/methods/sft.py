@@ -12,12 +12,10 @@ from typing import Any
 
 import torch
 
-from posttrain.config.data import SFTDataConfig
 from posttrain.config.trainer import TrainerConfig
 from posttrain.data.build import DataFactory
 from posttrain.data.sft import format_sft_rows
 from posttrain.models.token_logps import row_nll
-from posttrain.registry import DATA_FACTORIES, TRAINERS, TrainerSpec, hf_components
 
 
 def sft_loss(
@@ -32,14 +30,5 @@ def make_token_loss(config: TrainerConfig) -> Any:
     return partial(sft_loss, tiled=config.tiled_loss_compute)
 
 
-DATA_FACTORIES.add("sft", DataFactory(format_batch=format_sft_rows), config=SFTDataConfig)
-TRAINERS.add(
-    "sft",
-    TrainerSpec(
-        name="sft",
-        accepts=hf_components("sft"),
-        loss=make_token_loss,
-        description="supervised fine-tuning on chat data",
-    ),
-    config=TrainerConfig,
-)
+#: the ``sft`` data factory (registered in ``posttrain.builtins``)
+DATA = DataFactory(format_batch=format_sft_rows)

@@ -11,7 +11,7 @@ from posttrain.config.model import ModelConfig
 from posttrain.context import RunContext
 from posttrain.errors import UserError
 from posttrain.models.facts import ModelFacts, facts_from_hf_config
-from posttrain.registry import MODEL_FACTORIES, ModelFactory
+from posttrain.registry import ModelFactory
 from posttrain.utils.hub import load_or_explain
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,7 +72,7 @@ def hf_config(config: ModelConfig) -> Any:  # -> transformers.PretrainedConfig
     )
 
 
-MODEL_FACTORIES.add("huggingface", HuggingFaceModelFactory(), config=ModelConfig)
+FACTORY = HuggingFaceModelFactory()
 
 
 def _quantization(config: ModelConfig) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from posttrain.data.samples import IGNORE_INDEX
 from posttrain.errors import UserError
 from posttrain.models.huggingface import HuggingFaceModelFactory
 from posttrain.models.token_logps import FUSED_HEAD_ATTRIBUTE
-from posttrain.registry import MODEL_FACTORIES
 
 
 def _liger() -> Any:
@@ -61,4 +60,4 @@ def fused_linear_nll(liger: Any) -> Any:
     return nll
 
 
-MODEL_FACTORIES.add("liger", LigerModelFactory(), config=ModelConfig)
+FACTORY = LigerModelFactory()

@@ -9,7 +9,6 @@ import torch
 from posttrain.config.optimizer import OptimizerConfig
 from posttrain.context import RunContext
 from posttrain.models.expert_parallel import expert_group_name
-from posttrain.registry import OPTIMIZERS
 
 _LAYER = re.compile(r"\.layers?\.(\d+)\.|\.h\.(\d+)\.|\.blocks?\.(\d+)\.")
 
@@ -84,7 +83,6 @@ def adam_arguments(config: OptimizerConfig, model: torch.nn.Module) -> tuple[lis
     return groups, hyper
 
 
-@OPTIMIZERS.register("adamw", config=OptimizerConfig)
 def build_adamw(config: OptimizerConfig, model: torch.nn.Module, ctx: RunContext) -> torch.optim.Optimizer:
     groups, hyper = adam_arguments(config, model)
     return torch.optim.AdamW(groups, **hyper, foreach=True)

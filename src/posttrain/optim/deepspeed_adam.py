@@ -17,11 +17,9 @@ import torch
 from posttrain.config.optimizer import OptimizerConfig
 from posttrain.context import RunContext
 from posttrain.optim.adamw import adam_arguments
-from posttrain.registry import OPTIMIZERS
 from posttrain.utils.ops import deepspeed_op_build
 
 
-@OPTIMIZERS.register("cpu_adam", config=OptimizerConfig)
 def build_cpu_adam(config: OptimizerConfig, model: torch.nn.Module, ctx: RunContext) -> torch.optim.Optimizer:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -30,7 +28,6 @@ def build_cpu_adam(config: OptimizerConfig, model: torch.nn.Module, ctx: RunCont
         return DeepSpeedCPUAdam(groups, **hyper, adamw_mode=True)
 
 
-@OPTIMIZERS.register("fused_adam", config=OptimizerConfig)
 def build_fused_adam(
     config: OptimizerConfig, model: torch.nn.Module, ctx: RunContext
 ) -> torch.optim.Optimizer:
@@ -39,6 +36,3 @@ def build_fused_adam(
     groups, hyper = adam_arguments(config, model)
     with deepspeed_op_build("fused_adam"):
         return FusedAdam(groups, **hyper, adam_w_mode=True)
-
-
-OPTIMIZERS.add("fused_adam_moe", build_fused_adam, config=OptimizerConfig)

@@ -10,12 +10,16 @@ import torch
 
 from posttrain.config.scheduler import MegatronSchedulerConfig
 from posttrain.context import RunContext
-from posttrain.registry import SCHEDULERS
 
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """The learning rate at an optimizer step (0-based: step 0 is the LR of the first update)."""
+    """The learning rate at an optimizer step (0-based: step 0 is the LR of the first update).
+
+    Warmup counts the update being made: the first of ``warmup_steps`` updates runs at
+    ``warmup_init + (peak - warmup_init) / warmup_steps`` and the last at the peak, so no update is spent at
+    ``lr_warmup_init`` (0 by default, where nothing would move); Megatron evaluates the ramp one step
+    earlier."""
 
     peak: float
     min_lr: float
@@ -29,8 +33,8 @@ class LRSchedule:
     lr_end: float | None = None
 
     def __call__(self, step: int) -> float:
-        if self.warmup_steps > 0 and step <= self.warmup_steps:
-            return self.warmup_init + (self.peak - self.warmup_init) * step / self.warmup_steps
+        if step < self.warmup_steps:
+            return self.warmup_init + (self.peak - self.warmup_init) * (step + 1) / self.warmup_steps
         if self.style == "constant":
             return self.peak
         if self.style == "inverse-square-root":
@@ -137,7 +141,6 @@ def schedules(
     return lr, WeightDecaySchedule(start, end, total_steps, config.weight_decay_incr_style)
 
 
-@SCHEDULERS.register("megatron", config=MegatronSchedulerConfig)
 def build_megatron_scheduler(
     config: MegatronSchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int, ctx: RunContext
 ) -> ScheduledLR:

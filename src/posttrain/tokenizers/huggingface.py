@@ -8,13 +8,11 @@ from typing import Any
 from posttrain.config.tokenizer import TokenizerConfig
 from posttrain.context import RunContext
 from posttrain.logs import say
-from posttrain.registry import TOKENIZER_FACTORIES
 from posttrain.tokenizers.chat_templates import apply_chat_template
 from posttrain.tokenizers.padding import ensure_pad_token
 from posttrain.utils.hub import load_or_explain
 
 
-@TOKENIZER_FACTORIES.register("huggingface", config=TokenizerConfig)
 def build_huggingface_tokenizer(config: TokenizerConfig, ctx: RunContext) -> Any:
     from transformers import AutoTokenizer
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.abc
 import os
 import sys
 from types import ModuleType
@@ -18,6 +19,26 @@ def accelerator() -> str:
         name = "cuda" if torch.cuda.is_available() else "cpu"
         os.environ["DS_ACCELERATOR"] = name
     return name
+
+
+class _AcceleratorBeforeDeepSpeed(importlib.abc.MetaPathFinder):
+    """Chooses the accelerator just before DeepSpeed's first import, whoever imports it (posttrain or
+    transformers' integrations), and removes itself: a command that never needs DeepSpeed never pays for
+    importing torch to ask for a GPU."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "deepspeed":
+            sys.meta_path.remove(self)
+            accelerator()
+        return None  # the normal finders do the import
+
+
+def choose_accelerator_on_demand() -> None:
+    """Set ``DS_ACCELERATOR`` when DeepSpeed is first imported rather than now (see ``accelerator``)."""
+    if "deepspeed" in sys.modules:
+        accelerator()
+    elif not any(isinstance(finder, _AcceleratorBeforeDeepSpeed) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AcceleratorBeforeDeepSpeed())
 
 
 def import_deepspeed() -> ModuleType:
