@@ -40,7 +40,25 @@ def hf_lrs(tmp_path, name: str, steps: int, **scheduler) -> list[float]:
 
 def test_linear_schedule_with_warmup_ratio(tmp_path) -> None:
     lrs = hf_lrs(tmp_path, "linear", 10, warmup_ratio=0.2)
-    assert lrs == pytest.approx([0.0, 0.5, 1.0, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8])
+    # warmup counts the update being made: no step runs at lr 0; after the warmup, transformers' schedule
+    assert lrs == pytest.approx([0.5, 1.0, 1.0, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8])
+
+
+def test_no_schedule_spends_a_step_at_lr_zero(tmp_path) -> None:
+    from posttrain.config.scheduler import KNOWN_SCHEDULES
+
+    kwargs = {"cosine_with_min_lr": {"min_lr_rate": 0.1}, "cosine_warmup_with_min_lr": {"min_lr_rate": 0.1}}
+    for name in set(KNOWN_SCHEDULES) - {"reduce_lr_on_plateau", "greedy", "constant"}:
+        scheduler = {"warmup_ratio": 0.25, "scheduler_kwargs": kwargs.get(name, {})}
+        assert hf_lrs(tmp_path, name, 20, **scheduler)[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0]), name
+
+
+def test_known_schedule_names_are_transformers_own() -> None:
+    from transformers import SchedulerType
+
+    from posttrain.config.scheduler import KNOWN_SCHEDULES
+
+    assert set(KNOWN_SCHEDULES) == {member.value for member in SchedulerType}
 
 
 def test_cosine_and_constant(tmp_path) -> None:
@@ -53,7 +71,7 @@ def test_scheduler_kwargs_pass_through(tmp_path) -> None:
     lrs = hf_lrs(
         tmp_path, "warmup_stable_decay", 10, warmup_ratio=0.1, scheduler_kwargs={"num_decay_steps": 2}
     )
-    assert lrs[:9] == pytest.approx([0.0] + [1.0] * 8)  # 1 warmup step, then stable until the decay
+    assert lrs[:9] == pytest.approx([1.0] * 9)  # 1 warmup step (at the peak), then stable until the decay
     assert lrs[9] < 1.0  # the 2 decay steps start at step 8 (lr 1.0) and go down
 
 

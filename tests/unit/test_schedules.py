@@ -23,12 +23,13 @@ def schedule(style: str, **kw) -> LRSchedule:
 
 def test_linear_and_cosine_with_warmup() -> None:
     linear = schedule("linear")
-    assert [linear(s) for s in (0, 1, 2, 6, 10, 12)] == pytest.approx([0.0, 0.5, 1.0, 0.55, 0.1, 0.1])
+    # warmup counts the update being made: step 0 (the first update) runs at half the peak, not at 0
+    assert [linear(s) for s in (0, 1, 2, 6, 10, 12)] == pytest.approx([0.5, 1.0, 1.0, 0.55, 0.1, 0.1])
     cosine = schedule("cosine")
     assert cosine(6) == pytest.approx(0.55)
     assert cosine(4) == pytest.approx(0.1 + 0.9 * 0.5 * (math.sqrt(0.5) + 1))  # 0.868198
     assert schedule("constant")(7) == 1.0
-    assert schedule("linear", warmup_init=0.2, warmup_steps=4)(1) == pytest.approx(0.4)
+    assert schedule("linear", warmup_init=0.2, warmup_steps=4)(1) == pytest.approx(0.6)  # 0.2 + 0.8 x 2/4
 
 
 def test_inverse_square_root_has_the_min_lr_floor() -> None:
@@ -94,7 +95,8 @@ def test_megatron_scheduler_drives_groups_in_proportion(tmp_path) -> None:
         optimizer.step()
         scheduler.step()
     # warmup 2 steps (0.2 x 10), then linear to 0 at step 10; step 5 -> 5/8
-    assert seen[1][:2] == pytest.approx([2.0, 0.5])
+    assert seen[0][:2] == pytest.approx([2.0, 0.5])
+    assert seen[1][:2] == pytest.approx([4.0, 1.0])
     assert seen[5][:2] == pytest.approx([4 * 5 / 8, 5 / 8])
     assert seen[5][2:] == pytest.approx([0.05, 0.0])  # decay only where weight decay applies at all
     buffer = io.BytesIO()

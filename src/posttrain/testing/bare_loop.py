@@ -76,7 +76,11 @@ def bare_optimizer(model: torch.nn.Module, config: Any, steps: int) -> tuple[Any
     groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, foreach=True)
     warmup = math.ceil(config.scheduler.warmup_ratio * steps)
-    return optimizer, get_scheduler(config.scheduler.name, optimizer, warmup, steps)
+    factor = get_scheduler(config.scheduler.name, optimizer, warmup, steps).lr_lambdas[0]
+    # posttrain's documented warmup: the first update runs at peak / warmup, not at 0
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: factor(step + 1 if step < warmup else step)
+    )
 
 
 def bare_step(
