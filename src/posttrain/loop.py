@@ -282,13 +282,7 @@ def _epoch_steps(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> Itera
     return group_steps(inputs.train_loader, sizes, state.epoch_step)
 
 
-def final_evaluation(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> dict[str, Any] | None:
-    """The end-of-training (or ``skip_train``) evaluation, unless the last step just evaluated."""
-    config = ctx.config
-    if inputs.eval_loader is None or not (config.eval_at_end or config.skip_train):
-        return None
-    if state.history and "eval_loss" in state.history[-1]:
-        return None
+def _evaluation_record(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> dict[str, Any]:
     record = {"iter": state.step, "epoch": state.epoch, **evaluate(ctx, inputs), "time": time.time()}
     state.evals += 1
     inputs.outputs.write(record, show=True)
@@ -296,11 +290,28 @@ def final_evaluation(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> d
     return record
 
 
+def initial_evaluation(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> None:
+    """``eval_on_start``: the held-out loss of the weights training starts from (iter 0; not on resume)."""
+    if ctx.config.eval_on_start and state.step == 0 and inputs.eval_loader is not None:
+        _evaluation_record(ctx, inputs, state)
+
+
+def final_evaluation(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> dict[str, Any] | None:
+    """The end-of-training (or ``skip_train``) evaluation, unless the last step just evaluated."""
+    config = ctx.config
+    if inputs.eval_loader is None or not (config.eval_at_end or config.skip_train):
+        return None
+    if state.history and "eval_loss" in state.history[-1]:
+        return None
+    return _evaluation_record(ctx, inputs, state)
+
+
 def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopState:
     """Train from ``state`` until the epochs or ``train_iters`` are done or an exit condition fires."""
     config = ctx.config
     # from_pretrained hands the model over in eval mode: without this, dropout and activation
     # checkpointing (which transformers applies only in training mode) would be off until the first eval.
+    initial_evaluation(ctx, inputs, state)
     inputs.engine.train(True)
     while state.epoch < config.epochs and not state.stop_reason and state.step < inputs.total_steps:
         inputs.set_epoch(state.epoch)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from posttrain.testing.data import chat_rows, preference_rows, text_rows, write_jsonl
+from posttrain.testing.data import chat_rows, format_preference_rows, text_rows, write_jsonl
 from posttrain.utils.fs import atomic_write_text
 
 _COMMON_TAIL = """\
@@ -58,6 +58,7 @@ data:
   max_length: 128
   pack_samples: false      # true: several samples per sequence (micro_batch_size: 1)
 eval_interval: 20
+eval_on_start: true       # the held-out loss before training, to compare with the end
 """,
     "lora": """\
 type: sft                  # supervised fine-tuning of a LoRA adapter
@@ -71,11 +72,13 @@ model:
     lora_alpha: 32
     lora_dropout: 0.0
     target_modules: all-linear
+    modules_to_save: [lm_head]   # the tiny random model's output layer knows nothing: train it too
 data:
   sources: [{data}]
   train_eval_split: [0.9, 0.1]
   max_length: 128
 eval_interval: 20
+eval_on_start: true       # the held-out loss before training, to compare with the end
 """,
     "dpo": """\
 type: dpo                  # preference tuning (DPO family)
@@ -90,6 +93,7 @@ data:
   train_eval_split: [0.9, 0.1]
   max_length: 64
 eval_interval: 20
+eval_on_start: true       # the held-out loss before training, to compare with the end
 """,
     "causal": """\
 type: causal               # continued pretraining on raw text
@@ -99,15 +103,18 @@ model:
   disable_activation_checkpoint: true
 data:
   sources: [{data}]        # {{"text": ...}} per line
+  train_eval_split: [0.9, 0.1]
   max_length: 64
   pack_samples: false      # false: concatenate and cut blocks; true: pack documents apart
+eval_interval: 20
+eval_on_start: true       # the held-out loss before training, to compare with the end
 """,
 }
-LEARNING_RATES = {"sft": "3e-3", "lora": "1e-2", "dpo": "5e-4", "causal": "1e-3"}
+LEARNING_RATES = {"sft": "3e-3", "lora": "1e-2", "dpo": "5e-4", "causal": "1e-2"}  # for the tiny model
 
 
 def _dataset(kind: str, path: Path) -> None:
-    rows = {"dpo": preference_rows(200), "causal": text_rows(300)}.get(kind) or chat_rows(300)
+    rows = {"dpo": format_preference_rows(200), "causal": text_rows(300)}.get(kind) or chat_rows(300)
     write_jsonl(path, rows)
 
 

@@ -179,8 +179,15 @@ def test_starter_configs_run_as_they_are(kind: str, tmp_path_factory, monkeypatc
     assert main(["init", kind, "-o", f"{kind}.yaml"]) == 0
     text = Path(f"{kind}.yaml").read_text()
     assert text.startswith("# posttrain starter") and "yaml-language-server" in text
-    assert main(["train", f"{kind}.yaml", "train_iters=2"]) == 0
+    assert main(["train", f"{kind}.yaml"]) == 0
     assert Path(f"runs/{kind}/export/final").is_dir()
+    # eval_on_start: the held-out loss before training (iter 0) and after it; the starters learn clearly
+    records = [
+        json.loads(line) for line in Path(f"runs/{kind}/train-log-metrics.jsonl").read_text().splitlines()
+    ]
+    evals = [r for r in records if "eval_loss" in r]
+    assert evals[0]["iter"] == 0 and evals[-1]["eval_loss"] < 0.5 * evals[0]["eval_loss"], evals
+    assert all(r["lr"] > 0 for r in records if "lr" in r)  # no step spent at lr 0
     assert main(["init", kind, "-o", f"{kind}.yaml"]) == 2  # never overwrites
     assert "exists" in capsys.readouterr().err
 

@@ -201,6 +201,10 @@ class TrainerConfig(BaseConfig):
     eval_at_end: bool = True
     """Evaluate once more after the last training step (when eval data is configured)."""
 
+    eval_on_start: bool = False
+    """Evaluate before the first training step (logged as iter 0), so one run shows the held-out loss before
+    and after training (Hugging Face Trainer's name). Not repeated when a run resumes."""
+
     skip_train: bool = False
     """Evaluate the model once and exit without training (Megatron's ``skip_train``); needs eval data."""
 
@@ -298,6 +302,8 @@ class TrainerConfig(BaseConfig):
                 "eval_interval",
                 "eval data is configured but never used: set eval_interval > 0 or eval_at_end: true",
             )
+        if self.eval_on_start and not self.data.has_eval:
+            yield Problem("eval_on_start", "needs eval data: set data.eval_sources or data.train_eval_split")
         if self.eval_interval > 0 and not self.data.has_eval:
             yield Problem(
                 "eval_interval",

@@ -42,6 +42,21 @@ def text_rows(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+_DIGIT_WORDS = "zero one two three four five six seven eight nine".split()
+
+
+def format_preference_rows(n: int, seed: int = 0) -> list[dict]:
+    """Preference pairs a tiny random model learns in a few steps (the DPO starter): the reversed digits are
+    chosen, the same answer spelled out in words is rejected."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        answer = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 8)))[::-1]
+        spelled = " ".join(_DIGIT_WORDS[int(c)] for c in answer)
+        rows.append({"prompt": f"reverse {answer[::-1]}", "chosen": answer, "rejected": spelled})
+    return rows
+
+
 def preference_rows(n: int, seed: int = 0) -> list[dict]:
     """Preference pairs: the reversed digits are chosen, the digits unchanged are rejected."""
     rng = random.Random(seed)
