@@ -55,7 +55,11 @@ def test_kill_switch_stops_cleanly_and_saves(base_config, tmp_path: Path) -> Non
     kill.touch()
     result = train(config)
     assert result.state.step == 1 and "kill switch" in result.state.stop_reason
-    assert (tmp_path / "ckpt" / "final" / "model.safetensors").is_file()
+    # a stopped run's export is named for its step: `final` is kept for a finished run
+    assert (tmp_path / "ckpt" / "global_step_1" / "model.safetensors").is_file()
+    assert not (tmp_path / "ckpt" / "final").exists()
+    card = (tmp_path / "ckpt" / "global_step_1" / "README.md").read_text()
+    assert "1 optimizer step (stopped early: kill switch" in card
     assert not kill.exists()  # removed, so the next run starts normally
 
 

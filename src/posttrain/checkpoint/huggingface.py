@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.checkpoint.base import CheckpointEngine
+from posttrain.checkpoint.model_card import base_model_place, model_card
 from posttrain.config.checkpoint import HFCheckpointConfig
 from posttrain.models.expert_parallel import full_experts
 from posttrain.models.peft import is_peft_model
-from posttrain.registry import CHECKPOINT_ENGINES
 from posttrain.utils.fs import atomic_dir
 
 
@@ -29,34 +29,40 @@ def full_parameters(model: Any) -> Iterator[None]:
         yield
 
 
-@CHECKPOINT_ENGINES.register("huggingface", config=HFCheckpointConfig)
 class HFCheckpointEngine(CheckpointEngine):
     config: HFCheckpointConfig
 
     """Writes ``<output_dir>/global_step_<N>`` periodically and ``<output_dir>/<save_name or final>`` at
-    the end. Each export is written to a temporary directory and renamed into place by rank 0; under ZeRO-3
-    the full weights are gathered first, and with expert parallelism every layer's experts. Every rank calls
-    ``save`` (the gathers are collective)."""
+    the end; a run stopped before its planned end (kill switch, signal, ``exit_*``) names its last export
+    ``global_step_<N>`` too, so ``final`` is always the finished run. Each export is written to a temporary
+    directory and renamed into place by rank 0, with a ``README.md`` model card; an adapter records its base
+    model as an absolute path (or the hub name). Under ZeRO-3 the full weights are gathered first, and with
+    expert parallelism every layer's experts. Every rank calls ``save`` (the gathers are collective)."""
 
     def save(self, engine: Any, state: Any, *, end: bool = False) -> Path:
         model = engine.module
-        name = (self.ctx.config.model.save_name or "final") if end else f"global_step_{state.step}"
+        finished = end and not state.stop_reason
+        name = (self.ctx.config.model.save_name or "final") if finished else f"global_step_{state.step}"
         target = self.output_dir / name
         if not end and state.step == self.last_saved_step:
             return target  # saved already at this step (a step and an epoch interval can coincide)
         with full_parameters(model), full_experts(model):
             if self.ctx.dist.is_main:
-                self._write(model, target)  # a PEFT model writes its adapter only
-                if self.config.save_merged and is_peft_model(model):
-                    self._write(
-                        copy.deepcopy(model).merge_and_unload(), target.with_name(target.name + "-merged")
-                    )
+                adapter = is_peft_model(model)
+                self._write(model, target, model_card(self.ctx.config, state, adapter=adapter))
+                if self.config.save_merged and adapter:
+                    card = model_card(self.ctx.config, state, adapter=False, merged=True)
+                    merged = copy.deepcopy(model).merge_and_unload()
+                    self._write(merged, target.with_name(target.name + "-merged"), card)
         if not end:
             self.last_saved_step = state.step
         return target
 
-    def _write(self, model: Any, target: Path) -> None:
+    def _write(self, model: Any, target: Path, card: str) -> None:
+        for adapter in getattr(model, "peft_config", {}).values():  # a PEFT model writes its adapter only
+            adapter.base_model_name_or_path = base_model_place(adapter.base_model_name_or_path or "")
         with atomic_dir(target) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp)
+            (tmp / "README.md").write_text(card)

@@ -1,0 +1,79 @@
+"""The ``README.md`` model card of a Hugging Face export, and the base model's place in an adapter's config.
+
+Pure text from the run's config and where training stands: what the weights are (a full model or an
+adapter, of which base), how they were trained, and how to load them. The YAML front matter is the Hub's
+(``base_model``, ``library_name``, ``tags``), so the card is right where the export is uploaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import posttrain
+
+
+def base_model_place(name_or_path: str) -> str:
+    """A local base model as an absolute path (the adapter then loads from any directory); a hub name as it
+    is."""
+    path = Path(name_or_path).expanduser()
+    return str(path.resolve()) if path.exists() else name_or_path
+
+
+def model_card(config: Any, state: Any, *, adapter: bool, merged: bool = False) -> str:
+    """The card of an export made after ``state.step`` optimizer steps of the run ``config``."""
+    base = base_model_place(config.model.name_or_path)
+    evals = [record for record in state.history if "eval_loss" in record]
+    library = "peft" if adapter else "transformers"
+    what = (
+        f"a {config.model.peft_config.get('peft_type', 'LORA')} adapter for `{base}`"
+        if adapter
+        else f"`{base}` fine-tuned" + (" (adapter merged into the weights)" if merged else "")
+    )
+    lines = [
+        "---",
+        f"base_model: {base}",
+        f"library_name: {library}",
+        f"tags: [posttrain, {config.type}]",
+        "---",
+        "",
+        f"# {what}",
+        "",
+        f"Trained with posttrain {posttrain.__version__} (`type: {config.type}`), "
+        f"{state.step} optimizer step{'' if state.step == 1 else 's'}"
+        + (f" (stopped early: {state.stop_reason})" if state.stop_reason else "")
+        + ".",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| data | {', '.join(f'`{s.name_or_path}`' for s in config.data.sources)} |",
+        f"| learning rate | {config.optimizer.lr} |",
+        f"| sequence length | {config.data.max_length} |",
+    ]
+    if evals:
+        first, last = evals[0], evals[-1]
+        shown = f"{last['eval_loss']:.4f} at step {last['iter']}"
+        if first is not last:
+            shown = f"{first['eval_loss']:.4f} at step {first['iter']} -> " + shown
+        lines.append(f"| held-out loss | {shown} |")
+    load = (
+        "from peft import AutoPeftModelForCausalLM\n"
+        "model = AutoPeftModelForCausalLM.from_pretrained(EXPORT)  # loads the base model too"
+        if adapter
+        else "from transformers import AutoModelForCausalLM\nmodel = AutoModelForCausalLM.from_pretrained(EXPORT)"
+    )
+    lines += [
+        "",
+        "## Use",
+        "",
+        "```python",
+        load,
+        "from transformers import AutoTokenizer",
+        "tokenizer = AutoTokenizer.from_pretrained(EXPORT)",
+        "```",
+        "",
+        "or `posttrain chat EXPORT`"
+        + (", and `posttrain merge EXPORT -o MERGED` for a standalone model." if adapter else "."),
+        "",
+    ]
+    return "\n".join(lines)
