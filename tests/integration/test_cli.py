@@ -115,3 +115,17 @@ def test_a_model_that_is_not_there_is_one_clean_line(base_config: dict, tmp_path
     done = posttrain("train", str(path))
     assert done.returncode == 2, done.stderr[-2000:]
     assert says.format(tmp=tmp_path) in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_unreachable_hub_fails_at_once_without_retries(base_config: dict, tmp_path: Path) -> None:
+    """Online mode, but the Hub's host refuses connections: one clean line, no retry with backoff."""
+    base_config["model"]["name_or_path"] = "no-such-org/no-such-model"
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(base_config))
+    done = posttrain("validate", str(path))
+    assert done.returncode == 0  # validation reads no model (pure)
+    env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}
+    done = posttrain("train", str(path), env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "the Hub cannot be reached from here and no cached copy was found" in done.stderr
+    assert "Retry" not in done.stderr and "Traceback" not in done.stderr

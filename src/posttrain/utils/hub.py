@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -38,9 +39,46 @@ def not_found(key: str, name: str, error: Exception) -> UserError:
     )
 
 
+_REACHABLE: dict[str, bool] = {}
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hub's host (``HF_ENDPOINT``) answers a TCP connection within ``timeout`` seconds; asked
+    once per process."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    if host not in _REACHABLE:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            _REACHABLE[host] = True
+        except OSError:
+            _REACHABLE[host] = False
+    return _REACHABLE[host]
+
+
+def offline_unless_reachable(name: str) -> bool:
+    """Before reading a hub name: when the Hub cannot be reached, switch this process to offline mode, so
+    that a cached copy loads at once and a missing one fails at once, instead of after minutes of retries
+    with backoff. True when it did."""
+    from huggingface_hub import constants
+
+    if looks_local(name) or constants.HF_HUB_OFFLINE or hub_reachable():
+        return False
+    constants.HF_HUB_OFFLINE = True  # what huggingface_hub and transformers read
+    os.environ["HF_HUB_OFFLINE"] = "1"  # and the processes this one starts
+    return True
+
+
 def load_or_explain(key: str, name: str, load: Callable[[], T]) -> T:
-    """``load()``, with a missing checkpoint reported as ``not_found``."""
+    """``load()``, with a missing checkpoint reported as ``not_found`` (at once when the Hub is offline)."""
+    offline = offline_unless_reachable(name)
     try:
         return load()
     except OSError as error:
-        raise not_found(key, name, error) from None
+        offline_error = OSError("the Hub cannot be reached from here and no cached copy was found")
+        raise not_found(key, name, offline_error if offline else error) from None
