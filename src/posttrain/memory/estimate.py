@@ -266,6 +266,10 @@ def _activations(out: MemoryPlan) -> None:
         place: Place = "host" if s.checkpoint_offload and s.device == "cuda" else "device"
         out.add("checkpointed layer inputs", place, "forward+backward", saved, f"{shape.layers} layers")
         out.add("activations", "device", "backward", per_layer, "one layer recomputed in backward")
+        if not s.tiled_mlp:  # the tiled MLP's own working memory covers its backward
+            width = shape.intermediate or shape.top_k * shape.expert_intermediate
+            grads = tokens * (2 if shape.gated else 1) * width * b
+            out.add("recomputed layer's MLP gradients", "device", "backward", grads, "beside its activations")
     else:
         out.add(
             "activations", "device", "forward+backward", shape.layers * per_layer, f"{shape.layers} layers"
