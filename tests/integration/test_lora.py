@@ -103,3 +103,28 @@ def test_continue_from_a_saved_adapter(base_config: dict, tmp_path: Path) -> Non
     resumed_loss = result.state.history[0]["loss"]
     assert abs(resumed_loss - end_loss) < abs(resumed_loss - start_loss)  # starts where the first run ended
     assert any(p.requires_grad for n, p in result.model.named_parameters() if "lora_" in n)
+
+
+def test_adapter_export_records_an_absolute_base_and_a_model_card(
+    base_config: dict, tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    import json
+
+    from peft import AutoPeftModelForCausalLM
+
+    monkeypatch.chdir(tiny_model_dir.parent)  # the base model given by a relative path
+    config = merge(
+        base_config,
+        train_iters=2,
+        model={"name_or_path": tiny_model_dir.name, "peft_config": LORA},
+        tokenizer={"name_or_path": tiny_model_dir.name},
+        checkpoint=[{"output_dir": str(tmp_path / "out"), "save_end_of_training": True}],
+    )
+    train(config)
+    export = tmp_path / "out" / "final"
+    base = json.loads((export / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert base == str(tiny_model_dir.resolve())
+    card = (export / "README.md").read_text()
+    assert f"base_model: {base}" in card and "library_name: peft" in card and "2 optimizer steps" in card
+    monkeypatch.chdir(tmp_path)  # loads from anywhere
+    assert AutoPeftModelForCausalLM.from_pretrained(export) is not None
