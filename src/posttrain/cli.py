@@ -140,6 +140,27 @@ def _parser() -> argparse.ArgumentParser:
         "--docs", action="store_true", help="print the key-mapping page of --from (docs/from-<system>.md)"
     )
 
+    chat = sub.add_parser(
+        "chat",
+        help="chat with an export in the terminal (its chat template, replies streamed), or --prompt once",
+    )
+    chat.add_argument("export", type=Path, help="an export directory (a full model or a LoRA adapter)")
+    chat.add_argument(
+        "--prompt", help="ask once, print the reply and exit (default: a conversation on stdin)"
+    )
+    chat.add_argument("--system", help="a system message first")
+    chat.add_argument("--raw", action="store_true", help="continue plain text, without the chat template")
+    chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.7, help="0: greedy (default 0.7)")
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--device", help="cpu, cuda, cuda:1... (default: a GPU when there is one)")
+
+    merge = sub.add_parser(
+        "merge", help="merge a LoRA (PEFT) adapter export into its base model: a standalone model directory"
+    )
+    merge.add_argument("adapter", type=Path, help="the adapter export (with adapter_config.json)")
+    merge.add_argument("-o", "--out", type=Path, required=True, help="the merged model's directory (new)")
+
     schema = sub.add_parser(
         "schema", help="print the JSON schema of the config file (every registered component's config)"
     )
@@ -302,6 +323,27 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    from posttrain.inference.chat import Sampling, chat
+
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p)
+    return chat(
+        args.export,
+        prompt=args.prompt,
+        system=args.system,
+        raw=args.raw,
+        sampling=sampling,
+        device=args.device,
+    )
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from posttrain.inference.merge import merge_adapter
+
+    print(f"wrote {merge_adapter(args.adapter, args.out)}")
+    return 0
+
+
 COMMANDS = {
     "train": cmd_train,
     "validate": cmd_validate,
@@ -312,6 +354,8 @@ COMMANDS = {
     "tiny-model": cmd_tiny_model,
     "schema": cmd_schema,
     "convert": cmd_convert,
+    "chat": cmd_chat,
+    "merge": cmd_merge,
 }
 
 

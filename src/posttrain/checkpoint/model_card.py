@@ -77,3 +77,27 @@ def model_card(config: Any, state: Any, *, adapter: bool, merged: bool = False) 
         "",
     ]
     return "\n".join(lines)
+
+
+def merged_card(base: str, adapter: Path) -> str:
+    """The card of ``posttrain merge``'s output: ``base`` with the adapter at ``adapter`` merged in."""
+    return "\n".join(
+        [
+            "---",
+            f"base_model: {base}",
+            "library_name: transformers",
+            "tags: [posttrain, merged]",
+            "---",
+            "",
+            f"# `{base}` with the adapter `{adapter.resolve()}` merged into its weights",
+            "",
+            f"Merged by posttrain {posttrain.__version__} (`posttrain merge`); a standalone model:",
+            "",
+            "```python",
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            "model = AutoModelForCausalLM.from_pretrained(MERGED)",
+            "tokenizer = AutoTokenizer.from_pretrained(MERGED)",
+            "```",
+            "",
+        ]
+    )
