@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("config", type=Path)
     validate.add_argument("overrides", nargs="*")
     validate.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    validate.add_argument(
+        "--check-paths",
+        action="store_true",
+        help="fail (exit 2) when a local input the config names is missing (default: a warning)",
+    )
 
     preprocess = sub.add_parser(
         "preprocess",
@@ -186,11 +191,17 @@ def _load(config: Path, overrides: list[str], warn: bool = True):  # -> TrainerC
 def cmd_validate(args: argparse.Namespace) -> int:
     import yaml
 
+    from posttrain.config.paths import missing_inputs
     from posttrain.config.provenance import redact
 
     config = _load(args.config, args.overrides)
+    missing = list(missing_inputs(config))
+    if missing and args.check_paths:
+        raise UserError("missing inputs:\n  - " + "\n  - ".join(missing))
     data = redact(config.model_dump(mode="json"))
     print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False), end="")
+    for line in missing:
+        print(f"warning: {line} (--check-paths makes this an error)", file=sys.stderr)
     return 0
 
 

@@ -34,7 +34,8 @@ checkpoint:
 """
 
 _HEADER = """\
-# posttrain starter: {kind}. Runs as is on the tiny local model written beside it:
+# posttrain starter: {kind}. Runs as is on the tiny local model written beside it. Its paths are relative to the
+# directory posttrain runs in (every path in a config is), so run it from where `posttrain init` ran:
 #   posttrain preprocess {name}    # pre-flight report (data, tokens, steps), no model loaded
 #   posttrain train {name}
 # Every key and its default: posttrain validate {name}; reference: docs/reference.md.
@@ -139,7 +140,7 @@ def write_starter(kind: str, out: Path) -> list[Path]:
     if not data.is_file():
         _dataset(kind, data)
         written.append(data)
-    text = _HEADER.format(kind=kind, name=out.name) + STARTERS[kind].format(model=model, data=data)
+    text = _HEADER.format(kind=kind, name=out) + STARTERS[kind].format(model=model, data=data)
     text += _COMMON_TAIL.format(lr=LEARNING_RATES[kind], output=base / "runs" / out.stem)
     atomic_write_text(out, text)
     return [out, *written]

@@ -129,3 +129,20 @@ def test_an_unreachable_hub_fails_at_once_without_retries(base_config: dict, tmp
     assert done.returncode == 2, done.stderr[-2000:]
     assert "the Hub cannot be reached from here and no cached copy was found" in done.stderr
     assert "Retry" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_validate_says_which_local_inputs_are_missing(base_config: dict, tmp_path: Path) -> None:
+    base_config["data"]["sources"] = [str(tmp_path / "nope.jsonl")]
+    base_config["model"]["name_or_path"] = str(tmp_path / "gone")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(base_config))
+    done = posttrain("validate", str(path))
+    assert (
+        done.returncode == 0
+        and "data.sources[0]:" in done.stderr
+        and "nope.jsonl: no such file" in done.stderr
+    )
+    assert f"model.name_or_path: {tmp_path / 'gone'}: no such directory" in done.stderr
+    assert "tokenizer.name_or_path" not in done.stderr  # the model's, said once
+    done = posttrain("validate", str(path), "--check-paths")
+    assert done.returncode == 2 and "missing inputs:" in done.stderr and "Traceback" not in done.stderr
