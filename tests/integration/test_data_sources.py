@@ -171,3 +171,25 @@ def test_alpaca_and_mapped_sharegpt_files_train_together(
     result = train(config)
     assert result.state.step == 2
     assert build(config, tiny_tokenizer, tmp_path).train_report.rows == 48  # every row of both files
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_every_bad_row_is_reported_at_once_up_to_a_cap(
+    tiny_tokenizer, tmp_path: Path, monkeypatch, num_proc: int
+) -> None:
+    import posttrain.data.build as build_module
+
+    monkeypatch.setattr(build_module, "PARALLEL_MIN_ROWS", 10)
+    monkeypatch.setattr(build_module, "CHUNK_ROWS", 8)  # the bad rows fall in different chunks
+    rows = chat_rows(40, seed=4)
+    for number in (5, 17, 33):
+        rows[number - 1] = {"messages": []}
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DataError) as raised:
+        build(data_config([str(bad)], num_proc=num_proc), tiny_tokenizer, tmp_path)
+    message = str(raised.value)
+    assert message.startswith("3 bad rows:"), message
+    assert all(f"bad.jsonl row {n}: 'messages' must be a non-empty list" in message for n in (5, 17, 33))
+    monkeypatch.setattr(build_module, "MAX_ROW_ERRORS", 2)
+    with pytest.raises(DataError, match=r"2 bad rows \(the build stopped reading there: there may be more\)"):
+        build(data_config([str(bad)], num_proc=num_proc), tiny_tokenizer, tmp_path)

@@ -160,7 +160,7 @@ class Chunk:
     row_held_out: np.ndarray  # per row read
     dropped: Counter[str]
     truncated: int
-    error: str = ""
+    errors: list[str] = field(default_factory=list)  # bad rows, "file:row: what is wrong"
 
 
 def _plain(value: Any) -> Any:
@@ -185,6 +185,18 @@ def _preprocessed(data: dict[str, Any], origin: str) -> Sample:
         raise DataError(f"{origin}: process: false needs 'input_ids' and 'labels' (missing {exc})") from None
 
 
+#: bad rows reported at once; the build stops reading at this many
+MAX_ROW_ERRORS = 20
+
+
+def bad_rows_message(bad: list[str]) -> str:
+    if len(bad) == 1:
+        return bad[0]
+    shown = bad[:MAX_ROW_ERRORS]
+    more = " (the build stopped reading there: there may be more)" if len(bad) >= MAX_ROW_ERRORS else ""
+    return f"{len(shown)} bad rows{more}:\n  " + "\n  ".join(shown)
+
+
 def format_chunk(rows: list[Row], held_out: np.ndarray, process: bool) -> Chunk:
     """Format one chunk of a source's rows (``process``: run the method's formatter; else the rows already
     hold ``input_ids`` and ``labels``) and apply the length policy."""
@@ -196,13 +208,18 @@ def format_chunk(rows: list[Row], held_out: np.ndarray, process: bool) -> Chunk:
     kept_held: list[bool] = []
     dropped: Counter[str] = Counter()
     truncated = 0
+    errors: list[str] = []
     for row, held in zip(rows, held_out.tolist(), strict=True):
         try:
             sample = next(formatted) if process else _preprocessed(row.data, row.origin)
         except DataError as exc:
-            return Chunk({}, {}, held_out, hashes, held_out, dropped, truncated, str(exc))
+            errors.append(str(exc))
+            continue
         if isinstance(sample, RowError):
-            return Chunk({}, {}, held_out, hashes, held_out, dropped, truncated, f"{row.origin}: {sample}")
+            errors.append(f"{row.origin}: {sample}")
+            continue
+        if errors:
+            continue  # the build will stop: only the bad rows matter now
         fitted, reason, cut = factory.fit(sample, max_length, config)
         truncated += cut
         if fitted is None:
@@ -214,7 +231,7 @@ def format_chunk(rows: list[Row], held_out: np.ndarray, process: bool) -> Chunk:
         c: np.concatenate([s[c] for s in kept]) if kept else np.zeros(0, np.int64) for c in factory.columns
     }
     lengths = {c: np.array([len(s[c]) for s in kept], dtype=np.int64) for c in factory.columns}
-    return Chunk(flat, lengths, np.array(kept_held, dtype=bool), hashes, held_out, dropped, truncated)
+    return Chunk(flat, lengths, np.array(kept_held, dtype=bool), hashes, held_out, dropped, truncated, errors)
 
 
 @dataclass
@@ -339,12 +356,16 @@ def build_store(ctx: RunContext, tokenizer: Any, max_length: int, directory: Pat
     eval_hashes: list[np.ndarray] = []
     progress = BuildProgress(total, enabled=show)
     formatter = Formatter(workers)
+    bad: list[str] = []
     try:
         for number, source in enumerate(planned):
             ids_train, ids_held = [], []
             for chunk in formatter.map(_tasks(number, source, chunk_rows)):
-                if chunk.error:
-                    raise DataError(chunk.error)
+                bad += chunk.errors
+                if len(bad) >= MAX_ROW_ERRORS:
+                    break
+                if bad:
+                    continue  # keep reading for more bad rows; nothing more is written
                 ids = writer.append(chunk.flat, chunk.lengths)
                 ids_train.append(ids[~chunk.held_out])
                 ids_held.append(ids[chunk.held_out])
@@ -357,6 +378,8 @@ def build_store(ctx: RunContext, tokenizer: Any, max_length: int, directory: Pat
                 report.dropped.update(chunk.dropped)
                 report.truncated += chunk.truncated
                 progress.advance(len(chunk.row_hashes))
+            if len(bad) >= MAX_ROW_ERRORS:
+                break
             if source.train_source:
                 parts.append(_cat(ids_train))
             held.append(_cat(ids_held))
@@ -365,6 +388,8 @@ def build_store(ctx: RunContext, tokenizer: Any, max_length: int, directory: Pat
         formatter.close()
         progress.close()
         _WORKER.clear()
+    if bad:
+        raise DataError(bad_rows_message(bad))
     train_ids = _mix(config, parts, train_report)
     eval_ids = _cat(held)
     train_report.leaked = int(np.isin(_cat(eval_hashes), _cat(train_hashes)).sum())
