@@ -34,8 +34,14 @@ class MetricsFile:
             self._handle = None
 
 
-def format_line(record: dict[str, Any], total_steps: int) -> str:
-    """A human-readable metrics line for the console."""
+def format_duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def format_line(record: dict[str, Any], total_steps: int, eta: float | None = None) -> str:
+    """A human-readable metrics line for the console (``eta``: seconds left, shown when known)."""
     parts = [f"iter {record['iter']}/{total_steps}", f"epoch {record['epoch']}"]
     shown = (
         ("loss", ".4f"),
@@ -50,4 +56,6 @@ def format_line(record: dict[str, Any], total_steps: int) -> str:
             parts.append(f"{key} {record[key]:{fmt}}")
     if record.get("tokens_per_second") is not None:
         parts.append(f"{record['tokens_per_second']:.0f} tok/s")
+    if eta is not None:
+        parts.append(f"eta {format_duration(eta)}")
     return " | ".join(parts)

@@ -66,17 +66,33 @@ class RunOutputs:
             total_steps,
             progress,
         )
+        self._first: tuple[int, float] | None = None  # this run's first step record: (iter, time)
+
+    def eta(self, record: dict[str, Any]) -> float | None:
+        """Seconds left at this run's mean pace since its first step (plain lines; the bar has its own)."""
+        if "loss" not in record or "time" not in record:
+            return None
+        if self._first is None:
+            self._first = (int(record["iter"]), float(record["time"]))
+            return None
+        done = int(record["iter"]) - self._first[0]
+        if done <= 0:
+            return None
+        return (
+            (float(record["time"]) - self._first[1]) / done * max(self.total_steps - int(record["iter"]), 0)
+        )
 
     def write(self, record: dict[str, Any], show: bool) -> None:
         self.metrics.write(record)
         for tracker in self.trackers:
             tracker.log(record, step=int(record["iter"]))
+        eta = self.eta(record)
         if self.progress is not None:
             self.progress.update(record)
             if "loss" not in record:  # evaluations also get a line above the bar
                 say(format_line(record, self.total_steps))
         elif show:
-            say(format_line(record, self.total_steps))
+            say(format_line(record, self.total_steps, eta))
 
     def close(self, artifacts: list[Path] | None = None) -> None:
         if self.progress is not None:
