@@ -4,6 +4,7 @@ micro-batches each optimizer step takes. One function computes it for all three,
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -71,9 +72,33 @@ def micro_batches_per_rank(samples: int, sizes: BatchSizes) -> int:
     return math.ceil(math.ceil(samples / sizes.world_size) / sizes.micro_batch_size)
 
 
-def _steps(config: TrainerConfig, sequences: int, sizes: BatchSizes) -> tuple[list[list[int]], int]:
-    plan = step_plan(micro_batches_per_rank(sequences, sizes), config.epochs, sizes, config.rampup_batch_size)
-    return plan, config.train_iters or sum(len(steps) for steps in plan[: config.epochs])
+def _steps(config: TrainerConfig, sequences: int, sizes: BatchSizes) -> tuple[list[list[int]], int, int]:
+    """The step plan, the run's total steps and its epochs. ``train_iters`` beyond what ``epochs`` holds: when
+    ``epochs`` was left at its default, as many epochs as the steps need (Hugging Face's ``max_steps``);
+    when it was set, the run ends with its last epoch and the total (and so the schedule) says so."""
+    micro, epochs = micro_batches_per_rank(sequences, sizes), config.epochs
+    plan = step_plan(micro, epochs, sizes, config.rampup_batch_size)
+    available = sum(len(steps) for steps in plan[:epochs])
+    wanted = config.train_iters
+    if not wanted or wanted <= available or available == 0:
+        return plan, wanted or available, epochs
+    if "epochs" in config.model_fields_set:
+        get_logger().warning(
+            "train_iters=%d is more than the %d steps of epochs=%d: the run ends after %d steps (the schedule "
+            "is sized for them); raise epochs, or leave it out to run %d steps",
+            wanted,
+            available,
+            epochs,
+            available,
+            wanted,
+        )
+        return plan, available, epochs
+    # an epoch takes fewest steps once a ramped-up batch is full: an upper bound, then trimmed
+    plan = step_plan(micro, epochs + math.ceil(wanted / len(plan[-1])), sizes, config.rampup_batch_size)
+    totals = itertools.accumulate(len(steps) for steps in plan)
+    epochs = next(number for number, total in enumerate(totals, start=1) if total >= wanted)
+    say(f"train_iters={wanted}: {epochs} epochs of the data (epochs was left at its default)")
+    return plan[:epochs], wanted, epochs
 
 
 def plan_data(
@@ -83,14 +108,18 @@ def plan_data(
     config = ctx.config
     max_length = max_length_for(config, facts)
     data = load_datasets(ctx, tokenizer, max_length)
-    plan, total = _steps(config, len(data.train), sizes)
+    plan, total, epochs = _steps(config, len(data.train), sizes)
     repeats = 1
     steps = max(1, config.epochs) * math.ceil(len(data.train) / sizes.global_batch_size)
     if config.min_iterations and steps < config.min_iterations:
         repeats = math.ceil(config.min_iterations / steps)
         data.train = data.train.repeat(repeats)
         say(f"min_iterations={config.min_iterations}: training data repeated {repeats}x")
-        plan, total = _steps(config, len(data.train), sizes)
+        plan, total, epochs = _steps(config, len(data.train), sizes)
+    if epochs != config.epochs:
+        derived = set(config._derived)
+        config = config.model_copy(update={"epochs": epochs})
+        config._derived = derived
     config, notes = resolve_intervals(config, total)
     for note in notes:
         say(note)

@@ -278,6 +278,7 @@ def timed(steps: Iterator[list[dict[str, Any]]], meter: StepMeter) -> Iterator[l
 def _epoch_steps(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> Iterator[list[dict[str, Any]]]:
     sizes = inputs.step_plan[state.epoch]
     if ctx.config.overfit_first_batch:
+        inputs.set_epoch(0)  # the very same first batch in every epoch (and after a resume)
         return repeat_first(inputs.train_loader, sizes[state.epoch_step :])
     return group_steps(inputs.train_loader, sizes, state.epoch_step)
 

@@ -22,7 +22,7 @@ def posttrain(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
 
 def test_train_with_overrides_writes_metrics_and_export(base_config: dict, tmp_path: Path) -> None:
     base_config["checkpoint"] = [{"output_dir": str(tmp_path / "ckpt"), "save_end_of_training": True}]
-    base_config["data"]["dl_num_workers"] = 2  # the seed's default: worker processes feed the loop
+    base_config["data"]["dl_num_workers"] = 2  # ArcticTraining's default: worker processes feed the loop
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(base_config))
     extensions = tmp_path / "torch-extensions"

@@ -26,6 +26,23 @@ def test_train_iters_and_exit_iteration(base_config) -> None:
     assert train(config).state.step == 2
 
 
+def test_train_iters_beyond_one_epoch(base_config) -> None:
+    # 16 steps per epoch: train_iters=20 runs 20 steps over 2 epochs when epochs is left out
+    result = train(merge(base_config, train_iters=20))
+    assert result.state.step == 20 and result.state.epoch == 1
+    # set explicitly, epochs wins: the run (and its schedule) ends after the epoch's 16 steps, and says so
+    config = merge(
+        base_config,
+        train_iters=20,
+        epochs=1,
+        logger={"output_dir": base_config["logger"]["output_dir"] + "e"},
+    )
+    result = train(config)
+    assert result.state.step == 16 and [line["iter"] for line in metrics(config)][-1] == 16
+    log = (Path(config["logger"]["output_dir"]) / "logs" / "rank-0.log").read_text()
+    assert "train_iters=20 is more than the 16 steps of epochs=1" in log
+
+
 def test_epochs_and_min_iterations(base_config) -> None:
     # 64 rows, 2 dropped as too long -> 62 samples -> 16 steps of 4 per epoch
     assert train(merge(base_config, epochs=2)).state.step == 32

@@ -54,7 +54,7 @@ def test_preprocess_prints_the_plan_and_json(base_config: dict, tmp_path: Path, 
     memory = data["memory"]
     assert data["data"]["total_steps"] > 0 and memory["settings"]["world_size"] == 2
     assert memory["machine"]["described"] and memory["fits"] == {"device": True, "host": True}
-    assert memory["settings"]["stage"] == 2  # the seed's default with several processes
+    assert memory["settings"]["stage"] == 2  # ArcticTraining's default with several processes
     parts = {item["part"] for item in memory["items"]}
     assert {"parameters", "gradients", "optimizer states", "activations", "runtime"} <= parts
 

@@ -188,7 +188,7 @@ class DataConfig(BaseConfig):
     """Deprecated alias of ``use_data_cache``."""
 
     cache_dir: str = ""
-    """Where processed data is cached. Empty: ``<logger.output_dir>/data-cache`` (the seed's ``/tmp`` is
+    """Where processed data is cached. Empty: ``<logger.output_dir>/data-cache`` (ArcticTraining's ``/tmp`` is
     shared by every job on a machine)."""
 
     cache_fs_type: Literal["auto", "local", "shared"] = "auto"

@@ -17,7 +17,7 @@ MIN_REDUCE_BUCKET = 2**24
 def zero_defaults(hidden_size: int, world_size: int, offload: bool = False) -> dict[str, Any]:
     """ZeRO defaults recommended by the DeepSpeed team, scaled by the model's hidden size.
 
-    Stage 2 as in the seed when there are several processes. A single process has nothing to partition, and
+    Stage 2 as in ArcticTraining when there are several processes. A single process has nothing to partition, and
     stage 2's bucketed gradient reduction then only costs time (about 9% of a step on the benchmark model),
     so it gets stage 0 unless the optimizer is offloaded (which needs stage 1 or more); a stage 1 or 2 the
     user sets runs as stage 0 there too (``single_process_stage``).

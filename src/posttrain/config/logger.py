@@ -14,7 +14,7 @@ LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 class LoggerConfig(BaseConfig):
     output_dir: str = ""
     """The run's output directory: log files, the metrics file, the kill switch and profiles live here.
-    Empty: ``runs/<config file name>`` under the current directory (the seed's ``/dev/null`` would send
+    Empty: ``runs/<config file name>`` under the current directory (ArcticTraining's ``/dev/null`` would send
     everything nowhere and make every job share the same kill switch)."""
 
     level: str = "WARNING"

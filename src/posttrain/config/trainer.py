@@ -251,7 +251,7 @@ class TrainerConfig(BaseConfig):
 
     kill_switch_path: str = ""
     """Creating this file stops training cleanly after the current step. Empty:
-    ``<logger.output_dir>/kill-switch`` (the seed's ``/tmp/at_kill_switch`` is shared by every job)."""
+    ``<logger.output_dir>/kill-switch`` (ArcticTraining's ``/tmp/at_kill_switch`` is shared by every job)."""
 
     @field_validator("deepspeed", mode="before")
     @classmethod

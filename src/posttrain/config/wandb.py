@@ -19,7 +19,7 @@ class WandBConfig(BaseConfig):
     """W&B entity (user or team)."""
 
     project: str | None = "posttrain"
-    """W&B project (the seed's default is ``arctic-training``)."""
+    """W&B project (ArcticTraining's default is ``arctic-training``)."""
 
     name: str | None = None
     """W&B run name."""
