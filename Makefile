@@ -4,6 +4,9 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# PyTorch's CPU wheels, whatever pip's default index would give (PyPI's torch carries CUDA libraries); a machine
+# that cannot reach this index installs from the indexes pip is configured with (a local CPU wheel here)
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export DS_ACCELERATOR := cpu
 export TOKENIZERS_PARALLELISM := false
@@ -15,7 +18,9 @@ export HF_DATASETS_OFFLINE := 1
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
+	if $(BIN)/python -c "import socket; socket.create_connection(('download.pytorch.org', 443), 5)" 2>/dev/null; \
+	then $(BIN)/python -m pip install -q torch==2.13.0 --index-url $(TORCH_CPU_INDEX); \
+	else $(BIN)/python -m pip install -q torch==2.13.0; fi
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
