@@ -193,3 +193,20 @@ def test_every_bad_row_is_reported_at_once_up_to_a_cap(
     monkeypatch.setattr(build_module, "MAX_ROW_ERRORS", 2)
     with pytest.raises(DataError, match=r"2 bad rows \(the build stopped reading there: there may be more\)"):
         build(data_config([str(bad)], num_proc=num_proc), tiny_tokenizer, tmp_path)
+
+
+def test_unreadable_lines_are_reported_with_the_other_bad_rows(tiny_tokenizer, tmp_path: Path) -> None:
+    lines = [json.dumps(row) for row in chat_rows(8, seed=1)]
+    lines[1], lines[3], lines[5] = '{"messages": [}', "[1, 2]", '{"messages": []}'
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as raised:
+        build(data_config([str(path)]), tiny_tokenizer, tmp_path)
+    message = str(raised.value)
+    assert message.startswith("3 bad rows:"), message
+    for expected in (
+        "mixed.jsonl row 2: invalid JSON (Expecting value at column 15)",
+        "mixed.jsonl row 4: expected a JSON object, got list",
+        "mixed.jsonl row 6: 'messages' must be a non-empty list",
+    ):
+        assert expected in message, message

@@ -203,13 +203,17 @@ def format_chunk(rows: list[Row], held_out: np.ndarray, process: bool) -> Chunk:
     factory: DataFactory = _WORKER["factory"]
     config, tokenizer, max_length = _WORKER["config"], _WORKER["tokenizer"], _WORKER["max_length"]
     hashes = np.array([row_hash(row.data) for row in rows], dtype=np.uint64)
-    formatted = iter(factory.format_batch([row.data for row in rows], tokenizer, config) if process else [])
+    readable = [row.data for row in rows if not row.error]
+    formatted = iter(factory.format_batch(readable, tokenizer, config) if process else [])
     kept: list[Sample] = []
     kept_held: list[bool] = []
     dropped: Counter[str] = Counter()
     truncated = 0
     errors: list[str] = []
     for row, held in zip(rows, held_out.tolist(), strict=True):
+        if row.error:
+            errors.append(f"{row.origin}: {row.error}")
+            continue
         try:
             sample = next(formatted) if process else _preprocessed(row.data, row.origin)
         except DataError as exc:

@@ -31,6 +31,7 @@ class Row:
 
     data: dict[str, Any]
     origin: str
+    error: str = ""  # a row that could not even be read (invalid JSON): reported with the other bad rows
 
 
 class RowReader(Protocol):
@@ -113,9 +114,9 @@ class JsonlReader:
             value = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             detail = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else exc
-            raise DataError(f"{self.path} row {number}: invalid JSON ({detail})") from None
+            return Row({}, f"{self.path} row {number}", f"invalid JSON ({detail})")
         if not isinstance(value, dict):
-            raise DataError(f"{self.path} row {number}: expected a JSON object, got {type(value).__name__}")
+            return Row({}, f"{self.path} row {number}", f"expected a JSON object, got {type(value).__name__}")
         return Row(value, f"{self.path} row {number}")
 
     def read(self, numbers: np.ndarray) -> list[Row]:
@@ -294,10 +295,10 @@ class MappedReader:
 
     def rows(self, wanted: np.ndarray | None = None) -> Iterator[Row]:
         for row in self.reader.rows(wanted):
-            yield Row(self.mapped(row), row.origin)
+            yield Row(self.mapped(row), row.origin, row.error)
 
     def _read(self, numbers: np.ndarray) -> list[Row]:
-        return [Row(self.mapped(row), row.origin) for row in self.reader.read(numbers)]  # type: ignore[attr-defined]
+        return [Row(self.mapped(row), row.origin, row.error) for row in self.reader.read(numbers)]  # type: ignore[attr-defined]
 
     def _renamed(self, data: dict[str, Any], origin: str) -> dict[str, Any]:
         out: dict[str, Any] = {}
