@@ -64,6 +64,31 @@ def kill_and_resume(
     return results
 
 
+def resume_chain(base: dict[str, Any], tmp: Path, legs: list[tuple[int, int | None]]) -> list[Any]:
+    """One run in legs, ``(processes, step to die at with SIGKILL after its checkpoint, or None: to the
+    end)``, each resuming the last; checkpoints every ``legs[0][1]`` steps. The legs' outputs."""
+    run_dir, done = tmp / "chain", []
+    every = legs[0][1]
+    for number, (nproc, die_at) in enumerate(legs):
+        config = copy.deepcopy(base)
+        config["logger"] = {"output_dir": str(run_dir)}
+        resumable: dict[str, Any] = {
+            "output_dir": str(run_dir / "ckpt"),
+            "auto_resume": True,
+            "save_every_n_steps": every,
+            "type": "deepspeed",
+        }
+        if die_at is not None:
+            config.update(code=str(DYING), skip_validation=True)
+            resumable.update(type="deepspeed-dies", die_at_step=die_at)
+        export = {"type": "huggingface", "output_dir": str(run_dir / "export"), "save_end_of_training": True}
+        config["checkpoint"] = [export, resumable]
+        result = cli(config, tmp / f"leg{number}.yaml", nproc)
+        assert (result.returncode != 0) == (die_at is not None), result.stdout[-3000:] + result.stderr[-3000:]
+        done.append(result)
+    return done
+
+
 def assert_same_continuation(results: dict[str, Any], kill_at: int, total: int) -> None:
     assert f"global_step_{kill_at}" in results["resumed"].stdout, results["resumed"].stdout[-2000:]
     reference, resumed = results["reference_metrics"], results["resumed_metrics"]

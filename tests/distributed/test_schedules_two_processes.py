@@ -73,8 +73,9 @@ def test_two_processes_match_one(base_config: dict, tmp_path: Path) -> None:
         for key in ("loss", "lr", "tokens", "eval_loss"):
             if key in a:
                 assert b[key] == pytest.approx(a[key], abs=1e-5), key
-    # warmup from 0 over one step to 0.05 x sqrt(16 / 4), then cosine to min_lr 0.01 at step 4
-    assert [x["lr"] for x in one[:4]] == pytest.approx([0.0, 0.1, 0.01 + 0.09 * 0.75, 0.01 + 0.09 * 0.25])
+    # a one-step warmup to 0.05 x sqrt(16 / 4) (its update runs at the peak, not at 0), then cosine to
+    # min_lr 0.01 at step 4
+    assert [x["lr"] for x in one[:4]] == pytest.approx([0.1, 0.1, 0.01 + 0.09 * 0.75, 0.01 + 0.09 * 0.25])
     # trackers write once (rank 0); the memory profile is per rank; both ranks' steps were timed
     assert len(list((tmp_path / "two" / "tensorboard").glob("events.out.tfevents.*"))) == 1
     for rank in (0, 1):

@@ -19,10 +19,10 @@ class DyingConfig(DeepSpeedCheckpointConfig):
 
 @CHECKPOINT_ENGINES.register("deepspeed-dies", config=DyingConfig)
 class DyingEngine(DeepSpeedCheckpointEngine):
-    def _commit(self, written, target, state):
-        if self.config.die_during_save and state.step == self.config.die_at_step:
+    def _commit(self, written, target, record):
+        if self.config.die_during_save and record["step"] == self.config.die_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
-        super()._commit(written, target, state)
+        super()._commit(written, target, record)
 
     def save(self, engine, state, *, end=False):
         path = super().save(engine, state, end=end)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from posttrain.checkpoint.base import CheckpointEngine
+from posttrain.checkpoint.reshard import epoch_step_after, layout_of, load_resharded, reshard_notes, rng_file
 from posttrain.config.checkpoint import DeepSpeedCheckpointConfig
 from posttrain.dist import barrier
 from posttrain.errors import UserError
@@ -83,14 +84,16 @@ class DeepSpeedCheckpointEngine(CheckpointEngine):
         torch.save(rng_state(), staging / tag / f"rng_state_rank{dist.rank}.pt")
         barrier(dist)
         if dist.is_main:
-            self._commit(staging / tag, target, state)
+            self._commit(staging / tag, target, {**state.resumable(), **self._layout(engine)})
         barrier(dist)
         self.last_saved_step = state.step
         return target
 
-    def _commit(self, written: Path, target: Path, state: Any) -> None:
+    def _layout(self, engine: Any) -> dict[str, int]:
+        return layout_of(self.ctx.config, self.ctx.dist.world_size, engine.ds.zero_optimization_stage())
+
+    def _commit(self, written: Path, target: Path, record: dict[str, Any]) -> None:
         """Mark complete and move into place (rank 0), then drop checkpoints over the limit."""
-        record = {**state.resumable(), "world_size": self.ctx.dist.world_size}
         atomic_write_text(written / MARKER, json.dumps(record))
         if target.exists():  # a stale checkpoint of an earlier run at the same step
             shutil.rmtree(target)
@@ -110,17 +113,25 @@ class DeepSpeedCheckpointEngine(CheckpointEngine):
             return None
         _, path = found[-1]
         record = json.loads((path / MARKER).read_text())
-        if record.get("world_size") != self.ctx.dist.world_size:
-            raise UserError(
-                f"checkpoint {path} was written by {record.get('world_size')} processes, this run has "
-                f"{self.ctx.dist.world_size}; resume with the same number of processes"
-            )
-        if not engine.load_state(str(self.output_dir), path.name):
-            raise UserError(f"DeepSpeed could not load the checkpoint {path}")
-        for key in ("step", "epoch", "epoch_step", "evals"):
+        now = self._layout(engine)
+        if record.get("world_size") == now["world_size"]:
+            if not engine.load_state(str(self.output_dir), path.name):
+                raise UserError(f"DeepSpeed could not load the checkpoint {path}")
+            epoch_step = int(record["epoch_step"])
+        else:
+            if "zero_stage" not in record:  # written before checkpoints recorded their layout
+                raise UserError(
+                    f"checkpoint {path} was written by {record.get('world_size')} processes, this run has "
+                    f"{now['world_size']}, and it predates resharding; resume it with the same number of processes"
+                )
+            for note in reshard_notes(record, now, self.config.accept_batch_change):
+                say(note)
+            load_resharded(engine, path, record, self.ctx.dist)
+            epoch_step = epoch_step_after(record, now, int(record["epoch_step"]))
+        for key in ("step", "epoch", "evals"):
             setattr(state, key, int(record[key]))
+        state.epoch_step = epoch_step
         state.tracker_ids = dict(record.get("tracker_ids", {}))
-        rng_file = path / f"rng_state_rank{self.ctx.dist.rank}.pt"
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(torch.load(rng_file(path, self.ctx.dist.rank), weights_only=False))
         self.last_saved_step = state.step
         return path

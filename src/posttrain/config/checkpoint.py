@@ -60,3 +60,8 @@ class DeepSpeedCheckpointConfig(CheckpointConfig):
 
     save_total_limit: HumanInt = Field(default=0, ge=0)
     """Keep at most this many checkpoints, removing the oldest first (0: keep all)."""
+
+    accept_batch_change: bool = False
+    """Resuming on another number of processes whose global batch differs from the checkpoint's: continue from
+    the same sample of the epoch with the new batch (the steps from there are not the original run's).
+    Without it such a resume stops and says what would change; ``total_train_batch_size`` keeps the batch."""

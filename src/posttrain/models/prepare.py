@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from posttrain.checkpoint.reshard import resume_stage
 from posttrain.config import moe as moe_checks
 from posttrain.config import sequence_parallel as sp_checks
 from posttrain.config.deepspeed import build_deepspeed_config, single_process_stage
@@ -134,8 +135,11 @@ def deepspeed_config(config: TrainerConfig, facts: ModelFacts, world_size: int) 
         )
     built = build_deepspeed_config(config, world_size=world_size, hidden_size=facts.hidden_size)
     note = single_process_stage(config.deepspeed.get("zero_optimization", {}).get("stage"), built)
-    if note:
-        say(note)
+    line = (
+        resume_stage(config, world_size, built) or note
+    )  # a checkpoint of another process count keeps its stage
+    if line:
+        say(line)
     return built
 
 
