@@ -144,24 +144,14 @@ def build_model(
         raise ValueError(f"hidden_size {hidden_size} must be a multiple of the {heads} attention heads")
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch {arch!r} is not one of {', '.join(ARCHITECTURES)}")
-    settings: dict[str, Any] = {"intermediate_size": hidden_size * 4}
-    if arch != "llama":
-        settings = _moe_settings(arch, hidden_size, heads, experts, top_k)
-    config = AutoConfig.for_model(
-        arch,
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // 2),
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        dtype="float32",
-        **settings,
+    settings = (
+        _dense_settings(hidden_size)
+        if arch == "llama"
+        else _moe_settings(arch, hidden_size, heads, experts, top_k)
     )
+    special = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+    shape = _shape(vocab_size, hidden_size, layers, heads, max_position_embeddings, special)
+    config = AutoConfig.for_model(arch, **shape, **settings)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
@@ -214,26 +204,40 @@ def write_tiny_model(
     return Path(out_dir)
 
 
-def llama_config(
-    vocab_size: int, hidden_size: int, layers: int, heads: int, special: dict[str, int]
+def _shape(
+    vocab_size: int, hidden_size: int, layers: int, heads: int, positions: int, special: dict[str, Any]
 ) -> dict[str, Any]:
-    """The tiny LLaMA's ``config.json``: what ``build_model`` sets; transformers fills in its defaults."""
+    """What every tiny model's config sets, whichever way it is built (``build_model``, ``llama_config``)."""
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
-        "intermediate_size": hidden_size * 4,
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": max(1, heads // 2),
-        "max_position_embeddings": 1024,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "initializer_range": 0.02,
+        "max_position_embeddings": positions,
         "tie_word_embeddings": False,
         "dtype": "float32",
         **special,
+    }
+
+
+def _dense_settings(hidden_size: int) -> dict[str, Any]:
+    return {"intermediate_size": hidden_size * 4}
+
+
+def llama_config(
+    vocab_size: int, hidden_size: int, layers: int, heads: int, special: dict[str, int]
+) -> dict[str, Any]:
+    """The tiny LLaMA's ``config.json``: what ``build_model`` sets, and the transformers defaults the NumPy
+    weights depend on (activation, norm epsilon, initialisation range)."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **_shape(vocab_size, hidden_size, layers, heads, 1024, special),
+        **_dense_settings(hidden_size),
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02,
     }
 
 

@@ -36,7 +36,6 @@ from posttrain.errors import UserError
 from posttrain.plan import data_parallel_size
 
 UNIVERSAL = "universal"
-MARKER = "posttrain_state.json"
 
 
 def layout_of(config: Any, world_size: int, zero_stage: int) -> dict[str, int]:
@@ -52,7 +51,7 @@ def layout_of(config: Any, world_size: int, zero_stage: int) -> dict[str, int]:
 
 
 def latest_marker(output_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    from posttrain.checkpoint.deepspeed import complete_checkpoints
+    from posttrain.checkpoint.deepspeed import MARKER, complete_checkpoints  # it imports this module
 
     found = complete_checkpoints(output_dir)
     if not found:
@@ -108,9 +107,8 @@ def reshard_notes(saved: dict[str, Any], now: dict[str, int], accept_batch_chang
                 f"the checkpoint ({where}) uses {key}={now[key]}: {what} checkpoints resume on the same number of "
                 "processes only; resume there, or start a new run from the huggingface export"
             )
-    if (
-        3 in (saved["zero_stage"], now["zero_stage"]) or 0 in (saved["zero_stage"], now["zero_stage"])
-    ) and saved["zero_stage"] != now["zero_stage"]:
+    stages = {saved["zero_stage"], now["zero_stage"]}
+    if len(stages) > 1 and stages & {0, 3}:  # ZeRO 1 <-> 2 share DeepSpeed's universal loader
         raise UserError(
             f"the checkpoint ({where}) was written at ZeRO stage {saved['zero_stage']}, this run uses stage "
             f"{now['zero_stage']}: set deepspeed.zero_optimization.stage: {saved['zero_stage']} to resume it"
