@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from posttrain.errors import UserError
 from posttrain.optim.adamw import param_groups
 from posttrain.run import run
 from tests.integration.helpers import merge, train
+from tests.resume_helpers import assert_same_continuation, kill_and_resume
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,8 +68,6 @@ def test_reference_is_frozen_and_not_optimised(base_config: dict, tiny_model_dir
 
 
 def _fixed_batch(tokenizer, count: int = 8) -> dict:
-    import json
-
     from posttrain.data.dpo import PairCollator, format_pair
 
     rows = [json.loads(line) for line in (ROOT / "examples" / "data" / "prefs-train.jsonl").open()][:count]
@@ -129,30 +129,29 @@ def test_every_loss_type_moves_the_policy_its_way(
         assert margins[-1] > margins[0], margins
 
 
+LOSS_LIST = {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.1], "offset_alpha": 0.2}
+
+
+def scored_pairs(path: Path, count: int, scores: bool = True) -> tuple[Path, list[dict]]:
+    """The bundled pairs' first ``count`` rows, with TRL's score columns (chosen 8, rejected 3) or without."""
+    rows = [json.loads(line) for line in (ROOT / "examples" / "data" / "prefs-train.jsonl").open()][:count]
+    extra = {"score_chosen": 8.0, "score_rejected": 3.0} if scores else {}
+    path.write_text("".join(json.dumps({**r, **extra}) + "\n" for r in rows))
+    return path, rows
+
+
 def test_a_list_of_losses_with_scored_pairs_trains(base_config: dict, tmp_path: Path) -> None:
     """loss_type [sigmoid, sft] with weights and the score offset, end to end: the rows' scores reach the
     loss; a row without scores is named when the offset needs them."""
-    import json
-
-    rows = [json.loads(line) for line in (ROOT / "examples" / "data" / "prefs-train.jsonl").open()][:32]
-    scored = tmp_path / "scored.jsonl"
-    scored.write_text(
-        "".join(json.dumps({**r, "score_chosen": 8.0, "score_rejected": 3.0}) + "\n" for r in rows)
-    )
-    changes = {
-        "loss_type": ["sigmoid", "sft"],
-        "loss_weights": [1.0, 0.1],
-        "offset_alpha": 0.2,
-        "train_iters": 4,
-    }
+    scored, _ = scored_pairs(tmp_path / "scored.jsonl", 32)
+    changes = {**LOSS_LIST, "train_iters": 4}
     config = merge(base_config, type="dpo", data={"sources": [str(scored)], "max_length": 64}, **changes)
     history = train(config).state.history
     # before the first update the margin is 0: the loss is -log sigmoid(-0.2 log 5) + 0.1 x the chosen NLL
     first = history[0]
     offset = -math.log(1 / (1 + math.exp(0.2 * math.log(5 + 1e-6))))
     assert first["loss"] > offset and first["rewards/margins"] == pytest.approx(0.0, abs=1e-9)
-    unscored = tmp_path / "unscored.jsonl"
-    unscored.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    unscored, _ = scored_pairs(tmp_path / "unscored.jsonl", 32, scores=False)
     config = merge(base_config, type="dpo", data={"sources": [str(unscored)], "max_length": 64}, **changes)
     with pytest.raises(UserError, match=r"unscored.jsonl.*row 1.*no scores"):
         train(config)
@@ -161,3 +160,25 @@ def test_a_list_of_losses_with_scored_pairs_trains(base_config: dict, tmp_path: 
 def test_reference_free(base_config: dict, capsys) -> None:
     train(dpo_config(base_config, train_iters=1, reference_free=True))
     assert "reference log-probabilities" not in capsys.readouterr().out
+
+
+def test_sigkill_then_resume_is_exact_with_a_loss_list_and_scores(base_config: dict, tmp_path: Path) -> None:
+    """The reference log-probs are scored again on resume; the weighted list with the score offset continues
+    as the uninterrupted run does."""
+    scored, _ = scored_pairs(tmp_path / "scored.jsonl", 48)
+    base = merge(
+        base_config,
+        type="dpo",
+        data={"sources": [str(scored)], "max_length": 64},
+        epochs=3,
+        micro_batch_size=4,
+        gradient_accumulation_steps=2,
+        **LOSS_LIST,
+    )
+    results = kill_and_resume(base, tmp_path, nproc=1, kill_at=3, total=6)
+    assert_same_continuation(results, 3, 6)
+    for step in range(4, 7):
+        for key in ("rewards/margins", "logps/chosen"):
+            assert results["reference_metrics"][step][key] == pytest.approx(
+                results["resumed_metrics"][step][key], abs=1e-6
+            )

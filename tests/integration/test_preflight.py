@@ -47,6 +47,32 @@ def test_preprocess_prints_the_report(base_config: dict, tmp_path: Path, capsys)
     assert "x 2 processes" in capsys.readouterr().out
 
 
+def test_the_report_names_each_sequence_of_kto_and_reward_samples(
+    base_config: dict, tmp_path: Path, capsys
+) -> None:
+    """Which completion is desirable or chosen, and what is only scored (KTO's KL sequence)."""
+    import json
+
+    rows = tmp_path / "feedback.jsonl"
+    rows.write_text(
+        "".join(
+            json.dumps({"prompt": f"reverse {n}", "completion": str(n)[::-1], "label": True}) + "\n"
+            for n in (123, 456)
+        )
+    )
+    kto = {**base_config, "type": "kto", "data": {**base_config["data"], "sources": [str(rows)]}}
+    assert main(["preprocess", str(_write(tmp_path, kto))]) == 0
+    report = capsys.readouterr().out
+    assert "sample 1 (the completions' tokens the loss reads in [[...]])" in report
+    assert "--- desirable completion (label true)" in report and "--- undesirable" not in report
+    assert "--- KL baseline: this prompt with the next row's completion (scored, not trained)" in report
+    pairs = str(EXAMPLES / "data" / "reward-train.jsonl")
+    reward = {**base_config, "type": "reward", "data": {**base_config["data"], "sources": [pairs]}}
+    assert main(["preprocess", str(_write(tmp_path, reward))]) == 0
+    report = capsys.readouterr().out
+    assert "--- chosen (to score higher)" in report and "--- rejected (to score lower)" in report
+
+
 def test_missing_end_of_turn_is_an_error_naming_file_and_row(
     base_config: dict, tmp_path: Path, capsys
 ) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from posttrain.methods.reward import bradley_terry
 from tests.integration.helpers import merge, train
+from tests.resume_helpers import assert_same_continuation, kill_and_resume
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,3 +174,13 @@ def test_grpo_scores_completions_with_a_reward_model(
         json.loads(line) for line in (Path(config["logger"]["output_dir"]) / "completions.jsonl").open()
     ]
     assert len({round(r["reward"], 6) for r in logged}) > 1  # scores, not a constant
+
+
+def test_sigkill_then_resume_is_exact(base_config: dict, tmp_path: Path) -> None:
+    base = reward_config(
+        base_config, tmp_path, "resume", epochs=3, micro_batch_size=4, gradient_accumulation_steps=2
+    )
+    results = kill_and_resume(base, tmp_path, nproc=1, kill_at=3, total=6)
+    assert_same_continuation(results, 3, 6)
+    for step in range(4, 7):
+        assert results["reference_metrics"][step]["accuracy"] == results["resumed_metrics"][step]["accuracy"]

@@ -6,6 +6,7 @@ equal the unsharded ones."""
 
 import copy
 import json
+import os
 import sys
 
 import torch
@@ -59,3 +60,7 @@ for arch in sys.argv[1:]:
 # leave the process group before the interpreter exits: gloo's threads torn down at exit can abort the process
 dist.barrier()
 dist.destroy_process_group()
+# and skip the interpreter's teardown: once in ~20 runs a gloo thread still joinable at exit aborted rank 1
+# ("terminate called without an active exception") after every report had been printed
+sys.stdout.flush()
+os._exit(0)

@@ -68,3 +68,24 @@ def test_prompt_truncation(tiny_tokenizer, side: str) -> None:
 def test_bad_pairs(tiny_tokenizer, row: dict, message: str) -> None:
     with pytest.raises(RowError, match=message):
         format_pair(row, tiny_tokenizer)
+
+
+def test_scores_from_trl_columns_and_erniekit_sort(tiny_tokenizer) -> None:
+    from posttrain.data.dpo import SCORES
+
+    trl = {"prompt": "reverse 12", "chosen": "21", "rejected": "12", "score_chosen": 8.5, "score_rejected": 2}
+    assert format_pair(trl, tiny_tokenizer, require_scores=True)[SCORES] == [8.5, 2.0]
+    ernie = {"src": ["reverse 12"], "tgt": [], "response": [["12"], ["21"], ["1 2"]], "sort": [3, 9, 1]}
+    pair = format_pair(ernie, tiny_tokenizer, require_scores=True)
+    assert pair[SCORES] == [9.0, 1.0]  # the highest and lowest sorted responses and their scores
+    assert trained(tiny_tokenizer, pair["chosen_input_ids"], pair["chosen_labels"]) == "21<|im_end|>"
+    plain = {"prompt": "reverse 12", "chosen": "21", "rejected": "12"}
+    assert format_pair(plain, tiny_tokenizer)[SCORES] == []
+    with pytest.raises(RowError, match="no scores"):
+        format_pair(plain, tiny_tokenizer, require_scores=True)
+    with pytest.raises(RowError, match="'score_chosen' without 'score_rejected'"):
+        format_pair({**plain, "score_chosen": 1.0}, tiny_tokenizer)
+    with pytest.raises(RowError, match="below score_rejected"):
+        format_pair(
+            {**plain, "score_chosen": 1.0, "score_rejected": 2.0}, tiny_tokenizer, require_scores=True
+        )

@@ -38,6 +38,8 @@ SCORE_KEYS = ("score_chosen", "score_rejected")
 SCORES = "scores_values"
 #: a reward pair's ``margin`` (TRL's column; how much better the chosen answer is), or empty
 MARGIN = "margin_values"
+#: a pair's token columns: both answers' ids and labels
+PAIR_COLUMNS = tuple(f"{side}_{column}" for side in SIDES for column in ("input_ids", "labels"))
 
 
 def field_of(row: dict[str, Any], name: str) -> Any:

@@ -17,7 +17,7 @@ import torch
 from posttrain.config.dpo import DPOTrainerConfig
 from posttrain.context import RunContext
 from posttrain.data.build import DataFactory, Datasets, loop_format
-from posttrain.data.dpo import SCORES, SIDES, PairCollator, fit_pair, format_dpo_row
+from posttrain.data.dpo import PAIR_COLUMNS, SCORES, PairCollator, fit_pair, format_dpo_row
 from posttrain.data.samples import IGNORE_INDEX, target_labels
 from posttrain.dist import all_reduce_sum
 from posttrain.methods.preference_losses import Pairs, PreferenceParams, preference_loss
@@ -132,7 +132,7 @@ def prepare_reference(ctx: RunContext, engine: Any, data: Datasets, collator: Pa
 #: the ``dpo`` data factory (registered in ``posttrain.builtins``)
 DATA = DataFactory(
     format_batch=loop_format(format_dpo_row),
-    columns=(*(f"{side}_{column}" for side in SIDES for column in ("input_ids", "labels")), SCORES),
+    columns=(*PAIR_COLUMNS, SCORES),
     fit=fit_pair,
     parts={
         "": "the answers' tokens the loss reads",

@@ -18,7 +18,15 @@ import torch.nn.functional as F
 from posttrain.config.reward import RewardDataConfig, RewardTrainerConfig
 from posttrain.context import RunContext
 from posttrain.data.build import DataFactory, Datasets, loop_format
-from posttrain.data.dpo import MARGIN, SIDES, PairCollator, fit_pair, format_pair, pair_margin, pair_row
+from posttrain.data.dpo import (
+    MARGIN,
+    PAIR_COLUMNS,
+    PairCollator,
+    fit_pair,
+    format_pair,
+    pair_margin,
+    pair_row,
+)
 from posttrain.models.reward_model import sequence_scores, set_pad_token
 
 
@@ -67,7 +75,7 @@ def format_reward_row(row: dict[str, Any], tokenizer: Any, config: RewardDataCon
 #: the ``reward`` data factory (registered in ``posttrain.builtins``)
 DATA = DataFactory(
     format_batch=loop_format(format_reward_row),
-    columns=(*(f"{side}_{column}" for side in SIDES for column in ("input_ids", "labels")), MARGIN),
+    columns=(*PAIR_COLUMNS, MARGIN),
     fit=fit_pair,
     parts={
         "": "each answer's tokens; its score is read at its last token",
