@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
+from posttrain.cli import main
 from posttrain.methods.reward import bradley_terry
+from posttrain.models.reward_model import load_sequence_classifier
 from tests.integration.helpers import merge, train
 from tests.resume_helpers import assert_same_continuation, kill_and_resume
 
@@ -160,7 +163,7 @@ def test_generic_head_for_an_unmapped_architecture(tiny_model_dir: Path, tmp_pat
 
 
 def test_grpo_scores_completions_with_a_reward_model(
-    base_config: dict, trained: dict, tmp_path: Path
+    base_config: dict, trained: dict, tmp_path: Path, capsys
 ) -> None:
     from tests.grpo_helpers import grpo_config, write_prompts
 
@@ -174,6 +177,19 @@ def test_grpo_scores_completions_with_a_reward_model(
         json.loads(line) for line in (Path(config["logger"]["output_dir"]) / "completions.jsonl").open()
     ]
     assert len({round(r["reward"], 6) for r in logged}) > 1  # scores, not a constant
+    # the memory plan holds the reward model whole on every process, in its checkpoint's dtype
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    capsys.readouterr()
+    assert main(["preprocess", str(path), "--json"]) == 0
+    items = json.loads(capsys.readouterr().out)["memory"]["items"]
+    held = [item for item in items if item["part"] == "reward model"]
+    loaded = load_sequence_classifier(str(trained["export"]))
+    assert len(held) == 1 and held[0]["bytes"] == sum(p.numel() for p in loaded.parameters()) * 4
+    config["rewards"][0]["model"] = str(tmp_path / "nowhere")
+    path.write_text(yaml.safe_dump(config))
+    assert main(["preprocess", str(path)]) == 2
+    assert "rewards[0].model=" in capsys.readouterr().err
 
 
 def test_sigkill_then_resume_is_exact(base_config: dict, tmp_path: Path) -> None:

@@ -72,11 +72,13 @@ class Settings:
     device: str = "cuda"  # where the model trains: cuda | cpu
     bf16_optimizer: bool = False  # DeepSpeed's BF16_Optimizer: float32 gradients kept between micro-batches
     # online RL (grpo): each rank generates ``generation_rows`` completions of ``generation_tokens`` (prompt +
-    # completion) at once; a frozen reference model (``reference_model``); vLLM's share of each GPU
+    # completion) at once; a frozen reference model (``reference_model``); vLLM's share of each GPU; reward
+    # models held whole by every process (name, parameters, dtype)
     generation_rows: int = 0
     generation_tokens: int = 0
     reference_model: bool = False
     vllm_share: float = 0.0
+    reward_models: tuple[tuple[str, int, str], ...] = ()
     gpu_memory: float = 0.0  # bytes per GPU (vLLM's share is a fraction of it)
 
     @property
@@ -160,7 +162,8 @@ def plan(settings: Settings, shape: ModelShape) -> MemoryPlan:
 
 def _generation(out: MemoryPlan) -> None:
     """Online RL: generation's KV cache and last-token logits (ZeRO-3 gathers every parameter for it), a frozen
-    reference model, vLLM's reserved share of the GPU."""
+    reference model, reward models' weights (their scoring batches are not counted), vLLM's reserved share of
+    the GPU."""
     s, shape = out.settings, out.shape
     b = DTYPE_BYTES[s.dtype]
     if s.generation_rows:
@@ -176,6 +179,9 @@ def _generation(out: MemoryPlan) -> None:
             )
     if s.reference_model:
         out.add("reference model", "device", "states", shape.params * b, f"frozen, {s.dtype}")
+    for name, params, dtype in s.reward_models:
+        size = params * DTYPE_BYTES.get(dtype, 4)
+        out.add("reward model", "device", "states", size, f"{name}: {params / 1e6:,.1f}M in {dtype}, whole")
     if s.vllm_share and s.gpu_memory:
         out.add(
             "vLLM engine", "device", "states", s.vllm_share * s.gpu_memory, f"{s.vllm_share:.0%} of the GPU"

@@ -1,5 +1,6 @@
 """The memory plan's inputs, read from a resolved config: the DeepSpeed config the run will build (ZeRO stage,
-offload, buckets), the memory features, the batch and the method's rows per sample."""
+offload, buckets), the memory features, the batch and the method's rows per sample (and the ``config.json``
+of any reward model the method scores with)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from posttrain.config.deepspeed import build_deepspeed_config, uses_bf16_optimiz
 from posttrain.config.deepspeed_block import offload_device
 from posttrain.config.trainer import TrainerConfig
 from posttrain.memory.estimate import Settings
-from posttrain.memory.shape import ModelShape
+from posttrain.memory.shape import ModelShape, scorer_shape
 from posttrain.registry import TRAINERS, load_component
 
 
@@ -56,6 +57,10 @@ def settings_for(
         generation_tokens=tokens_per_row,
         reference_model=bool(method.get("reference_model")) and config.model.peft_config is None,
         vllm_share=float(method.get("vllm_share", 0.0)),
+        reward_models=tuple(
+            (scorer.name, scorer.params, scorer.dtype)
+            for scorer in (scorer_shape(key, path) for key, path in method.get("reward_models", ()))
+        ),
     )
 
 

@@ -76,6 +76,37 @@ def model_shape(model: ModelConfig) -> ModelShape:
         raise ShapeUnavailable(f"{type(error).__name__}: {error}") from error
 
 
+@dataclass(frozen=True)
+class ScorerShape:
+    """A reward model another method holds whole on every process (grpo's ``{model: path}``)."""
+
+    name: str
+    params: int
+    dtype: str  # its checkpoint's weight dtype (what it loads in)
+
+
+def scorer_shape(key: str, name_or_path: str) -> ScorerShape:
+    """A one-label sequence classifier at ``name_or_path``: its backbone built on the meta device and the score
+    head (hidden x 1); ``key`` names the config entry in the error when nothing is there."""
+    from transformers import AutoConfig, AutoModel
+
+    try:
+        hf_config = AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as error:
+        raise not_found(key, name_or_path, error) from None
+    try:
+        with torch.device("meta"):
+            backbone = AutoModel.from_config(hf_config)
+    except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as error:
+        raise ShapeUnavailable(f"{key}: {type(error).__name__}: {error}") from error
+    params = sum(p.numel() for p in backbone.parameters()) + read_dimensions(hf_config).hidden
+    return ScorerShape(name_or_path, params, _weight_dtype(hf_config))
+
+
+def _weight_dtype(hf_config: Any) -> str:
+    return str(getattr(hf_config, "dtype", None) or "float32").removeprefix("torch.")
+
+
 def shape_of(built: torch.nn.Module, hf_config: Any) -> ModelShape:
     """Count a built (meta) model: its parts, and the sizes its activations scale with."""
     dims = read_dimensions(hf_config)
@@ -115,7 +146,7 @@ def shape_of(built: torch.nn.Module, hf_config: Any) -> ModelShape:
         shared_intermediate=round(shared / max(1, layers) / (3 * hidden)) if shared else 0,
         adapter_inputs=_adapter_inputs(built, layers),
         gated=gated,
-        dtype=str(getattr(hf_config, "dtype", None) or "float32").removeprefix("torch."),
+        dtype=_weight_dtype(hf_config),
     )
 
 

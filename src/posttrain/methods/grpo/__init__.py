@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from posttrain.config.grpo import GRPOTrainerConfig
+from posttrain.config.grpo import GRPOTrainerConfig, ModelReward
 from posttrain.data.build import DataFactory
 from posttrain.data.grpo import COLUMNS, ORIGIN_KEY, fit_prompt, format_grpo_rows
 from posttrain.errors import UserError
@@ -64,12 +64,18 @@ def grpo_schedule(config: GRPOTrainerConfig, samples: int, sizes: BatchSizes) ->
 
 def grpo_memory(config: GRPOTrainerConfig) -> dict[str, Any]:
     """What the memory plan adds for grpo: training rows of prompt + completion tokens, the generation's KV
-    cache (a whole rank's completions at once), the reference model, vLLM's share."""
+    cache (a whole rank's completions at once), the reference model, vLLM's share, the reward models (their
+    config key and path)."""
     return {
         "tokens_per_row_extra": config.max_completion_length,
         "generation_rows": True,
         "reference_model": config.beta > 0,
         "vllm_share": config.vllm_gpu_memory_utilization if config.use_vllm else 0.0,
+        "reward_models": [
+            (f"rewards[{index}].model", reward.model)
+            for index, reward in enumerate(config.rewards)
+            if isinstance(reward, ModelReward)
+        ],
     }
 
 
