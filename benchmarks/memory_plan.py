@@ -1,7 +1,7 @@
 """The memory plan's estimate against the measured peak, for configs where tensors dominate.
 
     python benchmarks/memory_plan.py            # every CPU case (about 5 minutes on 2 cores)
-    python benchmarks/memory_plan.py --quick    # the cases the test suite checks
+    python benchmarks/memory_plan.py --quick    # the cases the test suite checks (with --jobs 2 there)
     python benchmarks/memory_plan.py --gpu      # on a GPU machine: the issue's three GPU cases as well
 
 On CPU each case trains two steps with ``posttrain.run`` and measures the growth of the process's peak
@@ -172,32 +172,33 @@ def estimate(config: dict[str, Any], processes: int, machine: Any = None) -> tup
     return tensors, memory
 
 
-def warm_up(work: Path) -> None:
-    """One small run first: imports, thread pools and DeepSpeed's one-time set-up are in every baseline."""
+def warm_up(work: Path, out: Path) -> None:
+    """One small run first: imports, thread pools and DeepSpeed's one-time set-up are in every baseline.
+    It writes under the launch's own ``out`` (cases measured side by side do not share it)."""
     config = case_config("8K plain loss", work)
     config["data"]["max_length"] = 256
-    config["logger"]["output_dir"] += "_warmup"
+    config["logger"]["output_dir"] = str(out / "warmup")
     measure(config)
 
 
 def worker(config_file: Path, work: Path, out: Path) -> None:
     """One case in this process (a rank of a torchrun launch, or the parent's own run)."""
-    warm_up(work)
+    warm_up(work, out)
     growth = measure(json.loads(config_file.read_text()))
     rank = int(os.environ.get("RANK", "0"))
     (out / f"{rank}.json").write_text(json.dumps(growth))
 
 
-def run_measured(config: dict[str, Any], processes: int, work: Path) -> float:
+def run_measured(config: dict[str, Any], processes: int, work: Path, threads: int = 2) -> float:
     """The measured growth of training ``config``, in a fresh process (or ``processes`` of them; the
-    largest rank's)."""
+    largest rank's), with ``threads`` OpenMP threads over all its processes."""
     out = Path(tempfile.mkdtemp(dir=work))
     (out / "config.json").write_text(json.dumps(config))
     from posttrain.dist import free_port
     from posttrain.testing.env import child_env
 
     # a child starts its own process group (never the caller's, when the caller is a test process)
-    env = child_env(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1" if processes > 1 else "2")
+    env = child_env(MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=str(max(1, threads // processes)))
     me = [
         str(Path(__file__).resolve()),
         "--worker",
@@ -222,9 +223,23 @@ def run_measured(config: dict[str, Any], processes: int, work: Path) -> float:
 
 def run_case(name: str, work: Path) -> tuple[float, float]:
     """(estimate, measured) bytes for one case."""
-    processes = CASES[name][2]
-    config = case_config(name, work)
-    return estimate(config, processes)[0], run_measured(config, processes, work)
+    return run_cases([name], work)[0]
+
+
+def run_cases(names: list[str], work: Path, jobs: int = 1) -> list[tuple[float, float]]:
+    """(estimate, measured) bytes for each case. The estimates are computed here one by one; the measured
+    runs, each in fresh processes of its own, ``jobs`` at a time (a process's peak resident memory is its own,
+    so running cases side by side changes their time, not what is measured)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    configs = {name: case_config(name, work) for name in names}
+    estimates = [estimate(configs[name], CASES[name][2])[0] for name in names]
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        threads = max(1, 2 // max(1, jobs))  # the two cores these tables were measured on, shared
+        measured = list(
+            pool.map(lambda name: run_measured(configs[name], CASES[name][2], work, threads), names)
+        )
+    return list(zip(estimates, measured, strict=True))
 
 
 #: the issue's GPU cases: LLaMA shape, tokens per row, what was measured (on one H100 80GB, 128 GB host)
@@ -318,6 +333,9 @@ def main() -> int:
     parser.add_argument("--cases", help="case names separated by ; (default: all, or --quick's)")
     parser.add_argument("--gpu", action="store_true", help="print the GPU cases' plans (estimates)")
     parser.add_argument("--json", type=Path, help="write the table here")
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="cases measured at once (each in its own processes; default 1)"
+    )
     parser.add_argument("--work", type=Path, help="where models, data and runs go (default: a temporary dir)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -337,8 +355,7 @@ def main() -> int:
         names = [name for name in names if CASES[name][2] <= gpus]
     rows = []
     print(f"{'case':<34} {'estimate':>10} {'measured':>10} {'error':>7}", flush=True)
-    for name in names:
-        estimated, measured = run_case(name, work)
+    for name, (estimated, measured) in zip(names, run_cases(names, work, args.jobs), strict=True):
         error = estimated / measured - 1
         rows.append({"case": name, "estimate_bytes": estimated, "measured_bytes": measured, "error": error})
         print(f"{name:<34} {estimated / MIB:>8.0f}Mi {measured / MIB:>8.0f}Mi {error:>+7.1%}", flush=True)

@@ -17,7 +17,7 @@ def quick_table(tmp_path: Path, timeout: int = 900) -> tuple[list[dict[str, Any]
     """The rows of the quick cases (each with ``error``, estimate / measured - 1) and what it printed."""
     out = tmp_path / "table.json"
     done = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--quick", "--json", str(out)],
+        [sys.executable, str(BENCHMARK), "--quick", "--jobs", "2", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=timeout,
