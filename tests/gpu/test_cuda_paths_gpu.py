@@ -5,7 +5,6 @@ and backward."""
 
 from __future__ import annotations
 
-import copy
 import functools
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from posttrain.models import document_attention
 from posttrain.models.document_attention import use_document_attention
 from posttrain.models.token_logps import row_nll
 from posttrain.tiny_model import build_model
+from tests.compile_helpers import assert_few_graphs, eager_and_compiled
 from tests.integration.helpers import merge, train
 
 pytestmark = pytest.mark.gpu
@@ -72,19 +72,8 @@ def test_packed_bf16_rows_train_through_the_loop(base_config: dict, varlen_calls
 
 
 def test_compiled_bf16_packed_blocks_equal_eager(varlen_calls: list[int]) -> None:
-    from torch._dynamo.utils import counters
-
-    from posttrain.models.compile import compile_blocks
-
-    eager = build_model(1024, hidden_size=256, heads=4, max_position_embeddings=4096, seed=2)
-    eager = eager.cuda().bfloat16().train()
-    eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    eager.config.use_cache = False
-    use_document_attention(eager)
-    compiled = copy.deepcopy(eager)
-    torch._dynamo.reset()
-    counters.clear()
-    compile_blocks(compiled)
+    model = build_model(1024, hidden_size=256, heads=4, max_position_embeddings=4096, seed=2)
+    eager, compiled = eager_and_compiled(model.cuda().bfloat16().train())
     for step in range(7):
         batch = _batch(8 + step, 2048 + 128 * step, seed=step)
         losses = []
@@ -94,8 +83,7 @@ def test_compiled_bf16_packed_blocks_equal_eager(varlen_calls: list[int]) -> Non
             loss.backward()
             losses.append(loss.item())
         assert abs(losses[0] - losses[1]) < 2e-2, (step, losses)
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    assert_few_graphs()
     assert varlen_calls
 
 

@@ -20,6 +20,7 @@ from posttrain.models.sequence_parallel import SequenceSlicer
 from posttrain.models.token_logps import row_nll
 from posttrain.tiny_model import build_model
 from tests import varlen_stand_ins as stand_ins
+from tests.compile_helpers import assert_few_graphs, eager_and_compiled
 
 pytestmark = pytest.mark.integration
 
@@ -149,18 +150,9 @@ def test_compiled_bf16_packed_blocks_train_through_backward_with_torchs_varlen()
     loss and gradients equal the eager model's."""
     if not stand_ins.register_torch_kernels():
         pytest.skip("this torch has no torch.nn.attention.varlen")
-    from torch._dynamo.utils import counters
-
-    from posttrain.models.compile import compile_blocks
-
-    eager = build_model(1024, hidden_size=64, heads=4, seed=2).bfloat16().train()
-    eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    eager.config.use_cache = False
-    use_document_attention(eager)
-    compiled = copy.deepcopy(eager)
-    torch._dynamo.reset()
-    counters.clear()
-    compile_blocks(compiled)
+    eager, compiled = eager_and_compiled(
+        build_model(1024, hidden_size=64, heads=4, seed=2).bfloat16().train()
+    )
     kernels: set[str] = set()
     with stand_ins.varlen_on_cpu():
         for step in range(3):
@@ -173,8 +165,7 @@ def test_compiled_bf16_packed_blocks_train_through_backward_with_torchs_varlen()
             for name, grad in reference[1].items():
                 assert torch.allclose(grad, ours[1][name], rtol=5e-2, atol=5e-3), (step, name)
     assert kernels == {"torch_attn::_varlen_attn", "torch_attn::_varlen_attn_backward"}
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    assert_few_graphs()
 
 
 # ------------------------------------------------------------------------------------ no device read
