@@ -32,7 +32,7 @@ from posttrain.data.packing import pack_bins
 from posttrain.data.progress import BuildProgress
 from posttrain.data.samples import RowError, Sample, trained_tokens
 from posttrain.data.sources import CHUNK_ROWS, Row, open_source, sample_rows
-from posttrain.data.store import VALUES_SUFFIX, SampleStore, StoreWriter
+from posttrain.data.store import SampleStore, StoreWriter, sample_dtype
 from posttrain.data.views import PackedView, SampleView, View
 from posttrain.errors import DataError
 from posttrain.registry import DATA_FACTORIES
@@ -116,11 +116,6 @@ def assemble_samples(
     return PackedView(store, (shuffled, np.zeros_like(shuffled), lengths), offsets, members)
 
 
-def value_dtype(column: str) -> type:
-    """A formatted column's dtype: float64 for a values column (scores, margins), else int64 tokens."""
-    return np.float64 if column.endswith(VALUES_SUFFIX) else np.int64
-
-
 def loop_format(format_row: Callable[[dict[str, Any], Any, DataConfig], dict]) -> BatchFormatter:
     """A batch formatter from a one-row formatter (rows that fail become their ``RowError``)."""
 
@@ -129,7 +124,7 @@ def loop_format(format_row: Callable[[dict[str, Any], Any, DataConfig], dict]) -
         for row in rows:
             try:
                 sample = format_row(row, tokenizer, config)
-                out.append({k: np.asarray(v, dtype=value_dtype(k)) for k, v in sample.items()})
+                out.append({k: np.asarray(v, dtype=sample_dtype(k)) for k, v in sample.items()})
             except RowError as exc:
                 out.append(exc)
         return out

@@ -29,6 +29,7 @@ from posttrain.data.samples import (
     trained_tokens,
 )
 from posttrain.data.sft import assistant_mask, check_turn_ends
+from posttrain.data.store import VALUES_SUFFIX
 
 Pair = dict[str, Any]
 SIDES = ("chosen", "rejected")
@@ -38,8 +39,15 @@ SCORE_KEYS = ("score_chosen", "score_rejected")
 SCORES = "scores_values"
 #: a reward pair's ``margin`` (TRL's column; how much better the chosen answer is), or empty
 MARGIN = "margin_values"
+
+
+def token_columns(prefixes: tuple[str, ...]) -> tuple[str, ...]:
+    """The ids and labels columns of each of a sample's sequences (``chosen_input_ids``...)."""
+    return tuple(f"{prefix}_{column}" for prefix in prefixes for column in ("input_ids", "labels"))
+
+
 #: a pair's token columns: both answers' ids and labels
-PAIR_COLUMNS = tuple(f"{side}_{column}" for side in SIDES for column in ("input_ids", "labels"))
+PAIR_COLUMNS = token_columns(SIDES)
 
 
 def field_of(row: dict[str, Any], name: str) -> Any:
@@ -184,7 +192,9 @@ def fit_pair(pair: Pair, max_length: int, config: DPODataConfig) -> tuple[Pair |
     if any(len(pair[f"{side}_input_ids"]) > max_length for side in SIDES):
         if config.overlong_samples == "drop":
             return None, f"longer than max_length={max_length}", False
-        pair = {key: value if key.endswith("_values") else value[:max_length] for key, value in pair.items()}
+        pair = {
+            key: value if key.endswith(VALUES_SUFFIX) else value[:max_length] for key, value in pair.items()
+        }
         truncated = True
     if any(not trained_tokens(pair[f"{side}_labels"]) for side in SIDES):
         return None, "an answer has no trained tokens", truncated

@@ -16,13 +16,13 @@ import numpy as np
 import torch
 
 from posttrain.config.kto import KTODataConfig
-from posttrain.data.dpo import field_of, pair_row, prompt_of, render_completion
+from posttrain.data.dpo import field_of, pair_row, prompt_of, render_completion, token_columns
 from posttrain.data.samples import IGNORE_INDEX, RowError, Sample, pad_rows, trained_tokens
 from posttrain.data.views import PADDING
 
 KINDS = ("desirable", "undesirable")
 KL = "kl"
-COLUMNS = tuple(f"{kind}_{column}" for kind in (*KINDS, KL) for column in ("input_ids", "labels"))
+COLUMNS = token_columns((*KINDS, KL))
 
 
 def _label(value: Any) -> bool:

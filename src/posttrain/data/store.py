@@ -29,9 +29,16 @@ META = "meta.json"
 
 
 def column_dtype(column: str) -> type:
+    """A column's dtype on disk."""
     if column.endswith(VALUES_SUFFIX):
         return np.float64
     return np.uint8 if column.endswith(BYTES_SUFFIX) else TOKEN_DTYPE
+
+
+def sample_dtype(column: str) -> type:
+    """A column's dtype in a formatted sample and as ``get`` returns it: float64 for a values column (scores,
+    margins), else int64."""
+    return np.float64 if column.endswith(VALUES_SUFFIX) else np.int64
 
 
 class StoreWriter:
@@ -122,5 +129,4 @@ class SampleStore:
         offsets = self.offsets(column)
         begin, end = int(offsets[sample]), int(offsets[sample + 1])
         end = end if stop is None else min(end, begin + stop)
-        dtype = np.float64 if column.endswith(VALUES_SUFFIX) else np.int64
-        return np.array(self.tokens(column)[begin + start : end], dtype=dtype)
+        return np.array(self.tokens(column)[begin + start : end], dtype=sample_dtype(column))

@@ -134,10 +134,8 @@ def _class_balance(config: KTOTrainerConfig, data: Datasets) -> None:
     desirable, undesirable = max(counts[0], 1), max(counts[1], 1)
     ratio = config.desirable_weight * desirable / max(config.undesirable_weight * undesirable, 1e-12)
     if not 1.0 <= ratio <= 4 / 3:
-        low, high = (
-            undesirable * config.undesirable_weight / desirable,
-            undesirable * config.undesirable_weight / desirable * 4 / 3,
-        )
+        low = undesirable * config.undesirable_weight / desirable  # the weight that gives a ratio of 1
+        high = low * 4 / 3
         get_logger().warning(
             f"KTO class balance: {counts[0]} desirable and {counts[1]} undesirable completions give "
             f"desirable_weight x desirables / (undesirable_weight x undesirables) = {ratio:.2f}, outside the "
