@@ -68,6 +68,11 @@ class Pairs:
         return self.lc - self.lr
 
     @property
+    def h_per_token(self) -> torch.Tensor:
+        """``lc / len_c - lr / len_r``: the margin of per-token log-ratios."""
+        return self.lc / self.chosen_len.clamp(min=1) - self.lr / self.rejected_len.clamp(min=1)
+
+    @property
     def mc(self) -> torch.Tensor:
         return self.policy_chosen / self.chosen_len.clamp(min=1)
 
@@ -107,8 +112,7 @@ def hinge(p: PreferenceParams, x: Pairs) -> torch.Tensor:
 def ipo(p: PreferenceParams, x: Pairs) -> torch.Tensor:
     """IPO (Azar 2023, eq. 17) on per-token means, as ERNIEKit and TRL compute it:
     ``(lc / len_c - lr / len_r - 1 / (2 b))^2``."""
-    h = x.lc / x.chosen_len.clamp(min=1) - x.lr / x.rejected_len.clamp(min=1)
-    return (h - 1 / (2 * p.beta)) ** 2
+    return (x.h_per_token - 1 / (2 * p.beta)) ** 2
 
 
 def simpo(p: PreferenceParams, x: Pairs) -> torch.Tensor:
@@ -248,8 +252,7 @@ def discopop(p: PreferenceParams, x: Pairs) -> torch.Tensor:
 
 def sigmoid_norm(p: PreferenceParams, x: Pairs) -> torch.Tensor:
     """DPO on per-token means (TRL): ``-ls(b (lc / len_c - lr / len_r))``."""
-    h = x.lc / x.chosen_len.clamp(min=1) - x.lr / x.rejected_len.clamp(min=1)
-    return -F.logsigmoid(p.beta * h)
+    return -F.logsigmoid(p.beta * x.h_per_token)
 
 
 #: each loss_type's function (its name, reference use and options: ``config.dpo.PREFERENCE_LOSSES``)
