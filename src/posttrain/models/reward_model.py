@@ -17,17 +17,15 @@ import torch
 from posttrain.models.huggingface import HuggingFaceModelFactory
 
 
-def _generic_classifier(name_or_path: str, **arguments: Any) -> Any:
+def _generic_classifier(name_or_path: str, config: Any, **arguments: Any) -> Any:
     """The architecture's pretrained class with transformers' generic score head on top."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.modeling_layers import GenericForSequenceClassification
 
-    config = AutoConfig.from_pretrained(
-        name_or_path, trust_remote_code=arguments.get("trust_remote_code", False)
-    )
-    causal = AutoModelForCausalLM.from_config(
-        config, trust_remote_code=arguments.get("trust_remote_code", False)
-    )
+    with torch.device("meta"):  # only its class is wanted: no weights allocated
+        causal = AutoModelForCausalLM.from_config(
+            config, trust_remote_code=arguments.get("trust_remote_code", False)
+        )
     pretrained = next(
         cls
         for cls in type(causal).__mro__
@@ -48,7 +46,7 @@ def load_sequence_classifier(name_or_path: str, generic: bool = False, **argumen
         name_or_path, trust_remote_code=arguments.get("trust_remote_code", False)
     )
     if generic or config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
-        model = _generic_classifier(name_or_path, **arguments)
+        model = _generic_classifier(name_or_path, config, **arguments)
     else:
         model = AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1, **arguments)
     return model
