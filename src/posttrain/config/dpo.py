@@ -135,7 +135,8 @@ class DPOTrainerConfig(ReferenceTrainerConfig):
     """discopop's temperature mixing its logistic and exponential parts (TRL's default)."""
 
     sft_loss_ratio: HumanFloat = Field(default=0.0, ge=0.0)
-    """Weight of the chosen answers' NLL (one token mean over the micro-batch) added to the loss (ERNIEKit)."""
+    """Weight of the chosen answers' NLL (ERNIEKit) added to the loss: one token mean over the step's chosen
+    tokens, all micro-batches and processes (over the micro-batch in evaluation)."""
 
     pref_loss_ratio: HumanFloat = Field(default=1.0, ge=0.0)
     """Weight of the preference loss (ERNIEKit)."""
