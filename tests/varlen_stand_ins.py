@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from posttrain.models import document_attention
 
 CALLS: list[str] = []  # which stand-in ran, in order
+WINDOWS: list[int] = []  # the left window each forward call was given (-1: none), in order
 
 
 def check_preconditions(query: Any, key: Any, value: Any, cumulative: Any, max_q: Any, max_k: Any) -> None:
@@ -55,6 +56,7 @@ def _forward_kernel(
     window = list(window_size or [-1, -1])
     assert is_causal or window[1] == 0, "posttrain asks for causal attention"
     CALLS.append("torch_attn::_varlen_attn")
+    WINDOWS.append(window[0])
     out = reference(query, key, value, cu_seq_q, scale, window[0])
     lse = torch.zeros(query.shape[1], query.shape[0], dtype=torch.float32)
     return out, lse, torch.zeros(2, dtype=torch.uint64)
@@ -107,6 +109,7 @@ def varlen_on_cpu(function: Any = None) -> Iterator[None]:
     if function is not None:
         document_attention._varlen_attn = lambda: function
     CALLS.clear()
+    WINDOWS.clear()
     try:
         yield
     finally:
@@ -122,6 +125,7 @@ def varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=F
     check_preconditions(query, key, value, cu_seq_q, max_q, max_k)
     assert is_causal
     CALLS.append("2.10")
+    WINDOWS.append(-1)
     return reference(query, key, value, cu_seq_q, query.shape[-1] ** -0.5)
 
 
@@ -132,6 +136,7 @@ def varlen_2_11(
     check_preconditions(query, key, value, cu_seq_q, max_q, max_k)
     assert window_size[1] == 0
     CALLS.append("2.11")
+    WINDOWS.append(window_size[0])
     return reference(query, key, value, cu_seq_q, scale, window_size[0])
 
 
@@ -158,6 +163,7 @@ def varlen_2_13(
     check_preconditions(query, key, value, cu_seq_q, max_q, max_k)
     assert window_size[1] == 0
     CALLS.append("2.13")
+    WINDOWS.append(window_size[0])
     return reference(query, key, value, cu_seq_q, scale, window_size[0])
 
 
@@ -184,6 +190,7 @@ def varlen_later(
     check_preconditions(query, key, value, cu_seq_q, max_q, max_k)
     assert window_size[1] == 0
     CALLS.append("later")
+    WINDOWS.append(window_size[0])
     return reference(query, key, value, cu_seq_q, scale, window_size[0])
 
 

@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from posttrain.data.collate import Collator, HostPrepared
 from posttrain.data.packing import join_samples
@@ -21,6 +20,7 @@ from posttrain.models.token_logps import row_nll
 from posttrain.tiny_model import build_model
 from tests import varlen_stand_ins as stand_ins
 from tests.compile_helpers import assert_few_graphs, eager_and_compiled
+from tests.device_reads import DeviceReads
 
 pytestmark = pytest.mark.integration
 
@@ -117,7 +117,7 @@ def test_models_whose_attention_is_more_than_windowed_causal_keep_the_masked_row
     model = _mistral(4096)
     model.config.attention_dropout = 0.1
     assert use_document_attention(model) == "its attention_dropout is 0.1"
-    assert model.config._attn_implementation != document_attention.DOCUMENT_SDPA
+    assert model.config._attn_implementation != document_attention.DOCUMENT_ATTENTION
 
 
 def test_autocast_float32_inputs_take_the_varlen_path() -> None:
@@ -144,10 +144,16 @@ def _loss_and_grads(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[floa
     return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _without_bounds(batch: dict[str, Any]) -> dict[str, Any]:
+    """A packed row as a user's code might pass it: ids, labels and positions only."""
+    return {k: batch[k] for k in ("input_ids", "labels", "position_ids", "num_target_tokens")}
+
+
 def test_compiled_bf16_packed_blocks_train_through_backward_with_torchs_varlen() -> None:
     """torch's ``varlen_attn`` and its autograd registration over stand-in kernels, inside compiled blocks
     with activation checkpointing: changing bounds compile into few graphs with no break, and every step's
-    loss and gradients equal the eager model's."""
+    loss and gradients equal the eager model's, also for a row given without its bounds (the model derives
+    them before its compiled blocks, which would otherwise attend across documents)."""
     if not stand_ins.register_torch_kernels():
         pytest.skip("this torch has no torch.nn.attention.varlen")
     eager, compiled = eager_and_compiled(
@@ -159,7 +165,9 @@ def test_compiled_bf16_packed_blocks_train_through_backward_with_torchs_varlen()
             batch = _packed(count=6 + step, total=400 + 40 * step, seed=step)
             reference = _loss_and_grads(eager, batch)
             stand_ins.CALLS.clear()
-            ours = _loss_and_grads(compiled, batch)
+            # the last step's row comes without bounds (a user's call): derived before the compiled blocks
+            given = _without_bounds(batch) if step == 2 else batch
+            ours = _loss_and_grads(compiled, given)
             kernels.update(stand_ins.CALLS)  # what the compiled blocks ran
             assert abs(reference[0] - ours[0]) < 1e-2, step
             for name, grad in reference[1].items():
@@ -169,24 +177,6 @@ def test_compiled_bf16_packed_blocks_train_through_backward_with_torchs_varlen()
 
 
 # ------------------------------------------------------------------------------------ no device read
-
-
-class NoDeviceReads(TorchFunctionMode):
-    """Fails on a read of a tensor's values back to the host (``item``, ``tolist``, ``nonzero``, ``bool``):
-    on a GPU each is a sync. The host-side tensors the batch brings (``allowed``) may be read."""
-
-    READS = frozenset({"item", "tolist", "nonzero", "__bool__", "numpy"})
-
-    def __init__(self, allowed: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.allowed = {id(t) for t in allowed}
-        self.reads: list[str] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", "")
-        if name in self.READS and args and id(args[0]) not in self.allowed:
-            self.reads.append(name)
-        return func(*args, **(kwargs or {}))
 
 
 def _user_collator(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -224,10 +214,10 @@ def test_no_device_read_over_a_whole_forward_and_backward(kind: str, varlen: boo
     with stand_ins.varlen_on_cpu(stand_ins.varlen_2_13 if varlen else None):
         for tiled in (False, True):
             # the stand-in kernel reads the cumulative lengths on the host; a GPU kernel reads them itself
-            mode = NoDeviceReads([batch["document_bounds"], batch["cu_seq_lens_q"]])
+            mode = DeviceReads([batch["document_bounds"], batch["cu_seq_lens_q"]])
             with mode:
                 row_nll(model, batch, tiled).sum().backward()
-            assert mode.reads == [], (tiled, mode.reads)
+            assert mode.reads == [] and mode.copies == [], (tiled, mode.reads, mode.copies)
         documents = len(batch["document_bounds"]) > 2  # one document (the unpacked row): plain causal sdpa
         assert len(stand_ins.CALLS) == (4 if varlen and documents else 0)
 
@@ -238,7 +228,73 @@ def test_the_sync_check_sees_a_device_read() -> None:
     del batch["target_rows"]
     model = build_model(1024, hidden_size=64, heads=4, seed=3)
     use_document_attention(model)
-    mode = NoDeviceReads([batch["document_bounds"]])
+    mode = DeviceReads([batch["document_bounds"]])
     with mode:
         row_nll(model, batch, True).sum().backward()
     assert "nonzero" in mode.reads
+
+
+WAITS = {
+    "int": (lambda step, host: int(step[0]), "__int__"),
+    "float": (lambda step, host: float(step.sum()), "__float__"),
+    "cpu": (lambda step, host: step.cpu(), "cpu"),
+    "to another device": (lambda step, host: step.to("cpu"), "to"),
+    "to another tensor's device": (lambda step, host: step.to(host), "to"),
+    "boolean mask": (lambda step, host: step[step > 0], "boolean mask"),
+    "item": (lambda step, host: step.max().item(), "item"),
+}
+COPIES = {
+    "to the device": lambda step, host: host.to(step.device),
+    "to(device=...)": lambda step, host: host.to(device=step.device, non_blocking=True),
+    "tensor onto the device": lambda step, host: torch.tensor([1, 2], device=step.device),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WAITS))
+def test_the_sync_check_sees_each_read(kind: str) -> None:
+    step, host = torch.arange(6.0) - 2, torch.arange(3)
+    do, expected = WAITS[kind]
+    with DeviceReads([host]) as mode:
+        do(step, host)
+        host.tolist(), int(host[0]), host[host > 0], (host + 1).max().item()  # the host's own: no wait
+        step.to(torch.float64)  # a conversion on the device: no wait
+    assert mode.reads == [expected] and mode.copies == []
+
+
+@pytest.mark.parametrize("kind", sorted(COPIES))
+def test_the_sync_check_sees_each_host_to_device_copy(kind: str) -> None:
+    step, host = torch.arange(6.0), torch.arange(3)
+    with DeviceReads([host]) as mode:
+        COPIES[kind](step, host)
+    assert mode.copies == [kind.split(" ")[0].split("(")[0]] and mode.reads == []
+
+
+def test_rows_without_bounds_are_read_once_per_forward_not_per_layer() -> None:
+    """A packed row given with positions only (a user's call): the model derives the bounds before its
+    layers, one read of the positions and one copy of the bounds per forward, whatever the layer count."""
+    batch = _without_bounds(_packed())
+    model = build_model(1024, hidden_size=64, heads=4, layers=3, seed=3)
+    use_document_attention(model)
+    reference = row_nll(model, _packed()).detach()
+    with DeviceReads() as mode:
+        ours = row_nll(model, batch)
+        ours.sum().backward()
+    assert mode.reads == ["nonzero", "tolist"] and mode.copies == ["to"], (mode.reads, mode.copies)
+    assert torch.allclose(ours.detach(), reference, atol=1e-5)
+
+
+def test_positions_changed_in_place_are_read_afresh() -> None:
+    """Bounds are derived for every forward, never kept on the positions tensor: after an in-place write to
+    the positions the logits are those of the new documents."""
+    model = build_model(1024, hidden_size=64, heads=4, seed=3).eval()
+    use_document_attention(model)
+    batch = _without_bounds(_packed())
+    positions = batch["position_ids"]
+    inputs = {"input_ids": batch["input_ids"], "position_ids": positions, "use_cache": False}
+    with torch.no_grad():
+        model(**inputs)
+        other = _without_bounds(_packed(count=5, seed=7))["position_ids"]
+        positions.copy_(other)  # the same tensor, other documents
+        changed = model(**inputs).logits
+        fresh = model(**{**inputs, "position_ids": other.clone()}).logits
+    assert torch.equal(changed, fresh)

@@ -86,7 +86,7 @@ def test_no_mask_reaches_attention_and_each_document_is_one_causal_call(
         calls.append((query.shape[2], attn_mask, kwargs.get("is_causal", False)))
         return sdpa(query, key, value, attn_mask, **kwargs)
 
-    monkeypatch.setattr(document_attention, "_bounds_from_positions", _refuse)
+    monkeypatch.setattr(document_attention, "derive_bounds", _refuse)
     monkeypatch.setattr(document_attention.F, "scaled_dot_product_attention", spy)
     model = copy.deepcopy(gqa_model)
     model.set_attn_implementation("sdpa")

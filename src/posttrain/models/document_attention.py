@@ -17,7 +17,9 @@ collator's rows) and every layer receives them with the model's inputs:
   sum of the documents' squared lengths and no mask over the row is built.
 
 A layer with a sliding window (``sliding_window=W``: each token sees itself and the W - 1 before it) is exact on
-both paths: the varlen call takes the window, and a document longer than W gets its own banded mask.
+both paths: the varlen call takes the window, and a document longer than W gets its own banded mask. The
+window is the layer's own (``layer_window``): models that mix sliding and full layers (Gemma-2/3, Qwen2's
+``max_window_layers``, EXAONE-4) pass ``sliding_window=None`` from their full layers.
 
 Under ``torch.compile`` the varlen call runs as it is inside the compiled block (torch's own operator, with the
 maximum length from the batch); the per-document ``sdpa`` loop is one opaque operator
@@ -40,11 +42,13 @@ import torch.nn.functional as F
 
 from posttrain.config.trainer import TrainerConfig
 from posttrain.data.samples import document_bounds
+from posttrain.errors import UserError
 from posttrain.logs import say
 from posttrain.models.dimensions import more_than_causal, read_dimensions
 
-#: the attention name the model is switched to (transformers builds no mask for a name it does not know)
-DOCUMENT_SDPA = "posttrain_sdpa_documents"
+#: the attention name the model is switched to: transformers builds no mask for a name it does not know, and
+#: checks a name holding "sdpa" against the model's sdpa support (Gemma-2 has none, yet is causal attention)
+DOCUMENT_ATTENTION = "posttrain_documents"
 #: implementations whose whole-row mask per-document attention replaces
 REPLACED = ("sdpa", "eager")
 #: device types where torch's varlen flash kernel runs (tests add "cpu" over stand-in kernels)
@@ -232,9 +236,9 @@ causal_documents.register_autograd(_backward, setup_context=_setup)
 
 
 def per_document(core: Callable[..., Any]) -> Callable[..., Any]:
-    """An attention function: causal attention per document when the inputs carry the collator's bounds
-    (or, without them, where ``position_ids`` restart in a batch-1 row); ``core`` (an ``sdpa`` attention
-    function) otherwise."""
+    """An attention function: causal attention per document when the inputs carry the documents' bounds (the
+    collator's, or those :func:`bounds_hook` derived from a batch-1 row's ``position_ids`` before the
+    forward); ``core`` (an ``sdpa`` attention function) otherwise."""
 
     def attention(
         module: Any,
@@ -245,10 +249,8 @@ def per_document(core: Callable[..., Any]) -> Callable[..., Any]:
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        bounds = kwargs.get("document_bounds")
-        window = int(kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or 0)
-        if bounds is None and not torch.compiler.is_compiling() and key.shape[2] == query.shape[2]:
-            bounds = _bounds_from_positions(query, kwargs.get("position_ids"))
+        bounds = kwargs.get("document_bounds")  # the batch's, or derived once per forward (bounds_hook)
+        window = layer_window(module, kwargs)
         if bounds is None and window and query.shape[2] > window and key.shape[2] == query.shape[2]:
             bounds = torch.arange(query.shape[0] + 1) * query.shape[2]  # a document per row, windowed
         if bounds is None or (len(bounds) <= 2 and query.shape[0] == 1 and not window):
@@ -273,6 +275,17 @@ def per_document(core: Callable[..., Any]) -> Callable[..., Any]:
     return attention
 
 
+def layer_window(module: Any, kwargs: dict[str, Any]) -> int:
+    """The sliding window of this call (0: full causal attention). The call's ``sliding_window`` decides
+    whenever the call passes one, ``None`` included: EXAONE-4 keeps the config's window on every layer's
+    module and passes ``None`` from its full-attention layers. Only a call that passes none falls back to
+    the module's attribute."""
+    value = (
+        kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    )
+    return int(value or 0)
+
+
 def _autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Under autocast, float32 inputs in the autocast dtype, as autocast would cast them for ``sdpa``."""
     device = tensors[0].device.type
@@ -287,27 +300,64 @@ def _flat(x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
     return x.transpose(0, 1).reshape(1, x.shape[1], batch * length, x.shape[3])
 
 
-#: attribute under which a positions tensor keeps the bounds read from it (one read per forward, not per layer)
-_BOUNDS = "_posttrain_document_bounds"
+#: what :func:`bounds_hook` adds to a forward's inputs (the names ``HostPrepared`` batches carry)
+BOUND_KEYS = ("document_bounds", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+#: where a forward may take a cache (generation): no documents are derived there
+_CACHES = ("past_key_values", "cache")
+_POSITIONS_AT: dict[Any, int | None] = {}
 
 
-def _bounds_from_positions(query: torch.Tensor, positions: Any) -> torch.Tensor | None:
-    """The bounds of a batch-1 row from its positions, for inputs that come without the collator's bounds
-    (``HostPrepared`` adds them to every training batch): read once per forward, kept on the positions."""
-    if positions is None or query.shape[0] != 1:
-        return None
-    found = getattr(positions, _BOUNDS, None)
-    if found is None:
-        found = document_bounds(positions)["document_bounds"]
-        setattr(positions, _BOUNDS, found)
+def _positions(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The forward's ``position_ids``, passed by name or by place."""
+    if "position_ids" in kwargs or not args:
+        return kwargs.get("position_ids")
+    forward = type(module).forward
+    if forward not in _POSITIONS_AT:
+        names = list(inspect.signature(forward).parameters)[1:]  # without self
+        _POSITIONS_AT[forward] = names.index("position_ids") if "position_ids" in names else None
+    at = _POSITIONS_AT[forward]
+    return args[at] if at is not None and at < len(args) else None
+
+
+def derive_bounds(positions: torch.Tensor) -> dict[str, Any]:
+    """The documents' bounds of a row from its positions (one read of the positions from the device), with
+    the cumulative lengths copied to the positions' device once."""
+    found = document_bounds(positions)
+    del found["num_attention_sq"]
+    found["cu_seq_lens_q"] = found["cu_seq_lens_k"] = found["cu_seq_lens_q"].to(positions.device)
     return found
+
+
+def bounds_hook(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """A forward pre-hook on the model: a batch-1 row with ``position_ids`` that restart (documents laid end to
+    end), no attention mask and no bounds of its own (a user's call, or a collator ``HostPrepared`` did not
+    wrap) gets the bounds derived here, once per forward: every layer, compiled blocks included, then
+    attends per document, and no layer reads the positions or copies bounds to the device. Nothing is kept
+    between forwards, so a positions tensor changed in place is read afresh."""
+    if "document_bounds" in kwargs or kwargs.get("attention_mask") is not None:
+        return None
+    if any(kwargs.get(name) is not None for name in _CACHES):
+        return None
+    positions = _positions(module, args, kwargs)
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[0] != 1:
+        return None
+    found = derive_bounds(positions)
+    if len(found["document_bounds"]) <= 2:  # one document: plain causal attention
+        return None
+    return args, {**kwargs, **found}
 
 
 def unsupported_by_documents(model: torch.nn.Module) -> str:
     """Why per-document attention would not be exact for this model ('' when it is): it computes causal
-    attention, with sliding windows, but without logit soft-capping or attention dropout."""
+    attention, with sliding windows, but without logit soft-capping, attention dropout or attention sinks
+    (GPT-OSS: a learned logit per head in every row's softmax)."""
     config = getattr(model, "config", None)
-    return more_than_causal(read_dimensions(config)) if config is not None else ""
+    reason = more_than_causal(read_dimensions(config)) if config is not None else ""
+    if not reason and any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        reason = "its attention has sinks (a learned logit per head in every row's softmax)"
+    return reason
 
 
 def use_document_attention(model: torch.nn.Module) -> str:
@@ -324,8 +374,9 @@ def use_document_attention(model: torch.nn.Module) -> str:
         return reason
     if _varlen_attn() is not None:
         _parameters(_varlen_attn())  # read the signature now, not inside a compiled block
-    AttentionInterface.register(DOCUMENT_SDPA, per_document(sdpa_attention_forward))
-    model.set_attn_implementation(DOCUMENT_SDPA)
+    AttentionInterface.register(DOCUMENT_ATTENTION, per_document(sdpa_attention_forward))
+    model.set_attn_implementation(DOCUMENT_ATTENTION)
+    model.register_forward_pre_hook(bounds_hook, with_kwargs=True)
     return ""
 
 
@@ -337,6 +388,14 @@ def document_attention_step(
     documents = config.data.padding_free or config.data.pack_samples
     if documents and config.model.attn_implementation in REPLACED and config.sequence_parallel_size == 1:
         kept = use_document_attention(model)
+        if "sinks" in kept:
+            # GPT-OSS builds its masks without the positions, so its masked row would cross documents too
+            key = "data.pack_samples" if config.data.pack_samples else "data.padding_free"
+            raise UserError(
+                f"{key}: true, but {kept}: per-document attention does not compute them, and transformers' "
+                f"masked row for {type(model).__name__} does not keep the documents apart; set {key}: false "
+                "(padded rows are exact)"
+            )
         if kept:
             say(f"per-document attention does not apply to this model ({kept}): packed rows use a masked row")
     return model
