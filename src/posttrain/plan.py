@@ -53,8 +53,10 @@ def data_parallel_size(config: TrainerConfig, world_size: int) -> int:
 
 
 def resolve(config: TrainerConfig, world_size: int) -> tuple[TrainerConfig, BatchSizes, float]:
-    """The config with batch sizes and the effective LR filled in for this world size."""
+    """The config with batch sizes and the effective LR filled in for this world size; the checks of the
+    batch sizes (ramp-up, the method's own) made here, before any data is built or model loaded."""
     sizes = batch_sizes(config, data_parallel_size(config, world_size))
+    check_sizes(config, sizes)
     lr = config.optimizer.effective_lr(sizes.global_batch_size)
     resolved = config.model_copy(
         update={
@@ -158,9 +160,30 @@ def ramped_batch(rampup: tuple[int, int, int], target: int, consumed: int) -> in
     return min(target, start + increment * int(consumed // per_interval))
 
 
-def check_rampup(rampup: tuple[int, int, int] | None, sizes: BatchSizes) -> None:
+def made_of(sizes: BatchSizes) -> str:
+    """How a global batch is made, for messages."""
+    return (
+        f"micro-batch {sizes.micro_batch_size} x accumulation {sizes.gradient_accumulation_steps} x "
+        f"{sizes.world_size} processes"
+    )
+
+
+def check_sizes(config: TrainerConfig, sizes: BatchSizes) -> None:
+    """The batch sizes' checks once the world size is known: ramp-up and the method's own (grpo: a global
+    batch of whole groups). One error naming every problem."""
+    problems = rampup_problems(config.rampup_batch_size, sizes)
+    problems += [
+        f"{key}: {message}" for key, message in config.batch_problems(sizes.global_batch_size, made_of(sizes))
+    ]
+    if len(problems) == 1:
+        raise UserError(problems[0])
+    if problems:
+        raise UserError("the batch sizes do not fit:\n  - " + "\n  - ".join(problems))
+
+
+def rampup_problems(rampup: tuple[int, int, int] | None, sizes: BatchSizes) -> list[str]:
     if rampup is None:
-        return
+        return []
     start, increment, _ = rampup
     unit = sizes.micro_batch_size * sizes.world_size
     target = sizes.global_batch_size
@@ -173,5 +196,4 @@ def check_rampup(rampup: tuple[int, int, int] | None, sizes: BatchSizes) -> None
         problems.append(
             f"global batch {target} - start {start} is not a multiple of the increment {increment}"
         )
-    if problems:
-        raise UserError(f"rampup_batch_size={list(rampup)}: " + "; ".join(problems))
+    return [f"rampup_batch_size={list(rampup)}: " + "; ".join(problems)] if problems else []

@@ -25,7 +25,7 @@ from posttrain.memory.check import memory_plan
 from posttrain.memory.machine import Machine
 from posttrain.memory.report import plan_as_data, plan_text
 from posttrain.memory.shape import ShapeUnavailable
-from posttrain.plan import BatchSizes, check_rampup, lr_explanation, resolve
+from posttrain.plan import BatchSizes, lr_explanation, resolve
 from posttrain.registry import DATA_FACTORIES, TOKENIZER_FACTORIES, TRAINERS, load_component
 from posttrain.stages.data import DataPlan, model_facts, plan_data
 from posttrain.utils.fs import atomic_write
@@ -76,7 +76,6 @@ def preflight(config: TrainerConfig, world_size: int) -> DataPlan:
     """Resolve the batch sizes and LR for ``world_size``, build the data, and count the steps: what
     ``train`` does before its first step (the same data plan), without a model or a process group."""
     resolved, sizes, lr = resolve(config, world_size)
-    check_rampup(resolved.rampup_batch_size, sizes)
     ctx = RunContext(config=resolved, dist=DistInfo(0, 0, 1, torch.device("cpu")))
     Path(resolved.logger.output_dir).mkdir(parents=True, exist_ok=True)
     tokenizer = TOKENIZER_FACTORIES.get(resolved.tokenizer.type).obj(resolved.tokenizer, ctx)

@@ -27,7 +27,7 @@ from posttrain.logs import get_logger, say, setup_logging
 from posttrain.loop import LoopInputs, LoopState, final_evaluation, train_loop
 from posttrain.models.sequence_parallel import SequenceSlicer
 from posttrain.models.sequence_parallel import uninstall as uninstall_sequence_parallel
-from posttrain.plan import BatchSizes, check_rampup, data_parallel_size, lr_explanation, resolve
+from posttrain.plan import BatchSizes, data_parallel_size, lr_explanation, resolve
 from posttrain.profiling import observers as profiling_observers
 from posttrain.registry import (
     CHECKPOINT_ENGINES,
@@ -95,7 +95,6 @@ def _run(config: TrainerConfig, dist: DistInfo) -> RunResult:
 def set_up(config: TrainerConfig, dist: DistInfo) -> Setup:
     """Resolve the config for the world size, write it beside the outputs, start logging, seed."""
     resolved, sizes, lr = resolve(config, dist.world_size)
-    check_rampup(resolved.rampup_batch_size, sizes)
     ctx = RunContext(config=resolved, dist=dist)
     if dist.is_main:
         ctx.output_dir.mkdir(parents=True, exist_ok=True)

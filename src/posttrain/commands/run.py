@@ -38,6 +38,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: must be >= 1 (the number of processes on this machine)")
     config = load(args.config, args.overrides, warn=False)  # validate once before starting any process
+    if not args.launcher_args.strip():  # the world size is known: check the batch sizes for it now
+        from posttrain.plan import resolve
+
+        resolve(config, args.nproc)
     # launcher arguments always reach a launcher: `--nproc 1 --launcher-args '--nnodes 2 ...'` is one process
     # on each of two nodes in one run, not a world-size-1 run on each
     if (args.nproc > 1 or args.launcher_args.strip()) and "LOCAL_RANK" not in os.environ:
@@ -68,6 +72,7 @@ def _validate_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="fail (exit 2) when a local input the config names is missing",
     )
+    _world_size_argument(parser, "none: only what holds for every world size is checked")
 
 
 @command("validate", "validate a config and print it with every default filled in", _validate_arguments)
@@ -78,6 +83,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from posttrain.config.provenance import redact
 
     config = load(args.config, args.overrides)
+    if args.world_size is not None:  # the batch sizes for that many processes, as train checks them
+        from posttrain.plan import resolve
+
+        resolve(config, _world_size(args.world_size))
     missing = list(missing_inputs(config))
     if missing and args.check_paths:
         raise UserError("missing inputs:\n  - " + "\n  - ".join(missing))
@@ -95,6 +104,12 @@ def _world_size_argument(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--world-size", type=int, help=f"processes the run will use (default: {default})")
 
 
+def _world_size(world: int) -> int:
+    if world < 1:
+        raise UserError(f"--world-size {world}: must be >= 1 (the number of processes the run will use)")
+    return world
+
+
 def _preflight(args: argparse.Namespace) -> tuple[Any, Any]:
     """What ``preprocess`` and ``plot-lr`` share: the validated config and its pre-flight (data and steps)."""
     config = load(args.config, args.overrides)
@@ -103,9 +118,8 @@ def _preflight(args: argparse.Namespace) -> tuple[Any, Any]:
 
     setup_logging(config.logger, 0)
     world = args.world_size if args.world_size is not None else getattr(args, "gpus_per_node", None)
-    if world is not None and world < 1:
-        raise UserError(f"--world-size {world}: must be >= 1 (the number of processes the run will use)")
-    return config, preflight(config, world or int(os.environ.get("WORLD_SIZE", "1")))
+    world = _world_size(world) if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    return config, preflight(config, world)
 
 
 def _preprocess_arguments(parser: argparse.ArgumentParser) -> None:

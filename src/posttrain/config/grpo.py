@@ -286,6 +286,19 @@ class GRPOTrainerConfig(TrainerConfig):
     completions_log_interval: HumanInt = Field(default=10, ge=1)
     """Every this many generations (all of that generation's completions on rank 0)."""
 
+    def batch_problems(self, global_batch: int, made_of: str) -> Iterator[Problem]:
+        """A generated batch holds whole groups: the global batch (it counts completions) is a multiple of
+        ``num_generations``."""
+        group = self.num_generations
+        if group >= 1 and global_batch % group:
+            fit = -(-global_batch // group) * group
+            yield Problem(
+                "total_train_batch_size",
+                f"the global batch counts completions: {global_batch} ({made_of}) is not a multiple of "
+                f"num_generations={group}; set total_train_batch_size: {fit} (or micro_batch_size / "
+                "gradient_accumulation_steps so that their product times the processes is a multiple)",
+            )
+
     def problems(self) -> Iterator[Problem]:
         yield from super().problems()
         if self.num_generations < 2:

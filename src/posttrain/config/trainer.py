@@ -273,10 +273,18 @@ class TrainerConfig(BaseConfig):
     def _listify(cls, value: Any) -> Any:
         return value if isinstance(value, list) else [value]
 
+    def batch_problems(self, global_batch: int, made_of: str) -> Iterator[Problem]:
+        """The method's checks of its global batch (``made_of``: how it is made, for the message). They run
+        at validation when ``total_train_batch_size`` fixes the batch, and once the world size is known
+        (``plan.resolve``: ``validate --world-size``, ``train`` before it starts processes, every rank before
+        its model loads) otherwise. A method that needs whole groups in a batch (grpo) overrides it."""
+        return iter(())
+
     def _batch_problems(self) -> Iterator[Problem]:
         explicit = self.model_fields_set
         packed = self.data.pack_samples
         if self.total_train_batch_size is not None:
+            yield from self.batch_problems(self.total_train_batch_size, "total_train_batch_size")
             for key in ("micro_batch_size", "gradient_accumulation_steps"):
                 if key in explicit:
                     yield Problem(key, "is derived from total_train_batch_size; set one or the other")

@@ -117,9 +117,11 @@ def plan_data(
     data = load_datasets(ctx, tokenizer, max_length)
     plan, total, epochs = _steps(config, len(data.train), sizes)
     repeats = 1
-    steps = max(1, config.epochs) * math.ceil(len(data.train) / sizes.global_batch_size)
+    steps = sum(
+        len(epoch) for epoch in plan[: max(1, config.epochs)]
+    )  # optimizer steps, as the method counts
     if config.min_iterations and steps < config.min_iterations:
-        repeats = math.ceil(config.min_iterations / steps)
+        repeats = math.ceil(config.min_iterations / max(steps, 1))
         data.train = data.train.repeat(repeats)
         say(f"min_iterations={config.min_iterations}: training data repeated {repeats}x")
         plan, total, epochs = _steps(config, len(data.train), sizes)

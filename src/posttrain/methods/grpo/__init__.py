@@ -9,7 +9,6 @@ schedule and the memory plan's settings.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -43,16 +42,9 @@ def grpo_steps(ctx: Any, engine: Any, batches: Any, tokenizer: Any) -> GRPOSteps
 
 def grpo_schedule(config: GRPOTrainerConfig, samples: int, sizes: BatchSizes) -> tuple[int, int]:
     """The step plan counts completions (the batch sizes do): P = global batch / num_generations prompts a
-    batch, whole batches only; each batch takes ``num_iterations`` optimizer steps."""
+    batch, whole batches only (a global batch of whole groups is checked with the batch sizes,
+    ``GRPOTrainerConfig.batch_problems``); each batch takes ``num_iterations`` optimizer steps."""
     group, batch = config.num_generations, sizes.global_batch_size
-    if batch % group:
-        fit = math.ceil(batch / group) * group
-        raise UserError(
-            f"the global batch counts completions: {batch} (micro-batch {sizes.micro_batch_size} x accumulation "
-            f"{sizes.gradient_accumulation_steps} x {sizes.world_size} processes) is not a multiple of "
-            f"num_generations={group}; set total_train_batch_size: {fit} (or micro_batch_size / "
-            "gradient_accumulation_steps so that their product times the processes is a multiple)"
-        )
     prompts = batch // group
     if samples < prompts:
         raise UserError(
