@@ -237,6 +237,9 @@ def test_cross_field_errors(tmp_path: Path) -> None:
     split = GOOD.replace("train.jsonl", "train.jsonl\n  train_eval_split: [0.9, 0.1]")
     error = errors_of(split + "eval_at_end: false\n", tmp_path)
     assert "eval data is configured but never used" in error.render()
+    assert "eval_on_start: true" in error.render()
+    loaded = load_config(text=split + "eval_at_end: false\neval_on_start: true\n", base_dir=tmp_path)
+    assert loaded.eval_on_start and not loaded.eval_at_end  # the held-out loss at step 0 uses the eval data
     error = errors_of(GOOD + "skip_train: true\n", tmp_path)
     assert "skip_train: evaluates only" in error.render()
     error = errors_of(GOOD + "total_train_batch_size: 8\nmicro_batch_size: 2\n", tmp_path)
@@ -505,3 +508,37 @@ def test_an_unknown_top_level_key_names_the_closest_not_all_sixty(tmp_path: Path
         "did you mean 'eval_interval'?" in message and "keys in all: `posttrain schema --markdown`" in message
     )
     assert "kill_switch_path" not in message and len(message) < 400
+
+
+@pytest.mark.parametrize(
+    ("key", "close", "not_close"),
+    [
+        # a key of another trainer shares only "model" with the allowed ones: no unrelated key is named
+        ("teacher_model_name_or_path", ["model"], ["check_memory", "train_log_metrics_path", "scheduler"]),
+        ("micro_batch", ["micro_batch_size"], ["check_memory", "seed"]),
+        ("eval_steps", ["eval_interval", "eval_iters", "eval_on_start"], ["kill_switch_path"]),
+        ("exit_iterations", ["exit_iteration", "exit_iteration_this_run", "min_iterations"], ["seed"]),
+    ],
+)
+def test_unknown_keys_suggest_only_keys_close_by_spelling_or_a_shared_word(
+    key: str, close: list[str], not_close: list[str]
+) -> None:
+    from posttrain.config import load_config
+    from posttrain.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(data={"model": {"name_or_path": "m"}, "data": {"sources": ["d.jsonl"]}, key: 5})
+    message = str(caught.value)
+    named = message.split("(close: ", 1)[1].split(";", 1)[0].split(", ")
+    assert set(close) <= set(named) and not set(not_close) & set(named), named
+
+
+def test_an_unknown_key_close_to_nothing_gets_the_pointer_alone() -> None:
+    from posttrain.config import load_config
+    from posttrain.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(data={"model": {"name_or_path": "m"}, "data": {"sources": ["d.jsonl"]}, "lerning_rate": 1})
+    message = str(caught.value)
+    assert "close:" not in message and "did you mean" not in message
+    assert "keys in all: `posttrain schema --markdown` or docs/reference.md" in message

@@ -155,17 +155,50 @@ def field_names(cls: type[BaseModel], *, deprecated: bool = True) -> set[str]:
     return set(fields) | {info.alias for info in fields.values() if info.alias}
 
 
-#: an unknown-key message lists the allowed keys up to this many; beyond, the closest and where to find all
+#: an unknown-key message lists the allowed keys up to this many; beyond, the close ones and where to find all
 ALLOWED_SHOWN = 12
+#: words of a key name that say nothing about what it is for: sharing one makes no two keys related
+FILLER_WORDS = frozenset(
+    "a an and at by for in is of on or per the to with path dir file name size type config enable use num max min".split()
+)
+
+
+def _words(name: str) -> set[str]:
+    return {w for w in str(name).lower().split("_") if len(w) > 1 and w not in FILLER_WORDS}
+
+
+def _same_word(a: str, b: str) -> bool:
+    """The same word, or one misspelled (``lerning`` for ``learning``)."""
+    return a == b or (min(len(a), len(b)) >= 5 and difflib.SequenceMatcher(None, a, b).ratio() >= 0.8)
+
+
+def close_keys(key: str, allowed: list[str] | set[str] | frozenset[str], limit: int = 6) -> list[str]:
+    """The allowed keys close to ``key``: spelled alike (a typo, a missing part: ``micro_batch`` for
+    ``micro_batch_size``), or sharing a word that means something (``eval`` in ``eval_steps`` and
+    ``eval_interval``; not ``path`` or ``name``). The closest first; none when nothing is close."""
+    names = sorted(allowed)
+    spelled = difflib.get_close_matches(str(key), names, n=limit, cutoff=0.75)
+    words = _words(key)
+    shared = {
+        name: sum(any(_same_word(w, v) for v in _words(name)) for w in words)
+        for name in names
+        if name not in spelled
+    }
+    sharing = sorted(
+        (name for name, count in shared.items() if count),
+        key=lambda name: (-shared[name], -difflib.SequenceMatcher(None, str(key), name).ratio(), name),
+    )
+    return [*spelled, *sharing][:limit]
 
 
 def allowed_keys(key: str, allowed: list[str] | set[str] | frozenset[str]) -> str:
-    """``(allowed: a, b, c)``, or for a long list the keys closest to ``key`` and where the rest are."""
+    """``(allowed: a, b, c)``, or for a long list the keys close to ``key`` (:func:`close_keys`), if any, and
+    where all of them are listed."""
     names = sorted(allowed)
     if len(names) <= ALLOWED_SHOWN:
         return f"(allowed: {', '.join(names)})"
-    close = difflib.get_close_matches(str(key), names, n=6, cutoff=0.3)
-    shown = f"closest: {', '.join(close)}; " if close else ""
+    close = close_keys(key, names)
+    shown = f"close: {', '.join(close)}; " if close else ""
     return f"({shown}{len(names)} keys in all: `posttrain schema --markdown` or docs/reference.md)"
 
 

@@ -305,10 +305,12 @@ class TrainerConfig(BaseConfig):
                 yield Problem("rampup_batch_size", f"{list(self.rampup_batch_size)}: all three must be >= 1")
 
     def _eval_problems(self) -> Iterator[Problem]:
-        if self.data.has_eval and self.eval_interval == 0 and not (self.eval_at_end or self.skip_train):
+        used = self.eval_at_end or self.eval_on_start or self.skip_train
+        if self.data.has_eval and self.eval_interval == 0 and not used:
             yield Problem(
                 "eval_interval",
-                "eval data is configured but never used: set eval_interval > 0 or eval_at_end: true",
+                "eval data is configured but never used: set eval_interval > 0, eval_at_end: true or "
+                "eval_on_start: true",
             )
         if self.eval_on_start and not self.data.has_eval:
             yield Problem("eval_on_start", "needs eval data: set data.eval_sources or data.train_eval_split")
