@@ -538,7 +538,9 @@ def test_an_unknown_key_close_to_nothing_gets_the_pointer_alone() -> None:
     from posttrain.config.errors import ConfigError
 
     with pytest.raises(ConfigError) as caught:
-        load_config(data={"model": {"name_or_path": "m"}, "data": {"sources": ["d.jsonl"]}, "lerning_rate": 1})
+        load_config(
+            data={"model": {"name_or_path": "m"}, "data": {"sources": ["d.jsonl"]}, "lerning_rate": 1}
+        )
     message = str(caught.value)
     assert "close:" not in message and "did you mean" not in message
     assert "keys in all: `posttrain schema --markdown` or docs/reference.md" in message
