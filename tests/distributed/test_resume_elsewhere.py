@@ -68,3 +68,25 @@ def test_a_global_batch_that_cannot_be_kept_is_refused_or_accepted(base_config: 
     # 3 steps of 4 samples = 12 samples = 6 steps of 2: the epoch (31 steps of 2) continues at its 7th step
     steps = sorted(last_metrics(tmp_path / "chain"))
     assert steps[-1] == 3 + (31 - 6), steps[-5:]
+
+
+def test_bf16_zero2_on_two_resumed_on_one_runs_bf16_optimizer(base_config: dict, tmp_path: Path) -> None:
+    """bfloat16: ZeRO 2 on two processes, killed after step 3, resumed on one process, where bf16 runs as
+    DeepSpeed's BF16_Optimizer (stage 1): its float32 master weights and Adam moments come from DeepSpeed's
+    universal checkpoint; the continuation follows the uninterrupted two-process run (to bf16 rounding: the
+    two accumulate gradients in different precisions)."""
+    config = merge(fixed_batch(base_config, 2), model={"dtype": "bfloat16"})
+    reference = cli(
+        merge(config, logger={"output_dir": str(tmp_path / "reference")}), tmp_path / "two.yaml", 2
+    )
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = last_metrics(tmp_path / "reference")
+    legs = resume_chain(config, tmp_path, [(2, 3), (1, None)])
+    assert "written by 2 process(es), resumed on 1" in legs[1].stdout
+    assert "runs as DeepSpeed's BF16_Optimizer" in legs[1].stdout, legs[1].stdout[-3000:]
+    got = last_metrics(tmp_path / "chain")
+    assert sorted(got) == sorted(expected) == list(range(1, 17))
+    for step in range(1, 17):
+        assert got[step]["tokens"] == expected[step]["tokens"], step
+        assert got[step]["lr"] == pytest.approx(expected[step]["lr"], abs=1e-12), step
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], abs=3e-3), step

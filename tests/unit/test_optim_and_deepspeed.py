@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from posttrain.config import load_config
-from posttrain.config.deepspeed import build_deepspeed_config, single_process_stage, uses_bf16_optimizer
+from posttrain.config.deepspeed import (
+    accumulation_dtype,
+    build_deepspeed_config,
+    single_process_stage,
+    uses_bf16_optimizer,
+)
 from posttrain.optim.adamw import param_groups
 
 
@@ -130,6 +135,13 @@ def test_deepspeed_defaults_follow_dtype(tmp_path) -> None:
         assert (
             two["zero_optimization"]["stage"] == (2 if stage is None else stage) and "data_types" not in two
         )
+    # bf16 accumulation asked for: stage 1 without BF16_Optimizer, and the line says so (not float32)
+    bf16_accumulation = {"data_types": {"grad_accum_dtype": "bf16"}}
+    one = build_deepspeed_config(config(tmp_path, deepspeed=bf16_accumulation), world_size=1, hidden_size=8)
+    assert one["zero_optimization"]["stage"] == 1 and not uses_bf16_optimizer(one)
+    assert accumulation_dtype(one) == "bfloat16" and accumulation_dtype(two) == "bfloat16"
+    note = single_process_stage(None, one)
+    assert "gradients accumulated in bfloat16" in note and "BF16_Optimizer (ZeRO" not in note
     cfg = config(tmp_path, deepspeed={"zero_optimization": {"stage": 3}})
     assert build_deepspeed_config(cfg, world_size=1, hidden_size=8)["zero_optimization"]["stage"] == 3
     # optimizer offload needs stage >= 1, parameter offload stage 3; "auto" precision follows model.dtype

@@ -102,20 +102,24 @@ class DeepSpeedCheckpointEngine(CheckpointEngine):
         _, path = found[-1]
         record = json.loads((path / MARKER).read_text())
         now = self._layout(engine)
-        if record.get("world_size") == now["world_size"]:
-            if not engine.load_state(str(self.output_dir), path.name):
-                raise UserError(f"DeepSpeed could not load the checkpoint {path}")
-            epoch_step = int(record["epoch_step"])
-        else:
-            if "zero_stage" not in record:  # written before checkpoints recorded their layout
-                raise UserError(
-                    f"checkpoint {path} was written by {record.get('world_size')} processes, this run has "
-                    f"{now['world_size']}, and it predates resharding; resume it with the same number of processes"
-                )
-            for note in reshard_notes(record, now, self.config.accept_batch_change):
-                say(note)
-            load_resharded(engine, path, record, self.ctx.dist)
-            epoch_step = epoch_step_after(record, now, int(record["epoch_step"]))
+        try:
+            if record.get("world_size") == now["world_size"]:
+                if not engine.load_state(str(self.output_dir), path.name):
+                    raise UserError(f"DeepSpeed could not load the checkpoint {path}")
+                epoch_step = int(record["epoch_step"])
+            else:
+                if "zero_stage" not in record:  # written before checkpoints recorded their layout
+                    raise UserError(
+                        f"checkpoint {path} was written by {record.get('world_size')} processes, this run has "
+                        f"{now['world_size']}, and it predates resharding; resume it with the same number of "
+                        "processes"
+                    )
+                for note in reshard_notes(record, now, self.config.accept_batch_change):
+                    say(note)
+                load_resharded(engine, path, record, self.ctx.dist)
+                epoch_step = epoch_step_after(record, now, int(record["epoch_step"]))
+        except FileNotFoundError as missing:
+            raise UserError(_missing_file(path, record, now, missing)) from None
         for key in ("step", "epoch", "evals"):
             setattr(state, key, int(record[key]))
         state.epoch_step = epoch_step
@@ -126,3 +130,18 @@ class DeepSpeedCheckpointEngine(CheckpointEngine):
         set_rng_state(torch.load(rng_file(path, self.ctx.dist.rank), weights_only=False))
         self.last_saved_step = state.step
         return path
+
+
+def _missing_file(path: Path, record: dict[str, Any], now: dict[str, int], missing: FileNotFoundError) -> str:
+    """One line for a checkpoint that lacks a file this run's engine reads: what wrote it, what this run is,
+    what to do."""
+    name = Path(missing.filename or "?").name
+    wrote = (
+        f"{record.get('world_size', '?')} process(es) at ZeRO stage {record.get('zero_stage', 'unrecorded')}"
+    )
+    return (
+        f"checkpoint {path} has no {name}, which this run's DeepSpeed engine reads (ZeRO stage "
+        f"{now['zero_stage']} on {now['world_size']} process(es)); it was written by {wrote}. Resume it with the "
+        "settings that wrote it (deepspeed.zero_optimization, model.dtype, the process count), or start a new "
+        "run from its huggingface export"
+    )

@@ -32,6 +32,7 @@ from typing import Any
 
 from posttrain.checkpoint.layout import latest_marker
 from posttrain.config.checkpoint import DeepSpeedCheckpointConfig
+from posttrain.config.deepspeed import uses_bf16_optimizer
 from posttrain.errors import UserError
 
 UNIVERSAL = "universal"
@@ -49,7 +50,9 @@ def resume_stage(config: Any, world_size: int, built: dict[str, Any]) -> str:
     if found is None:
         return ""
     path, record = found
-    saved, now = record.get("zero_stage"), built["zero_optimization"]["stage"]
+    saved, now = saved_stage(path, record), built["zero_optimization"]["stage"]
+    if record.get("world_size") == world_size and saved == 0 and now == 1 and uses_bf16_optimizer(built):
+        return _keep_unfused_bf16(path, built)
     if saved is None or record.get("world_size") == world_size or saved == now or 3 in (saved, now):
         return ""
     if 0 not in (saved, now):
@@ -63,6 +66,32 @@ def resume_stage(config: Any, world_size: int, built: dict[str, Any]) -> str:
     return (
         f"resuming {path.name}, written at ZeRO stage {saved} by {record['world_size']} process(es), on "
         f"{world_size}: this run uses stage {saved} too ({why})"
+    )
+
+
+def saved_stage(path: Path, record: dict[str, Any]) -> int | None:
+    """The ZeRO stage a checkpoint was written at: recorded since checkpoints record their layout; before
+    that, stage 0 when no optimizer shard file is there (its state is whole, in the model file)."""
+    if "zero_stage" in record:
+        return int(record["zero_stage"])
+    return None if any(path.glob("*optim_states.pt")) else 0
+
+
+def _keep_unfused_bf16(path: Path, built: dict[str, Any]) -> str:
+    """A one-process bfloat16 checkpoint from before posttrain ran DeepSpeed's BF16_Optimizer there: its
+    optimizer state (bfloat16, whole) is in the model file, not in BF16_Optimizer's shard, so the run goes
+    on as it was trained: stage 0, bfloat16 gradient accumulation (``built`` is changed in place)."""
+    built["zero_optimization"]["stage"] = 0
+    types = {k: v for k, v in built.get("data_types", {}).items() if k != "grad_accum_dtype"}
+    if types:
+        built["data_types"] = types
+    else:
+        built.pop("data_types", None)
+    return (
+        f"resuming {path.name}, written by one bfloat16 process at ZeRO stage 0 (posttrain before it ran "
+        "DeepSpeed's BF16_Optimizer there; the optimizer state is in bfloat16 in the model file): this run "
+        "goes on as it was trained, at stage 0 with bfloat16 gradient accumulation; a new run gets "
+        "BF16_Optimizer's float32 master weights and accumulation"
     )
 
 

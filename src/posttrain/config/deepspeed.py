@@ -46,9 +46,16 @@ def single_process_stage(requested: Any, built: dict[str, Any]) -> str:
     stage = built["zero_optimization"]["stage"]
     if _bf16(built) and stage == 1 and requested != 1 and requested != 3:
         asked = f"stage {requested}" if requested is not None else "the default stage"
+        if uses_bf16_optimizer(built):
+            return (
+                f"bfloat16 with one process: {asked} runs as DeepSpeed's BF16_Optimizer (ZeRO stage 1 over one "
+                "process: float32 master weights and gradient accumulation, one optimizer step over flat "
+                "buffers)"
+            )
         return (
-            f"bfloat16 with one process: {asked} runs as DeepSpeed's BF16_Optimizer (ZeRO stage 1 over one "
-            "process: float32 master weights and gradient accumulation, one optimizer step over flat buffers)"
+            f"bfloat16 with one process: {asked} runs as ZeRO stage 1 over one process, with float32 master "
+            f"weights and gradients accumulated in {accumulation_dtype(built)} "
+            "(deepspeed.data_types.grad_accum_dtype; fp32 would run DeepSpeed's BF16_Optimizer)"
         )
     if requested in (1, 2) and stage == 0:
         return (
@@ -62,16 +69,25 @@ def _bf16(ds: dict[str, Any]) -> bool:
     return bool(ds.get("bf16", ds.get("bfloat16", {})).get("enabled"))
 
 
+def accumulation_dtype(ds: dict[str, Any]) -> str:
+    """The dtype DeepSpeed accumulates gradients in: ``data_types.grad_accum_dtype`` when set, else the
+    model's (16-bit weights accumulate in 16 bits)."""
+    written = str(ds.get("data_types", {}).get("grad_accum_dtype", "") or "").lower().removeprefix("torch.")
+    names = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    if written:
+        return names.get(written, written)
+    return "bfloat16" if _bf16(ds) else "float16" if ds.get("fp16", {}).get("enabled") else "float32"
+
+
 def uses_bf16_optimizer(ds: dict[str, Any]) -> bool:
     """Whether DeepSpeed will wrap the optimizer in its ``BF16_Optimizer``: bfloat16, ZeRO stage 1 without
     offload, float32 gradient accumulation (DeepSpeed's own rule)."""
     zero = ds["zero_optimization"]
-    accumulation = str(ds.get("data_types", {}).get("grad_accum_dtype", "")).lower()
     return (
         _bf16(ds)
         and zero["stage"] == 1
         and offload_device(ds, "optimizer") == "none"
-        and accumulation in ("fp32", "float32", "torch.float32")
+        and accumulation_dtype(ds) == "float32"
     )
 
 
