@@ -123,7 +123,7 @@ def lr_explanation(config: TrainerConfig, sizes: BatchSizes, lr: float) -> str:
 
 
 def one_update_per_sample(config: TrainerConfig, samples: int, sizes: BatchSizes) -> tuple[int, int]:
-    """The default schedule (``TrainerSpec.schedule``): every sample is a training sequence, every batch one
+    """The default ``schedule`` hook (``registry.Schedule``): every sample is a training sequence, every batch one
     optimizer step."""
     return samples, 1
 

@@ -15,19 +15,26 @@ from __future__ import annotations
 import difflib
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypedDict, TypeVar
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
 
     from posttrain.checkpoint.base import CheckpointEngine
+    from posttrain.config.trainer import TrainerConfig
     from posttrain.context import RunContext
-    from posttrain.data.build import DataFactory
+    from posttrain.data.build import DataFactory, Datasets
     from posttrain.data.sources import Row, RowReader
-    from posttrain.extras import StepExtra
     from posttrain.models.facts import ModelFacts
+    from posttrain.plan import BatchSizes
+    from posttrain.run import Batches
+    from posttrain.stages.data import DataPlan
+    from posttrain.training.engine import Engine
+    from posttrain.training.extras import StepExtra
+    from posttrain.training.steps import StepSource
 
 T = TypeVar("T")
 
@@ -101,7 +108,7 @@ class ModelStep(Protocol):
 
 
 class StepExtraFactory(Protocol):
-    """``(the training module, model facts, run config) -> a loop extra`` (``posttrain.extras.StepExtra``: a
+    """``(the training module, model facts, run config) -> a loop extra`` (``posttrain.training.extras.StepExtra``: a
     loss term and metrics added to every training step), or None when it does not apply to this run."""
 
     def __call__(self, module: torch.nn.Module, facts: ModelFacts, config: Any) -> StepExtra | None: ...
@@ -281,39 +288,117 @@ class OrderedTable(Generic[T]):
         return [(name, load_component(part)) for name, part in self._parts]
 
 
+# ---------------------------------------------------------------- a method's hooks (``TrainerSpec``'s parts)
+
+#: a micro-batch as a collator hands it to the loop (``data.collate.Batch``): the model's input tensors, the
+#: host's counts (``num_loss_units``...), and a method's own columns (DPO's reference log-probabilities...)
+MicroBatch = Mapping[str, object]
+
+
+class LossFunction(Protocol):
+    """``(model, micro-batch on the device) -> (loss, metrics)``: the loss *summed* over the micro-batch's loss
+    units (the loop divides by the units of the whole step, all ranks), and metric sums divided the same way,
+    or by their own ``name:count`` entry (``training.extras.COUNT``). ``model`` is the training engine (or,
+    for a reference pass, a bare module): called like the model."""
+
+    def __call__(
+        self, model: Engine | torch.nn.Module, batch: MicroBatch
+    ) -> tuple[torch.Tensor, Mapping[str, torch.Tensor]]: ...
+
+
+class LossBuilder(Protocol):
+    """``TrainerSpec.loss``: ``(validated run config, tokenizer) -> the loss function``."""
+
+    def __call__(self, config: TrainerConfig, tokenizer: PreTrainedTokenizerBase) -> LossFunction: ...
+
+
+class Collate(Protocol):
+    """A collator: the samples of a micro-batch (their token columns as the store holds them) -> a
+    micro-batch of tensors with the host's counts."""
+
+    def __call__(self, samples: Sequence[Mapping[str, object]]) -> MicroBatch: ...
+
+
+class CollatorBuilder(Protocol):
+    """``TrainerSpec.collator``: ``(the pad id) -> the method's collator`` (none: the padding collator)."""
+
+    def __call__(self, pad_id: int) -> Collate: ...
+
+
+class Prepare(Protocol):
+    """``TrainerSpec.prepare``: runs once when the engine exists, before resuming (the initial weights):
+    DPO's and KTO's reference log-probabilities, the reward head's pad id."""
+
+    def __call__(self, ctx: RunContext, engine: Engine, data: Datasets, collator: Collate) -> None: ...
+
+
+class StepsBuilder(Protocol):
+    """``TrainerSpec.steps``: ``(run context, engine, the run's loaders and plan, tokenizer) -> the loop's step
+    source`` (``training.steps.StepSource``)."""
+
+    def __call__(
+        self, ctx: RunContext, engine: Engine, batches: Batches, tokenizer: PreTrainedTokenizerBase
+    ) -> StepSource: ...
+
+
+class Schedule(Protocol):
+    """``TrainerSpec.schedule``: ``(run config, training samples, batch sizes) -> (the samples the step plan
+    counts, optimizer steps per batch)``. Raises ``UserError`` when the data cannot fill one batch."""
+
+    def __call__(self, config: TrainerConfig, samples: int, sizes: BatchSizes) -> tuple[int, int]: ...
+
+
+class MethodMemory(TypedDict, total=False):
+    """What a method changes in the memory plan (``TrainerSpec.memory``)."""
+
+    tokens_per_row_extra: int  # training rows are longer than the data's by this (grpo: the completion)
+    generation_rows: bool  # a rank generates its step's rows at once (their KV cache)
+    reference_model: bool  # a frozen reference model is held beside the policy
+    vllm_share: float  # the share of each GPU an inference engine takes
+    reward_models: list[tuple[str, str]]  # (config key, path) of reward models held whole on every process
+
+
+class MemoryHook(Protocol):
+    """``TrainerSpec.memory``: ``(run config) -> what the method changes in the memory plan``."""
+
+    def __call__(self, config: TrainerConfig) -> MethodMemory: ...
+
+
+class ReportHook(Protocol):
+    """``TrainerSpec.report``: ``(the data plan) -> lines`` the pre-flight report adds under the schedule."""
+
+    def __call__(self, plan: DataPlan) -> list[str]: ...
+
+
 @dataclass(frozen=True)
 class TrainerSpec:
     """What a trainer (a training method) is made of and which component types it accepts.
 
     ``accepts`` maps a config slot (``model``, ``tokenizer``, ``data``, ``optimizer``, ``scheduler``,
     ``checkpoint``) to the component names the trainer works with; the first one is the default when the
-    config names no ``type``. ``loss`` builds the loss function ``(model, batch) -> (loss sum, metric sums)``
-    from the validated config; ``collator`` builds the batch collator from the pad id; ``prepare`` (optional)
-    runs once after the engine exists and before resuming, e.g. to compute reference log-probabilities.
-    ``perplexity``: the loss is a mean token NLL, so exp(loss) is logged as perplexity. ``rows_per_sample``:
-    the sequences one sample puts through the model at once (2 for a preference pair); the memory plan
-    counts activations by it. ``steps`` builds the loop's step source ``(ctx, engine, batches, tokenizer)``:
-    by default the training loader's micro-batches grouped by the step plan; a method that makes its
-    batches while training (grpo: rollouts from the current weights) brings its own. ``schedule``
-    ``(config, samples, sizes) -> (samples the step plan counts, optimizer steps per batch)``: grpo counts
-    completions and updates each generated batch ``num_iterations`` times. ``memory``: ``(config) -> dict``
-    of the memory plan's settings the method changes (grpo: its generation's KV cache, the reference).
-    ``report``: ``(data plan) -> lines`` the pre-flight report adds under the schedule (grpo: prompts and
-    completions per step, prompt lengths).
+    config names no ``type``. The hooks, each typed by its Protocol above and given as the object or its place
+    (``"package.module:attribute"``, imported on first use): ``loss`` (:class:`LossBuilder`), ``collator``
+    (:class:`CollatorBuilder`; none: the padding collator), ``prepare`` (:class:`Prepare`, optional),
+    ``steps`` (:class:`StepsBuilder`: by default the training loader's micro-batches grouped by the step plan;
+    grpo makes its batches from rollouts), ``schedule`` (:class:`Schedule`: grpo counts completions and updates
+    each generated batch ``num_iterations`` times), ``memory`` (:class:`MemoryHook`), ``report``
+    (:class:`ReportHook`). ``perplexity``: the loss is a mean token NLL, so exp(loss) is logged as perplexity.
+    ``rows_per_sample``: the sequences one sample puts through the model at once (2 for a preference pair);
+    the memory plan counts activations by it. Where a method implements a hook, its docstring names it.
     """
 
     name: str
     accepts: dict[str, tuple[str, ...]]
-    loss: Callable[[Any, Any], Callable[..., Any]] | str
-    collator: Callable[[int], Callable[..., Any]] | str | None = None
-    prepare: Callable[..., None] | str | None = None
+    loss: LossBuilder | str
+    collator: CollatorBuilder | str | None = None
+    prepare: Prepare | str | None = None
     description: str = ""
     perplexity: bool = True
     rows_per_sample: int = 1
-    steps: Callable[..., Any] | str = "posttrain.steps:loader_steps"
-    schedule: Callable[..., tuple[int, int]] | str = "posttrain.plan:one_update_per_sample"
-    memory: Callable[[Any], dict[str, Any]] | str | None = None
-    report: Callable[[Any], list[str]] | str | None = None
+    steps: StepsBuilder | str = "posttrain.training.steps:loader_steps"
+    schedule: Schedule | str = "posttrain.plan:one_update_per_sample"
+    memory: MemoryHook | str | None = None
+    report: ReportHook | str | None = None
 
 
 def hf_components(data: str) -> dict[str, tuple[str, ...]]:

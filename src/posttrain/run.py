@@ -21,14 +21,11 @@ from posttrain.data.collate import Collator, HostPrepared
 from posttrain.data.sampler import ShardSampler
 from posttrain.data.views import EvalShard
 from posttrain.dist import DistInfo, barrier, init_distributed, seed_everything
-from posttrain.engine import Engine
 from posttrain.errors import UserError
 from posttrain.logs import get_logger, say, setup_logging
-from posttrain.loop import LoopInputs, LoopState, final_evaluation, train_loop
 from posttrain.models.sequence_parallel import SequenceSlicer
 from posttrain.models.sequence_parallel import uninstall as uninstall_sequence_parallel
 from posttrain.plan import BatchSizes, data_parallel_size, lr_explanation, resolve
-from posttrain.profiling import observers as profiling_observers
 from posttrain.registry import (
     CHECKPOINT_ENGINES,
     OPTIMIZERS,
@@ -39,9 +36,12 @@ from posttrain.registry import (
 )
 from posttrain.stages.data import DataPlan, plan_data
 from posttrain.stages.model import LoadedModel, load_model, step_extras
-from posttrain.stops import StopSignals
 from posttrain.tokenizers.padding import input_pad_id
 from posttrain.tracking.setup import build_meter, export_dirs, open_outputs
+from posttrain.training.engine import Engine
+from posttrain.training.loop import LoopInputs, LoopState, final_evaluation, train_loop
+from posttrain.training.profiling import observers as profiling_observers
+from posttrain.training.stops import StopSignals
 
 
 @dataclass

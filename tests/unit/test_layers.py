@@ -162,3 +162,22 @@ def test_the_module_table_names_every_module_that_exists() -> None:
         and f"{path.parent.relative_to(PACKAGE)}/" not in named
     ]
     assert not unnamed, "modules missing from docs/architecture.md: " + ", ".join(sorted(unnamed))
+
+
+#: the package's top-level modules (``__init__`` and ``__main__`` aside): the rest live in packages by concern
+TOP_LEVEL_LIMIT = 14
+
+
+def test_the_package_keeps_few_top_level_modules() -> None:
+    top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(top) <= TOP_LEVEL_LIMIT, f"{len(top)} top-level modules (at most {TOP_LEVEL_LIMIT}): {top}"
+
+
+def test_the_loop_and_its_seams_share_one_package_on_one_layer() -> None:
+    """The training loop, its step sources, step extras, stops, engine and profilers are one package, and the
+    layer table puts it on one floor."""
+    training = {p.stem for p in (PACKAGE / "training").glob("*.py")} - {"__init__"}
+    assert {"loop", "steps", "extras", "stops", "engine", "profiling"} <= training
+    layers = documented_layers()
+    assert not [name for name in layers if name.startswith("posttrain.training.")]
+    assert "posttrain.training" in layers

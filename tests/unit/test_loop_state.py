@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from posttrain.loop import LoopState
+from posttrain.training.loop import LoopState
 
 
 def test_loop_history_keeps_only_recent_records() -> None:

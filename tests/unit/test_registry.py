@@ -46,3 +46,50 @@ def test_builtins_are_registered_on_first_look_up_and_a_users_replacement_wins()
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+HOOKS = {
+    "loss": "LossBuilder",
+    "collator": "CollatorBuilder",
+    "prepare": "Prepare",
+    "steps": "StepsBuilder",
+    "schedule": "Schedule",
+    "memory": "MemoryHook",
+    "report": "ReportHook",
+}
+
+
+def test_method_hooks_are_protocols_without_any() -> None:
+    """Each part of a TrainerSpec is typed by a Protocol whose call names its types (no ``Any``)."""
+    import typing
+
+    from posttrain import registry
+
+    fields = typing.get_type_hints(registry.TrainerSpec, vars(registry))  # every name resolves
+    for part, protocol_name in HOOKS.items():
+        protocol = getattr(registry, protocol_name)
+        assert getattr(protocol, "_is_protocol", False), protocol_name
+        assert protocol_name in str(fields[part]), (part, fields[part])
+        for name in ("__call__",):
+            annotations = getattr(protocol, name).__annotations__
+            assert annotations and not [a for a in annotations.values() if "Any" in str(a)], protocol_name
+    for helper in ("LossFunction", "Collate"):
+        annotations = getattr(registry, helper).__call__.__annotations__
+        assert not [a for a in annotations.values() if "Any" in str(a)], helper
+
+
+def test_every_built_in_hook_says_which_hook_it_is() -> None:
+    """Where a method implements a hook, its docstring names it (``<part>`` hook)."""
+    from posttrain.registry import TRAINERS, load_component
+
+    missing = []
+    for name in TRAINERS.names():
+        spec = TRAINERS.get(name).obj
+        for part in HOOKS:
+            ref = getattr(spec, part)
+            if ref is None or not isinstance(ref, str) or not ref.startswith("posttrain."):
+                continue
+            doc = load_component(ref).__doc__ or ""
+            if f"``{part}`` hook" not in " ".join(doc.split()):
+                missing.append(f"{name}.{part}: {ref}")
+    assert not missing, "hooks whose docstring does not name the hook:\n" + "\n".join(missing)

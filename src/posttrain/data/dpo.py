@@ -224,7 +224,8 @@ def pair_margin(row: dict[str, Any]) -> list[float]:
 
 
 class PairCollator:
-    """B pairs -> one batch of 2B rows (the chosen answers, then the rejected ones), padded together."""
+    """B pairs -> one batch of 2B rows (the chosen answers, then the rejected ones), padded together. dpo's and
+    reward's ``collator`` hook (``registry.CollatorBuilder``: the class, built from the pad id)."""
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id

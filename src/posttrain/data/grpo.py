@@ -108,7 +108,8 @@ def reward_columns(row: dict[str, Any]) -> dict[str, Any]:
 
 
 class PromptCollator:
-    """Prompts -> a left-padded batch for generation (evaluation), with the rows for the rewards."""
+    """Prompts -> a left-padded batch for generation (evaluation), with the rows for the rewards. grpo's
+    ``collator`` hook (``registry.CollatorBuilder``: the class, built from the pad id)."""
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id

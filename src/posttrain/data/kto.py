@@ -108,7 +108,8 @@ def fit_kto(sample: Sample, max_length: int, config: KTODataConfig) -> tuple[Sam
 
 class KTOCollator:
     """B samples -> one padded batch of their completions (desirable first within each sample) and one of
-    their KL sequences, with each completion's kind and reference log-prob."""
+    their KL sequences, with each completion's kind and reference log-prob. kto's ``collator`` hook
+    (``registry.CollatorBuilder``: the class, built from the pad id)."""
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id

@@ -10,7 +10,7 @@ The loss is a mean over pairs: the loop divides the summed loss by the number of
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,7 +23,14 @@ from posttrain.dist import all_reduce_sum
 from posttrain.methods.preference_losses import Pairs, PreferenceParams, preference_loss
 from posttrain.methods.reference_pass import reference_pass
 from posttrain.models.token_logps import row_nll
-from posttrain.steps import LoaderSteps, loader_steps
+from posttrain.training.steps import LoaderSteps, loader_steps
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from posttrain.registry import LossFunction
+    from posttrain.run import Batches
+    from posttrain.training.engine import Engine
 
 # ------------------------------------------------------------------------------------------------- loss
 
@@ -52,7 +59,9 @@ def preference_params(config: DPOTrainerConfig) -> PreferenceParams:
     )
 
 
-def make_dpo_loss(config: DPOTrainerConfig, tokenizer: Any = None) -> Any:
+def make_dpo_loss(config: DPOTrainerConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> LossFunction:
+    """dpo's ``loss`` hook (``registry.LossBuilder``): the configured preference loss (or weighted list) of
+    each pair, summed; the loop divides by the step's pairs."""
     params = preference_params(config)
 
     def dpo_loss(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -103,8 +112,11 @@ class PairSteps:
             yield [{**micro, "token_scale": scale} for micro in micro_batches]
 
 
-def pair_steps(ctx: RunContext, engine: Any, batches: Any, tokenizer: Any) -> Any:
-    """The dpo step source: the loader's, with the step's token scale when a loss takes a token mean."""
+def pair_steps(
+    ctx: RunContext, engine: Engine, batches: Batches, tokenizer: PreTrainedTokenizerBase
+) -> LoaderSteps | PairSteps:
+    """dpo's ``steps`` hook (``registry.StepsBuilder``): the loader's steps, with the step's token scale when
+    a loss takes a token mean."""
     inner = loader_steps(ctx, engine, batches, tokenizer)
     config = ctx.config
     assert isinstance(config, DPOTrainerConfig)
@@ -115,7 +127,9 @@ def pair_steps(ctx: RunContext, engine: Any, batches: Any, tokenizer: Any) -> An
 # ------------------------------------------------------------------------------------- reference log-probs
 
 
-def prepare_reference(ctx: RunContext, engine: Any, data: Datasets, collator: PairCollator) -> None:
+def prepare_reference(ctx: RunContext, engine: Engine, data: Datasets, collator: PairCollator) -> None:
+    """dpo's ``prepare`` hook (``registry.Prepare``): the reference's log-probabilities of every pair, once,
+    before resuming (the initial weights, or ``ref_model``)."""
     config = ctx.config
     assert isinstance(config, DPOTrainerConfig)
     if not config.needs_reference:

@@ -11,7 +11,7 @@ every completion and KL sequence are computed once, before training. The loss is
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,11 +21,18 @@ from posttrain.context import RunContext
 from posttrain.data.build import DataFactory, Datasets
 from posttrain.data.collate import to_device
 from posttrain.data.kto import COLUMNS, KINDS, KTOCollator, fit_kto, format_kto_batch, kl_batch
-from posttrain.extras import COUNT
 from posttrain.logs import get_logger
 from posttrain.methods.reference_pass import reference_pass
 from posttrain.models.token_logps import row_nll
-from posttrain.steps import LoaderSteps, loader_steps
+from posttrain.training.extras import COUNT
+from posttrain.training.steps import LoaderSteps, loader_steps
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from posttrain.registry import LossFunction
+    from posttrain.run import Batches
+    from posttrain.training.engine import Engine
 
 # ------------------------------------------------------------------------------------------------- loss
 
@@ -63,7 +70,9 @@ def kl_baseline(sums: torch.Tensor) -> torch.Tensor:
     return (sums[0] / sums[1].clamp(min=1)).clamp(min=0)
 
 
-def make_kto_loss(config: KTOTrainerConfig, tokenizer: Any = None) -> Any:
+def make_kto_loss(config: KTOTrainerConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> LossFunction:
+    """kto's ``loss`` hook (``registry.LossBuilder``): each completion's KTO loss against the step's KL
+    baseline, weighted, summed."""
     tiled = config.tiled_loss_compute
 
     def kto_loss(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -100,7 +109,7 @@ class KLSteps:
     """The loader's steps, each given its KL baseline first: every micro-batch's mismatched sequences go
     through the current weights without gradients, and one all-reduce makes the step's estimate."""
 
-    def __init__(self, inner: LoaderSteps, engine: Any, tiled: bool | str) -> None:
+    def __init__(self, inner: LoaderSteps, engine: Engine, tiled: bool | str) -> None:
         self.inner, self.engine, self.tiled = inner, engine, tiled
         self.extras = inner.extras
 
@@ -117,7 +126,11 @@ class KLSteps:
             yield [{**micro, "kl": kl} for micro in micro_batches]
 
 
-def kl_steps(ctx: RunContext, engine: Any, batches: Any, tokenizer: Any) -> Any:
+def kl_steps(
+    ctx: RunContext, engine: Engine, batches: Batches, tokenizer: PreTrainedTokenizerBase
+) -> LoaderSteps | KLSteps:
+    """kto's ``steps`` hook (``registry.StepsBuilder``): the loader's steps, each given its KL baseline
+    (``loss_type: kto``)."""
     inner = loader_steps(ctx, engine, batches, tokenizer)
     config = ctx.config
     assert isinstance(config, KTOTrainerConfig)
@@ -144,7 +157,9 @@ def _class_balance(config: KTOTrainerConfig, data: Datasets) -> None:
         )
 
 
-def prepare_reference(ctx: RunContext, engine: Any, data: Datasets, collator: KTOCollator) -> None:
+def prepare_reference(ctx: RunContext, engine: Engine, data: Datasets, collator: KTOCollator) -> None:
+    """kto's ``prepare`` hook (``registry.Prepare``): the class-balance check and the reference's
+    log-probabilities of every completion and KL sequence, once, before resuming."""
     config = ctx.config
     assert isinstance(config, KTOTrainerConfig)
     _class_balance(config, data)

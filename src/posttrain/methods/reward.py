@@ -10,7 +10,7 @@ loads it, and grpo can score completions with it (``rewards: [{model: path}]``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,12 @@ from posttrain.data.dpo import (
 )
 from posttrain.models.reward_model import sequence_scores, set_pad_token
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from posttrain.registry import LossFunction
+    from posttrain.training.engine import Engine
+
 
 def bradley_terry(
     chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor, center: float | None
@@ -40,7 +46,11 @@ def bradley_terry(
     return loss
 
 
-def make_reward_loss(config: RewardTrainerConfig, tokenizer: Any = None) -> Any:
+def make_reward_loss(
+    config: RewardTrainerConfig, tokenizer: PreTrainedTokenizerBase | None = None
+) -> LossFunction:
+    """reward's ``loss`` hook (``registry.LossBuilder``): Bradley-Terry on each pair's scores, summed."""
+
     def reward_loss(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         scores = sequence_scores(model, batch).double()
         half = scores.shape[0] // 2
@@ -58,9 +68,9 @@ def make_reward_loss(config: RewardTrainerConfig, tokenizer: Any = None) -> Any:
     return reward_loss
 
 
-def prepare_head(ctx: RunContext, engine: Any, data: Datasets, collator: PairCollator) -> None:
-    """The score is read at each row's last token that is not the collator's padding: in training and in
-    the export, whose config carries the same pad id."""
+def prepare_head(ctx: RunContext, engine: Engine, data: Datasets, collator: PairCollator) -> None:
+    """reward's ``prepare`` hook (``registry.Prepare``): the score is read at each row's last token that is
+    not the collator's padding, in training and in the export, whose config carries the same pad id."""
     set_pad_token(engine.module, collator.pad_id)
 
 

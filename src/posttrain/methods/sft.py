@@ -8,7 +8,7 @@ update as one large batch.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,6 +16,11 @@ from posttrain.config.trainer import TrainerConfig
 from posttrain.data.build import DataFactory
 from posttrain.data.sft import format_sft_rows
 from posttrain.models.token_logps import row_nll
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from posttrain.registry import LossFunction
 
 
 def sft_loss(
@@ -25,8 +30,9 @@ def sft_loss(
     return row_nll(model, batch, tiled).sum(), {}
 
 
-def make_token_loss(config: TrainerConfig, tokenizer: Any = None) -> Any:
-    """``sft_loss`` with the run's ``tiled_loss_compute`` (plain, tiled, or chosen by length)."""
+def make_token_loss(config: TrainerConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> LossFunction:
+    """sft's and causal's ``loss`` hook (``registry.LossBuilder``): ``sft_loss`` with the run's
+    ``tiled_loss_compute`` (plain, tiled, or chosen by length)."""
     return partial(sft_loss, tiled=config.tiled_loss_compute)
 
 

@@ -150,7 +150,7 @@ class RoutingRecorder:
     def layers(self) -> int:
         return len(self._handles)
 
-    # ---- the loop's step extra (posttrain.extras.StepExtra)
+    # ---- the loop's step extra (posttrain.training.extras.StepExtra)
 
     def micro_batch(
         self, batch: dict[str, Any], micro_batches: int

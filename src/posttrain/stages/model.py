@@ -23,9 +23,7 @@ from posttrain.config import sequence_parallel as sp_checks
 from posttrain.config.deepspeed import build_deepspeed_config, single_process_stage
 from posttrain.config.trainer import TrainerConfig
 from posttrain.context import RunContext
-from posttrain.engine import EngineFeatures
 from posttrain.errors import UserError
-from posttrain.extras import StepExtra
 from posttrain.logs import say
 from posttrain.memory.check import check_before_loading
 from posttrain.models.compile import compiled_block_classes
@@ -33,6 +31,8 @@ from posttrain.models.expert_parallel import ExpertWeights, installed_layout, is
 from posttrain.models.facts import ModelFacts, facts_from_model
 from posttrain.registry import MODEL_FACTORIES, MODEL_STEPS, STEP_EXTRAS
 from posttrain.stages.data import max_length_for
+from posttrain.training.engine import EngineFeatures
+from posttrain.training.extras import StepExtra
 
 
 @dataclass

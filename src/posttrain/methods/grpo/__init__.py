@@ -9,7 +9,7 @@ schedule and the memory plan's settings.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,13 +17,22 @@ from posttrain.config.grpo import GRPOTrainerConfig, ModelReward
 from posttrain.data.build import DataFactory
 from posttrain.data.grpo import COLUMNS, ORIGIN_KEY, fit_prompt, format_grpo_rows
 from posttrain.errors import UserError
-from posttrain.extras import COUNT
 from posttrain.methods.grpo.generation import Completions, TransformersBackend
 from posttrain.methods.grpo.losses import loss_sum, token_losses
 from posttrain.methods.grpo.rollout import GRPOSteps, Scorer, policy_loss, sampling_of, stop_ids
 from posttrain.models.token_logps import token_logps
 from posttrain.plan import BatchSizes
 from posttrain.tokenizers.padding import input_pad_id
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from posttrain.context import RunContext
+    from posttrain.registry import MethodMemory
+    from posttrain.run import Batches
+    from posttrain.stages.data import DataPlan
+    from posttrain.training.engine import Engine
+from posttrain.training.extras import COUNT
 
 #: the ``grpo`` data factory (registered in ``posttrain.builtins``)
 DATA = DataFactory(
@@ -36,12 +45,16 @@ DATA = DataFactory(
 )
 
 
-def grpo_steps(ctx: Any, engine: Any, batches: Any, tokenizer: Any) -> GRPOSteps:
+def grpo_steps(
+    ctx: RunContext, engine: Engine, batches: Batches, tokenizer: PreTrainedTokenizerBase
+) -> GRPOSteps:
+    """grpo's ``steps`` hook (``registry.StepsBuilder``): rollouts from the current weights."""
     return GRPOSteps(ctx, engine, batches, tokenizer)
 
 
 def grpo_schedule(config: GRPOTrainerConfig, samples: int, sizes: BatchSizes) -> tuple[int, int]:
-    """The step plan counts completions (the batch sizes do): P = global batch / num_generations prompts a
+    """grpo's ``schedule`` hook (``registry.Schedule``). The step plan counts completions (the batch sizes
+    do): P = global batch / num_generations prompts a
     batch, whole batches only (a global batch of whole groups is checked with the batch sizes,
     ``GRPOTrainerConfig.batch_problems``); each batch takes ``num_iterations`` optimizer steps."""
     group, batch = config.num_generations, sizes.global_batch_size
@@ -54,8 +67,8 @@ def grpo_schedule(config: GRPOTrainerConfig, samples: int, sizes: BatchSizes) ->
     return samples // prompts * prompts * group, config.num_iterations
 
 
-def grpo_memory(config: GRPOTrainerConfig) -> dict[str, Any]:
-    """What the memory plan adds for grpo: training rows of prompt + completion tokens, the generation's KV
+def grpo_memory(config: GRPOTrainerConfig) -> MethodMemory:
+    """grpo's ``memory`` hook (``registry.MemoryHook``). What the memory plan adds for grpo: training rows of prompt + completion tokens, the generation's KV
     cache (a whole rank's completions at once), the reference model, vLLM's share, the reward models (their
     config key and path)."""
     return {
@@ -71,8 +84,8 @@ def grpo_memory(config: GRPOTrainerConfig) -> dict[str, Any]:
     }
 
 
-def grpo_report(flight: Any) -> list[str]:
-    """The pre-flight report's lines: prompts and completions per step, prompt lengths and truncation."""
+def grpo_report(flight: DataPlan) -> list[str]:
+    """grpo's ``report`` hook (``registry.ReportHook``). The pre-flight report's lines: prompts and completions per step, prompt lengths and truncation."""
     config, sizes, data = flight.config, flight.sizes, flight.data
     group = config.num_generations
     lengths = data.train.lengths("input_ids")
@@ -143,5 +156,6 @@ class GRPOLoss:
         return -metrics["reward"], metrics
 
 
-def make_grpo_loss(config: GRPOTrainerConfig, tokenizer: Any) -> GRPOLoss:
+def make_grpo_loss(config: GRPOTrainerConfig, tokenizer: PreTrainedTokenizerBase) -> GRPOLoss:
+    """grpo's ``loss`` hook (``registry.LossBuilder``)."""
     return GRPOLoss(config, tokenizer)

@@ -9,10 +9,14 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from posttrain.context import RunContext
-from posttrain.extras import StepExtra
+from posttrain.training.extras import StepExtra
 
 if TYPE_CHECKING:
-    from posttrain.loop import LoopState
+    from transformers import PreTrainedTokenizerBase
+
+    from posttrain.run import Batches
+    from posttrain.training.engine import Engine
+    from posttrain.training.loop import LoopState
 
 
 class StepSource(Protocol):
@@ -70,8 +74,10 @@ class LoaderSteps:
         return group_steps(self.loader, sizes, state.epoch_step)
 
 
-def loader_steps(ctx: RunContext, engine: Any, batches: Any, tokenizer: Any) -> LoaderSteps:
-    """The default step source (``TrainerSpec.steps``): the run's training loader."""
+def loader_steps(
+    ctx: RunContext, engine: Engine, batches: Batches, tokenizer: PreTrainedTokenizerBase
+) -> LoaderSteps:
+    """The default ``steps`` hook (``registry.StepsBuilder``): the run's training loader."""
     plan = batches.plan
     return LoaderSteps(
         batches.train, batches.sampler.set_epoch, plan.step_plan, ctx.config.overfit_first_batch

@@ -16,15 +16,15 @@ import torch
 from posttrain.context import RunContext
 from posttrain.data.collate import to_device
 from posttrain.dist import all_reduce_named, all_reduce_sum
-from posttrain.engine import Engine
-from posttrain.extras import COUNT, StepExtra, StepObserver
-from posttrain.steps import StepSource
-from posttrain.stops import StopSignals
+from posttrain.registry import LossFunction
 from posttrain.tracking.outputs import RunOutputs
 from posttrain.tracking.system import StepMeter
+from posttrain.training.engine import Engine
+from posttrain.training.extras import COUNT, StepExtra, StepObserver
+from posttrain.training.steps import StepSource
+from posttrain.training.stops import StopSignals
 
 HISTORY_RECORDS = 1000
-LossFn = Callable[[Any, dict[str, Any]], tuple[torch.Tensor, dict[str, float]]]
 
 
 class RecentRecords(list):
@@ -71,7 +71,7 @@ class LoopState:
 @dataclass
 class LoopInputs:
     engine: Engine
-    loss_fn: LossFn
+    loss_fn: LossFunction
     steps: StepSource
     eval_loader: Iterable[dict[str, Any]] | None
     checkpoints: list[Any]
