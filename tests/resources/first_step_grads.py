@@ -14,10 +14,10 @@ import torch
 from deepspeed.utils import safe_get_full_grad
 
 from posttrain.config import load_config
-from posttrain.training.engine import Engine
 from posttrain.models import expert_parallel, sequence_parallel
 from posttrain.models.expert_parallel import expert_group_name, gather_experts, installed_layout
 from posttrain.run import run
+from posttrain.training.engine import Engine
 
 captured: dict = {}
 plain_micro_step = Engine.micro_step
