@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from posttrain.commands import all_commands
+from posttrain.commands import all_commands, command_parser
 from posttrain.errors import UserError
 from posttrain.launch import EXIT_USER_ERROR, note_user_error
 
@@ -19,7 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # set by launchers
     sub = parser.add_subparsers(dest="command", required=True)
     for entry in all_commands().values():
-        entry.arguments(sub.add_parser(entry.name, help=entry.help))
+        command_parser(entry, sub)
     return parser
 
 

@@ -181,3 +181,36 @@ def test_the_loop_and_its_seams_share_one_package_on_one_layer() -> None:
     layers = documented_layers()
     assert not [name for name in layers if name.startswith("posttrain.training.")]
     assert "posttrain.training" in layers
+
+
+def _defines(path: Path, name: str) -> bool:
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name == name:
+            return True
+        if isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return True
+    return False
+
+
+def test_the_run_page_names_functions_that_exist() -> None:
+    """Every ``module.function`` the run's flow on docs/architecture.md names is defined there."""
+    block = ARCHITECTURE.read_text().split("\n## The run\n", 1)[1].split("```", 2)[1]
+    wrong = []
+    for dotted in sorted(set(re.findall(r"(?<![\w.`/])([a-z_]+(?:\.[A-Za-z_]+)+)", block))):
+        parts = dotted.split(".")
+        if parts[-1] in ("json", "jsonl", "yaml", "py", "md", "npy", "bin"):
+            continue  # a file name
+        modules = [i for i in range(len(parts), 0, -1) if is_module("posttrain." + ".".join(parts[:i]))]
+        if not modules:
+            continue  # not a posttrain module (factory.facts, spec.prepare...)
+        at = modules[0]
+        if at == len(parts):
+            continue  # a module itself
+        path = PACKAGE.parent / "posttrain" / "/".join(parts[:at])
+        path = path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
+        if not _defines(path, parts[at]):
+            wrong.append(f"{dotted}: {path.relative_to(ROOT)} defines no {parts[at]}")
+    assert not wrong, "docs/architecture.md's run names what does not exist:\n" + "\n".join(wrong)

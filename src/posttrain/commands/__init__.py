@@ -18,9 +18,10 @@ Handler = Callable[[argparse.Namespace], int]
 @dataclass(frozen=True)
 class Command:
     name: str
-    help: str
+    help: str  # one line: ``posttrain --help``
     arguments: Arguments
     run: Handler
+    description: str = ""  # what it does in full: ``posttrain NAME --help`` and docs/commands.md
 
 
 #: every command, in the order ``posttrain --help`` lists them (the order of ``GROUPS``, then of each module)
@@ -29,14 +30,30 @@ COMMANDS: dict[str, Command] = {}
 GROUPS = ("posttrain.commands.run", "posttrain.commands.tools", "posttrain.commands.inference")
 
 
-def command(name: str, help: str, arguments: Arguments) -> Callable[[Handler], Handler]:
-    """Register the decorated handler as ``posttrain NAME`` with the arguments ``arguments`` adds."""
+def command(
+    name: str, help: str, arguments: Arguments, description: str = ""
+) -> Callable[[Handler], Handler]:
+    """Register the decorated handler as ``posttrain NAME`` with the arguments ``arguments`` adds; ``help`` is
+    its line in ``posttrain --help``, ``description`` what ``posttrain NAME --help`` and docs/commands.md say."""
 
     def register(run: Handler) -> Handler:
-        COMMANDS[name] = Command(name, help, arguments, run)
+        COMMANDS[name] = Command(name, help, arguments, run, " ".join(description.split()))
         return run
 
     return register
+
+
+def command_parser(
+    entry: Command, parent: argparse._SubParsersAction | None = None
+) -> argparse.ArgumentParser:
+    """The parser of one command: under ``posttrain``'s (``parent``), or alone (the generated page)."""
+    options = {"help": entry.help, "description": entry.description or entry.help}
+    if parent is None:
+        parser = argparse.ArgumentParser(prog=f"posttrain {entry.name}", description=options["description"])
+    else:
+        parser = parent.add_parser(entry.name, **options)
+    entry.arguments(parser)
+    return parser
 
 
 def all_commands() -> dict[str, Command]:
@@ -48,7 +65,7 @@ def all_commands() -> dict[str, Command]:
 
 def config_arguments(parser: argparse.ArgumentParser) -> None:
     """A config file and ``key.path=value`` overrides."""
-    parser.add_argument("config", type=Path)
+    parser.add_argument("config", type=Path, help="the run's YAML file")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides, e.g. optimizer.lr=1e-4")
 
 

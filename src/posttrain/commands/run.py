@@ -33,7 +33,15 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@command("train", "train from a YAML config", _train_arguments)
+@command(
+    "train",
+    "train from a YAML config",
+    _train_arguments,
+    """Validate the config, check its batch sizes for the processes it will run on, then train. --nproc N
+    starts N processes on this node through torchrun (default) or DeepSpeed's launcher (gloo on CPU, nccl on
+    GPU); --launcher-args passes arguments through (torchrun: --nnodes, --node_rank, --master_addr; DeepSpeed:
+    --hostfile, --include, --exclude, --master_addr).""",
+)
 def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: must be >= 1 (the number of processes on this machine)")
@@ -75,7 +83,16 @@ def _validate_arguments(parser: argparse.ArgumentParser) -> None:
     _world_size_argument(parser, "none: only what holds for every world size is checked")
 
 
-@command("validate", "validate a config and print it with every default filled in", _validate_arguments)
+@command(
+    "validate",
+    "validate a config and print it with every default filled in",
+    _validate_arguments,
+    """Print the fully resolved config (YAML, or JSON); writes nothing, reads no model. Warns about local inputs
+    (data files, model directories, a template file) that are missing, or fails on them with --check-paths.
+    With --world-size N it also checks the batch sizes for N processes, as train does before any model
+    loads. Answers in well under a second (a config with model.peft_config imports PEFT to check it: about
+    5 s).""",
+)
 def cmd_validate(args: argparse.Namespace) -> int:
     import yaml
 
@@ -140,6 +157,11 @@ def _preprocess_arguments(parser: argparse.ArgumentParser) -> None:
     "preprocess",
     "build and cache the data only, and print the pre-flight report and the memory plan (no weight is read)",
     _preprocess_arguments,
+    """Build and cache the data exactly as train would (no weight is read) and print the pre-flight report:
+    rows read, dropped or truncated and why, token totals, trained-token share, padding or packing efficiency,
+    steps per epoch and in total, two rendered samples with the trained tokens marked, the end-of-turn check,
+    and the memory plan (docs/memory-plan.md) for this machine or the one the flags describe. --json prints
+    the numbers and the plan as JSON.""",
 )
 def cmd_preprocess(args: argparse.Namespace) -> int:
     from posttrain.memory.machine import described, detect
@@ -164,7 +186,13 @@ def _plot_lr_arguments(parser: argparse.ArgumentParser) -> None:
     _world_size_argument(parser, "1")
 
 
-@command("plot-lr", "draw the run's learning-rate (and weight-decay) schedule to a PNG", _plot_lr_arguments)
+@command(
+    "plot-lr",
+    "draw the run's learning-rate (and weight-decay) schedule to a PNG",
+    _plot_lr_arguments,
+    """Draw the run's learning-rate schedule (and weight decay, when it changes) to a PNG, counted in the
+    optimizer steps train will take (the same data plan).""",
+)
 def cmd_plot_lr(args: argparse.Namespace) -> int:
     from posttrain.preflight import plot_lr
 

@@ -22,7 +22,13 @@ def _plot_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@command("plot", "draw loss, LR and throughput curves of one or more runs to a PNG", _plot_arguments)
+@command(
+    "plot",
+    "draw loss, LR and throughput curves of one or more runs to a PNG",
+    _plot_arguments,
+    """Draw train and eval loss, LR and tokens/s against steps (and the reward of online RL); several runs
+    are overlaid.""",
+)
 def cmd_plot(args: argparse.Namespace) -> int:
     from posttrain.tracking.plot import plot_metrics
 
@@ -33,13 +39,21 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def _init_arguments(parser: argparse.ArgumentParser) -> None:
     from posttrain.starters import STARTERS
 
-    parser.add_argument("kind", nargs="?", default="sft", choices=tuple(STARTERS))
+    parser.add_argument(
+        "kind", nargs="?", default="sft", choices=tuple(STARTERS), help="the method (default sft)"
+    )
     parser.add_argument(
         "-o", "--out", type=Path, default=Path("run.yaml"), help="config path (default run.yaml)"
     )
 
 
-@command("init", "write a commented starter config that runs as is on a tiny local model", _init_arguments)
+@command(
+    "init",
+    "write a commented starter config that runs as is on a tiny local model",
+    _init_arguments,
+    """Write a commented starter config for a method, plus a tiny local model and a small dataset beside it
+    when missing; it runs as is (posttrain train run.yaml).""",
+)
 def cmd_init(args: argparse.Namespace) -> int:
     from posttrain.starters import write_starter
 
@@ -50,10 +64,14 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def _tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("out_dir", type=Path)
-    for flag, default in (("--seed", 0), ("--hidden-size", 64), ("--layers", 2), ("--vocab-size", 2048)):
-        parser.add_argument(flag, type=int, default=default)
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("out_dir", type=Path, help="the model directory to write")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="weights, tokenizer and its training text follow it"
+    )
+    parser.add_argument("--hidden-size", type=int, default=64, help="the model width")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
+    parser.add_argument("--vocab-size", type=int, default=2048, help="the BPE tokenizer's vocabulary")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (half as many key/value heads)")
     parser.add_argument(
         "--arch", choices=ARCHITECTURES, default="llama", help="llama (dense) or an MoE family"
     )
@@ -65,6 +83,8 @@ def _tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
     "tiny-model",
     "write a tiny random LLaMA (or mixture-of-experts) model and BPE tokenizer (no network)",
     _tiny_model_arguments,
+    """Write a small random model (LLaMA, or a mixture-of-experts family) and a byte-level BPE tokenizer with a
+    ChatML template ({% generation %} markers), deterministic per seed; nothing is downloaded.""",
 )
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from posttrain.tiny_model import write_tiny_model
@@ -98,6 +118,10 @@ def _convert_arguments(parser: argparse.ArgumentParser) -> None:
     "convert",
     "convert a SiloGen, ERNIEKit or Megatron-Bridge config to a posttrain config, one line per key",
     _convert_arguments,
+    """Convert another system's config (the system is detected from its keys when --from is left out) into a
+    commented posttrain config, printing one line per source key: where it went, how it was approximated, or
+    why it is not supported (tensor parallelism, FP8...); nothing is dropped without a line. Key tables:
+    docs/from-silogen.md, docs/from-erniekit.md, docs/from-megatron-bridge.md.""",
 )
 def cmd_convert(args: argparse.Namespace) -> int:
     from posttrain.convert import run as convert
@@ -121,7 +145,13 @@ def _schema_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@command("schema", "print the JSON schema of the config file (every registered component)", _schema_arguments)
+@command(
+    "schema",
+    "print the JSON schema of the config file (every registered component)",
+    _schema_arguments,
+    """Print the JSON schema of the config file with every registered component's config (for editors), or
+    the Markdown reference (docs/reference.md, generated from the field docstrings).""",
+)
 def cmd_schema(args: argparse.Namespace) -> int:
     if args.markdown:
         from posttrain.config.reference import reference_markdown
