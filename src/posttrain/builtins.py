@@ -30,7 +30,7 @@ from posttrain.registry import (
     DATA_FACTORIES,
     DATA_SOURCES,
     MODEL_FACTORIES,
-    MODEL_STEPS,
+    MODEL_TRANSFORMS,
     OPTIMIZERS,
     SCHEDULERS,
     STEP_EXTRAS,
@@ -164,15 +164,15 @@ COMPONENTS = (
 #: the model stage's transforms, in the order they apply (``stages.model.prepare_model``): checkpointing before
 #: adapters wrap the model; embeddings grown once adapters exist; kernels swapped on the final modules;
 #: experts sharded and attention routed before compiling, which captures the blocks as they will run
-MODEL_STEPS_IN_ORDER = (
-    ("activation-checkpointing", "posttrain.models.memory:checkpointing_step"),
-    ("peft", "posttrain.models.peft:peft_step"),
-    ("fit-embeddings", "posttrain.models.embeddings:fit_embeddings_step"),
-    ("tiled-mlp", "posttrain.models.memory:tiled_mlp_step"),
-    ("document-attention", "posttrain.models.document_attention:document_attention_step"),
-    ("expert-parallel", "posttrain.models.expert_parallel:expert_parallel_step"),
-    ("sequence-parallel", "posttrain.models.sequence_parallel:sequence_parallel_step"),
-    ("compile", "posttrain.models.compile:compile_step"),
+MODEL_TRANSFORMS_IN_ORDER = (
+    ("activation-checkpointing", "posttrain.models.memory:checkpointing_transform"),
+    ("peft", "posttrain.models.peft:peft_transform"),
+    ("fit-embeddings", "posttrain.models.embeddings:fit_embeddings_transform"),
+    ("tiled-mlp", "posttrain.models.memory:tiled_mlp_transform"),
+    ("document-attention", "posttrain.models.document_attention:document_attention_transform"),
+    ("expert-parallel", "posttrain.models.expert_parallel:expert_parallel_transform"),
+    ("sequence-parallel", "posttrain.models.sequence_parallel:sequence_parallel_transform"),
+    ("compile", "posttrain.models.compile:compile_transform"),
 )
 #: what model features add to each training step
 STEP_EXTRAS_IN_ORDER = (("moe-router", "posttrain.models.moe:router_extra"),)
@@ -183,7 +183,7 @@ def register_builtins() -> None:
         TRAINERS.add(spec.name, spec, config=config)
     for registry, name, place, config in COMPONENTS:
         registry.add(name, place, config=config)
-    for name, place in MODEL_STEPS_IN_ORDER:
-        MODEL_STEPS.add(name, place)
+    for name, place in MODEL_TRANSFORMS_IN_ORDER:
+        MODEL_TRANSFORMS.add(name, place)
     for name, place in STEP_EXTRAS_IN_ORDER:
         STEP_EXTRAS.add(name, place)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from posttrain.stages.data import DataPlan
     from posttrain.training.engine import Engine
     from posttrain.training.extras import StepExtra
-    from posttrain.training.steps import StepSource
+    from posttrain.training.steps import StepFeed
 
 T = TypeVar("T")
 
@@ -44,7 +44,7 @@ T = TypeVar("T")
 
 class ModelFactory(ABC):
     """Loads a model and reports its facts; nothing more. Every transform the run applies (checkpointing,
-    adapters, memory features, attention kernel, parallelism, compile) is the model stage's (``MODEL_STEPS``), so a model
+    adapters, memory features, attention kernel, parallelism, compile) is the model stage's (``MODEL_TRANSFORMS``), so a model
     from any factory gets all of them."""
 
     def facts(self, config: Any) -> ModelFacts | None:
@@ -98,7 +98,7 @@ class SchedulerFactory(Protocol):
     ) -> torch.optim.lr_scheduler.LRScheduler: ...
 
 
-class ModelStep(Protocol):
+class ModelTransform(Protocol):
     """One transform of the model stage: ``(model, run config, model facts, tokenizer) -> the model`` (changed
     in place, or wrapped). A step whose feature the config does not ask for returns the model untouched."""
 
@@ -170,13 +170,13 @@ class Entry(Generic[T]):
     def __init__(
         self,
         name: str,
-        source: Any,
+        registered: Any,
         config: type,
         adapt: Callable[[Any], T] | None = None,
         replaced: bool = False,
     ) -> None:
         self.name = name
-        self.source = source  # what was registered: the object or its "module:attribute" place
+        self.registered = registered  # the object, or its "module:attribute" place
         self.config = config
         self.replaced = replaced  # registered with replace=True
         self._adapt = adapt
@@ -185,7 +185,7 @@ class Entry(Generic[T]):
     @property
     def obj(self) -> T:
         if self._obj is None:
-            found = load_component(self.source)
+            found = load_component(self.registered)
             self._obj = self._adapt(found) if self._adapt else found
         return self._obj
 
@@ -207,7 +207,7 @@ class Registry(Generic[T]):
 
         def decorator(obj: T) -> T:
             known = self._entries.get(name)
-            if known is not None and known.source is not obj:
+            if known is not None and known.registered is not obj:
                 if _loading_builtins and known.replaced:
                     return obj  # a user's replacement registered before the built-ins were loaded wins
                 if not replace:
@@ -334,11 +334,11 @@ class Prepare(Protocol):
 
 class StepsBuilder(Protocol):
     """``TrainerSpec.steps``: ``(run context, engine, the run's loaders and plan, tokenizer) -> the loop's step
-    source`` (``training.steps.StepSource``)."""
+    feed`` (``training.steps.StepFeed``)."""
 
     def __call__(
         self, ctx: RunContext, engine: Engine, batches: Batches, tokenizer: PreTrainedTokenizerBase
-    ) -> StepSource: ...
+    ) -> StepFeed: ...
 
 
 class Schedule(Protocol):
@@ -423,7 +423,7 @@ OPTIMIZERS: Registry[OptimizerFactory] = Registry("optimizer")
 SCHEDULERS: Registry[SchedulerFactory] = Registry("scheduler")
 CHECKPOINT_ENGINES: Registry[CheckpointEngineFactory] = Registry("checkpoint")
 #: the model stage's transforms, in the order they apply (``posttrain.stages.model.prepare_model``)
-MODEL_STEPS: OrderedTable[ModelStep] = OrderedTable("model step")
+MODEL_TRANSFORMS: OrderedTable[ModelTransform] = OrderedTable("model transform")
 #: what a model feature adds to every training step (a loss term, metrics), in order
 STEP_EXTRAS: OrderedTable[StepExtraFactory] = OrderedTable("step extra")
 

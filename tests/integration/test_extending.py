@@ -1,4 +1,4 @@
-"""docs/extending.md's worked examples, taken from the page as they stand: a method, a model step and a step
+"""docs/extending.md's worked examples, taken from the page as they stand: a method, a model transform and a step
 extra train together in one run; the command runs through the CLI."""
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ def clean_registries():
     """The examples register into process-wide tables: put them back as they were afterwards."""
     registry.load_builtins()  # the built-ins are part of what is put back
     saved = (
-        list(registry.MODEL_STEPS._parts),
+        list(registry.MODEL_TRANSFORMS._parts),
         list(registry.STEP_EXTRAS._parts),
         dict(registry.TRAINERS._entries),
         dict(COMMANDS),
     )
     yield
-    registry.MODEL_STEPS._parts[:] = saved[0]
+    registry.MODEL_TRANSFORMS._parts[:] = saved[0]
     registry.STEP_EXTRAS._parts[:] = saved[1]
     registry.TRAINERS._entries.clear()
     registry.TRAINERS._entries.update(saved[2])
@@ -61,7 +61,7 @@ def test_method_model_step_and_step_extra_from_the_page(
     # the method: label smoothing adds the smoothing term to every target's NLL, so the loss sits above the
     # plain NLL of the same weights; it trains
     assert all(r["loss"] > 0 for r in records) and records[-1]["loss"] < records[0]["loss"]
-    # the model step froze the embeddings, and only them
+    # the model transform froze the embeddings, and only them
     embedding = "model.embed_tokens.weight"
     assert (after[embedding] == before[embedding]).all()
     assert any((after[n] != before[n]).any() for n in after if n != embedding)

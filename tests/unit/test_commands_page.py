@@ -17,10 +17,10 @@ PAGE = ROOT / "docs" / "commands.md"
 
 def test_the_commands_page_is_current() -> None:
     """Generated in a fresh process (commands other tests register must not appear)."""
-    command = [sys.executable, "-m", "posttrain.commands.reference"]
+    command = [sys.executable, "-m", "posttrain.commands.docs_page"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=child_env(), check=True)
     assert PAGE.read_text() == done.stdout, (
-        "docs/commands.md is out of date: run `python -m posttrain.commands.reference > docs/commands.md`"
+        "docs/commands.md is out of date: run `python -m posttrain.commands.docs_page > docs/commands.md`"
     )
 
 

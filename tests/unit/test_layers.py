@@ -174,7 +174,7 @@ def test_the_package_keeps_few_top_level_modules() -> None:
 
 
 def test_the_loop_and_its_seams_share_one_package_on_one_layer() -> None:
-    """The training loop, its step sources, step extras, stops, engine and profilers are one package, and the
+    """The training loop, its step feeds, step extras, stops, engine and profilers are one package, and the
     layer table puts it on one floor."""
     training = {p.stem for p in (PACKAGE / "training").glob("*.py")} - {"__init__"}
     assert {"loop", "steps", "extras", "stops", "engine", "profiling"} <= training

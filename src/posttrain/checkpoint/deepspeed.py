@@ -5,7 +5,7 @@ Layout under ``output_dir``::
     global_step_40/            one complete checkpoint (DeepSpeed's model + optimizer shards, scheduler)
         posttrain_state.json   step, epoch, position in the epoch; written last: the completion marker
         rng_state_rank0.pt     every rank's Python, NumPy and torch RNG states
-        loop_rank0.pt          a step source's per-rank state, when it keeps one (grpo mid-batch)
+        loop_rank0.pt          a step feed's per-rank state, when it keeps one (grpo mid-batch)
     latest                     the newest complete tag (for DeepSpeed's own tools)
     .staging/                  checkpoints being written; never read
 
@@ -68,7 +68,7 @@ class DeepSpeedCheckpointEngine(CheckpointEngine):
         barrier(dist)
         engine.save_state(str(staging), tag)
         torch.save(rng_state(), staging / tag / f"rng_state_rank{dist.rank}.pt")
-        if state.rank_state:  # a step source's own (grpo: the generated batch its next updates train on)
+        if state.rank_state:  # a step feed's own (grpo: the generated batch its next updates train on)
             torch.save(state.rank_state, staging / tag / loop_file(dist.rank))
         barrier(dist)
         if dist.is_main:

@@ -154,7 +154,7 @@ def _schema_arguments(parser: argparse.ArgumentParser) -> None:
 )
 def cmd_schema(args: argparse.Namespace) -> int:
     if args.markdown:
-        from posttrain.config.reference import reference_markdown
+        from posttrain.config.docs_page import reference_markdown
 
         print(reference_markdown(), end="")
         return 0

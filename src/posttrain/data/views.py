@@ -58,7 +58,7 @@ class View(Dataset):
         meta = json.loads((directory / f"{name}.view.json").read_text())
         kind = VIEWS[meta.pop("kind")]
         view = object.__new__(kind)
-        view.__dict__.update(meta, store=store, order=None, extras={})
+        view.__dict__.update(meta, store=store, order=None, per_sample={})
         for array in kind.ARRAYS:
             view.__dict__[array] = np.load(directory / f"{name}.{array}.npy", mmap_mode="r")
         return view
@@ -100,7 +100,7 @@ class View(Dataset):
 
 
 class SampleView(View):
-    """One stored sample per item; ``extras`` adds per-sample scalars (DPO's reference log-probabilities)."""
+    """One stored sample per item; ``per_sample`` adds a value to each sample (DPO's reference log-probabilities)."""
 
     ARRAYS = ("samples",)
 
@@ -108,7 +108,7 @@ class SampleView(View):
         self.store = store
         self.samples = np.asarray(samples, dtype=np.int64)
         self.order = None
-        self.extras: dict[str, np.ndarray] = {}
+        self.per_sample: dict[str, np.ndarray] = {}
 
     def sequences(self) -> int:
         return len(self.samples)
@@ -117,9 +117,9 @@ class SampleView(View):
         return self.sample_item(int(self.samples[number]))
 
     def sample_item(self, sample: int) -> Item:
-        """The stored sample ``sample`` (a store id, not an item number) with its extras."""
+        """The stored sample ``sample`` (a store id, not an item number) with its per-sample values."""
         item: Item = {column: self.store.get(column, sample) for column in self.store.columns}
-        for name, values in self.extras.items():
+        for name, values in self.per_sample.items():
             item[name] = float(values[sample])
         return item
 

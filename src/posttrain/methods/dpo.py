@@ -93,7 +93,7 @@ def make_dpo_loss(config: DPOTrainerConfig, tokenizer: PreTrainedTokenizerBase |
     return dpo_loss
 
 
-# ------------------------------------------------------------------------------------------- step source
+# ------------------------------------------------------------------------------------------- step feed
 
 
 class PairSteps:

@@ -102,7 +102,7 @@ def make_kto_loss(config: KTOTrainerConfig, tokenizer: PreTrainedTokenizerBase |
     return kto_loss
 
 
-# ------------------------------------------------------------------------------------------- step source
+# ------------------------------------------------------------------------------------------- step feed
 
 
 class KLSteps:

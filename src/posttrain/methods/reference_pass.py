@@ -1,5 +1,5 @@
 """One pass of a frozen model over every stored sample before training, its per-sample values kept beside
-the samples (``view.extras``): the reference log-probabilities of the DPO family and KTO.
+the samples (``view.per_sample``): the reference log-probabilities of the DPO family and KTO.
 
 Each distinct stored sample is scored once (each rank its share, then all share by an all-gather), so the
 reference takes no memory or time during training, never gets an optimizer, and gives the same values under
@@ -34,7 +34,7 @@ def score_samples(
     score: Scorer,
     device: torch.device,
 ) -> None:
-    """Score every distinct stored sample of ``views`` once and attach the values to the views' extras
+    """Score every distinct stored sample of ``views`` once and attach the values to the views' per-sample values
     (per stored sample: 8 bytes per name)."""
     import torch.distributed as dist
 
@@ -62,7 +62,7 @@ def score_samples(
         for name, scores in part.items():
             merged[name][ids] = scores
     for view in views:
-        view.extras.update(merged)
+        view.per_sample.update(merged)
 
 
 def reference_pass(

@@ -50,10 +50,10 @@ def compiled_block_classes(model: torch.nn.Module) -> list[type]:
     return sorted({type(m) for m in model.modules() if getattr(m, COMPILED, False)}, key=lambda c: c.__name__)
 
 
-def compile_step(
+def compile_transform(
     model: torch.nn.Module, config: TrainerConfig, facts: Any, tokenizer: Any
 ) -> torch.nn.Module:
-    """Model step: ``model.compile``, last, so that it captures the blocks as they will run."""
+    """Model transform: ``model.compile``, last, so that it captures the blocks as they will run."""
     if config.model.compile:
         compile_blocks(model)
     return model

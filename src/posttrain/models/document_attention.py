@@ -380,10 +380,10 @@ def use_document_attention(model: torch.nn.Module) -> str:
     return ""
 
 
-def document_attention_step(
+def document_attention_transform(
     model: torch.nn.Module, config: TrainerConfig, facts: Any, tokenizer: Any
 ) -> torch.nn.Module:
-    """Model step: rows of several documents (packed or padding-free) attend per document, with no mask over
+    """Model transform: rows of several documents (packed or padding-free) attend per document, with no mask over
     the row (sequence parallelism brings its own per-document attention)."""
     documents = config.data.padding_free or config.data.pack_samples
     if documents and config.model.attn_implementation in REPLACED and config.sequence_parallel_size == 1:

@@ -26,9 +26,9 @@ def fit_embeddings(model: torch.nn.Module, tokenizer: Any) -> None:
         )
 
 
-def fit_embeddings_step(
+def fit_embeddings_transform(
     model: torch.nn.Module, config: TrainerConfig, facts: Any, tokenizer: Any
 ) -> torch.nn.Module:
-    """Model step: after the adapters exist, so that the warning about untrained new rows is right."""
+    """Model transform: after the adapters exist, so that the warning about untrained new rows is right."""
     fit_embeddings(model, tokenizer)
     return model

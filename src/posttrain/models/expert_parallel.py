@@ -306,10 +306,10 @@ def full_experts(model: torch.nn.Module) -> Iterator[None]:
             module.num_experts = module.expert_parallel.local
 
 
-def expert_parallel_step(
+def expert_parallel_transform(
     model: torch.nn.Module, config: TrainerConfig, facts: Any, tokenizer: Any
 ) -> torch.nn.Module:
-    """Model step: MoE layers run grouped (``arctic_moe``), their experts sharded over
+    """Model transform: MoE layers run grouped (``arctic_moe``), their experts sharded over
     ``expert_parallel_size`` processes."""
     moe = facts.moe
     if moe is None or not moe_checks.wants_grouped(config.arctic_moe, config.expert_parallel_size, moe):

@@ -153,20 +153,20 @@ def tile_mlps(model: torch.nn.Module) -> int:
 __all__ = ["OffloadCounter", "apply_activation_checkpointing", "offload_checkpoints", "tile_mlps"]
 
 
-def checkpointing_step(
+def checkpointing_transform(
     model: torch.nn.Module, config: TrainerConfig, facts: Any, tokenizer: Any
 ) -> torch.nn.Module:
-    """Model step: activation checkpointing (on unless ``model.disable_activation_checkpoint``), before
+    """Model transform: activation checkpointing (on unless ``model.disable_activation_checkpoint``), before
     adapters wrap the model."""
     enabled = not config.model.disable_activation_checkpoint
     apply_activation_checkpointing(model, enabled, config.activation_checkpoint_cpu_offload)
     return model
 
 
-def tiled_mlp_step(
+def tiled_mlp_transform(
     model: torch.nn.Module, config: TrainerConfig, facts: Any, tokenizer: Any
 ) -> torch.nn.Module:
-    """Model step: ``tiled_mlp_compute``."""
+    """Model transform: ``tiled_mlp_compute``."""
     if config.tiled_mlp_compute:
         tile_mlps(model)
     return model

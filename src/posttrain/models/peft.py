@@ -36,6 +36,8 @@ def is_peft_model(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
-def peft_step(model: torch.nn.Module, config: TrainerConfig, facts: Any, tokenizer: Any) -> torch.nn.Module:
-    """Model step: ``model.peft_config`` (new adapters) or ``model.peft_pretrained`` (a saved one, trained on)."""
+def peft_transform(
+    model: torch.nn.Module, config: TrainerConfig, facts: Any, tokenizer: Any
+) -> torch.nn.Module:
+    """Model transform: ``model.peft_config`` (new adapters) or ``model.peft_pretrained`` (a saved one, trained on)."""
     return apply_peft(model, config.model.peft_config, config.model.peft_pretrained)

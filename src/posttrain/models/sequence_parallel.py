@@ -161,10 +161,10 @@ class SequenceSlicer:
         return batch
 
 
-def sequence_parallel_step(
+def sequence_parallel_transform(
     model: torch.nn.Module, config: TrainerConfig, facts: Any, tokenizer: Any
 ) -> torch.nn.Module:
-    """Model step: Ulysses attention over ``sequence_parallel_size`` processes."""
+    """Model transform: Ulysses attention over ``sequence_parallel_size`` processes."""
     if config.sequence_parallel_size > 1:
         from posttrain.models.token_logps import unwrap
 

@@ -1,6 +1,6 @@
 """The model stage of a run: a model factory loads the model and reports its facts; this module checks the
 config against those facts, builds the DeepSpeed config (once, from the facts), and applies every transform
-the run asks for to whatever the factory loaded, in the order of the ``MODEL_STEPS`` table
+the run asks for to whatever the factory loaded, in the order of the ``MODEL_TRANSFORMS`` table
 (``posttrain.builtins``).
 
 The order matters: checkpointing is switched on before adapters wrap the model; embeddings grow after the
@@ -29,7 +29,7 @@ from posttrain.memory.check import check_before_loading
 from posttrain.models.compile import compiled_block_classes
 from posttrain.models.expert_parallel import ExpertWeights, installed_layout, is_expert_parameter
 from posttrain.models.facts import ModelFacts, facts_from_model
-from posttrain.registry import MODEL_FACTORIES, MODEL_STEPS, STEP_EXTRAS
+from posttrain.registry import MODEL_FACTORIES, MODEL_TRANSFORMS, STEP_EXTRAS
 from posttrain.stages.data import max_length_for
 from posttrain.training.engine import EngineFeatures
 from posttrain.training.extras import StepExtra
@@ -71,8 +71,8 @@ def load_model(ctx: RunContext, tokenizer: Any) -> LoadedModel:
 def prepare_model(
     model: torch.nn.Module, config: TrainerConfig, facts: ModelFacts, tokenizer: Any
 ) -> torch.nn.Module:
-    """Every transform of the run, in the order of ``MODEL_STEPS`` (see the module docstring)."""
-    for _, step in MODEL_STEPS.parts():
+    """Every transform of the run, in the order of ``MODEL_TRANSFORMS`` (see the module docstring)."""
+    for _, step in MODEL_TRANSFORMS.parts():
         model = step(model, config, facts, tokenizer)
     return model
 

@@ -21,7 +21,7 @@ from posttrain.tracking.outputs import RunOutputs
 from posttrain.tracking.system import StepMeter
 from posttrain.training.engine import Engine
 from posttrain.training.extras import COUNT, StepExtra, StepObserver
-from posttrain.training.steps import StepSource
+from posttrain.training.steps import StepFeed
 from posttrain.training.stops import StopSignals
 
 HISTORY_RECORDS = 1000
@@ -45,7 +45,7 @@ class LoopState:
     """Where training is. ``step``, ``epoch``, ``epoch_step``, ``evals`` and the trackers' run ids are saved
     in resumable checkpoints; ``epoch_step`` (optimizer steps done in the current epoch) is the position in
     the data. ``history`` keeps the last ``HISTORY_RECORDS`` (up to twice that) step records (every record is in the metrics
-    file), so nothing grows with the length of the run. ``rank_state``: what a step source must find again on
+    file), so nothing grows with the length of the run. ``rank_state``: what a step feed must find again on
     this rank when resuming (grpo: the generated batch its remaining updates train on), saved per rank."""
 
     step: int = 0
@@ -72,7 +72,7 @@ class LoopState:
 class LoopInputs:
     engine: Engine
     loss_fn: LossFunction
-    steps: StepSource
+    steps: StepFeed
     eval_loader: Iterable[dict[str, Any]] | None
     checkpoints: list[Any]
     outputs: RunOutputs

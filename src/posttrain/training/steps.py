@@ -1,4 +1,4 @@
-"""Where each optimizer step's micro-batches come from (the loop's step sources): the training loader's,
+"""Where each optimizer step's micro-batches come from (the loop's step feeds): the training loader's,
 grouped by the step plan, by default; a method that makes or amends its batches while training (grpo's
 rollouts, kto's KL baseline, dpo's step token count) brings its own through ``TrainerSpec.steps``."""
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from posttrain.training.loop import LoopState
 
 
-class StepSource(Protocol):
+class StepFeed(Protocol):
     """Where each optimizer step's micro-batches come from: a data loader's, grouped by the step plan
     (:class:`LoaderSteps`), or a method's own (grpo generates them from the current weights). ``extras`` add
     the source's own terms and metrics to each step (the loop treats them as any step extra)."""

@@ -2,7 +2,7 @@
 
 The method's parts, each in its own module: the config (``config/grpo.py``), the prompt data
 (``data/grpo.py``), generation (``generation.py``: transformers or vLLM, reproducible draws), rewards
-(``rewards.py``), the step source that turns prompts into training micro-batches (``rollout.py``) and the pure
+(``rewards.py``), the step feed that turns prompts into training micro-batches (``rollout.py``) and the pure
 objectives (``losses.py``). This module holds what the trainer spec names: the data factory, the loss, the
 schedule and the memory plan's settings.
 """

@@ -1,4 +1,4 @@
-"""The loop's step source for ``grpo``: each batch of prompts becomes completions, rewards, advantages and the
+"""The loop's step feed for ``grpo``: each batch of prompts becomes completions, rewards, advantages and the
 micro-batches of ``num_iterations`` optimizer steps.
 
 For batch k of epoch e, the prompts are items ``k*P .. (k+1)*P - 1`` of the epoch's permutation of the prompt
@@ -125,7 +125,7 @@ class GenerationMetrics:
         self.latest: dict[str, Any] = {}
         self.generation_time = 0.0
         self.yielded_at = time.perf_counter()
-        self.closing: list[Any] = []  # the step source's own closing (its log, its generation backend)
+        self.closing: list[Any] = []  # the step feed's own closing (its log, its generation backend)
 
     def recording(self) -> Any:
         return nullcontext()
@@ -153,7 +153,7 @@ class GenerationMetrics:
 
 
 class GRPOSteps:
-    """The step source (``TrainerSpec.steps``) of ``grpo``; see the module docstring."""
+    """The step feed (``TrainerSpec.steps``) of ``grpo``; see the module docstring."""
 
     def __init__(self, ctx: RunContext, engine: Any, batches: Any, tokenizer: Any) -> None:
         config = ctx.config

@@ -1,5 +1,5 @@
 """``docs/commands.md``, generated from the command parsers (the one source: what ``posttrain NAME --help``
-says). ``python -m posttrain.commands.reference > docs/commands.md`` writes it; a test keeps the file current."""
+says). ``python -m posttrain.commands.docs_page > docs/commands.md`` writes it; a test keeps the file current."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from posttrain.utils.markdown import contents
 HEADER = """# The command line in full
 
 Every command with every argument, generated from the command parsers by
-`python -m posttrain.commands.reference > docs/commands.md`; do not edit by hand
+`python -m posttrain.commands.docs_page > docs/commands.md`; do not edit by hand
 (`tests/unit/test_commands_page.py` fails when this page is out of date). `posttrain COMMAND --help` says the
 same; the README has the short table.
 """
