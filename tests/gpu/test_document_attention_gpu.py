@@ -92,3 +92,26 @@ def test_bf16_documents_equal_the_masked_row_on_gpu() -> None:
     loss.backward()
     for (name, a), (_, b) in zip(masked.named_parameters(), ours.named_parameters(), strict=True):
         assert torch.allclose(a.grad.float(), b.grad.float(), rtol=0.1, atol=1e-2), name
+
+
+@pytest.mark.parametrize("family", ["exaone4", "gemma2", "gemma3", "qwen2", "mistral"])
+def test_per_layer_windows_packed_equal_padded_on_the_real_varlen_kernel(family: str) -> None:
+    """Each layer's own window (sliding, or None on a full layer) in torch's varlen flash kernel, bf16: the
+    packed row gives the padded batch's loss (the CPU tests run the same over stand-in kernels)."""
+    if document_attention._varlen_attn() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    from posttrain.data.collate import HostPrepared
+    from tests.integration.test_sliding_windows import IMPLEMENTATION, _model, _samples
+
+    samples = _samples()
+    padded = _on_gpu(Collator(0)(samples))
+    packed = _on_gpu(HostPrepared(Collator(0))([join_samples(samples)]))
+    implementation = IMPLEMENTATION.get(family, "sdpa")
+    masked = _model(family, torch.bfloat16).cuda()
+    masked.set_attn_implementation(implementation)
+    ours = _model(family, torch.bfloat16).cuda()
+    ours.set_attn_implementation(implementation)
+    assert use_document_attention(ours) == ""
+    reference = row_nll(masked, padded).sum() / padded["num_target_tokens"]
+    loss = row_nll(ours, packed).sum() / packed["num_target_tokens"]
+    assert abs(float(reference - loss)) < 2e-2, (float(reference), float(loss))

@@ -41,11 +41,18 @@ def test_a_total_batch_of_partial_groups_is_refused_at_validation(
 
 
 def test_a_batch_that_depends_on_the_world_size_is_checked_before_the_model_loads(
-    base_config: dict, prompt_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    base_config: dict,
+    prompt_files: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """6 completions per process: fine on 4 processes (24 = 3 groups), not on 1 or 2. ``validate`` checks it
     for the world size it is given; ``train`` fails before it reads the tokenizer or the model (a missing
     model here: had it been read first, the error would be that one)."""
+    monkeypatch.delenv(
+        "LOCAL_RANK", raising=False
+    )  # an earlier run in this process set it: not a launched rank
     config = grpo_config(base_config, prompt_files, micro_batch_size=6, gradient_accumulation_steps=1)
     config["model"]["name_or_path"] = str(tmp_path / "no-such-model")
     path = tmp_path / "run.yaml"
@@ -62,6 +69,23 @@ def test_a_batch_that_depends_on_the_world_size_is_checked_before_the_model_load
         UserError, match=r"6 \(micro-batch 6 x accumulation 1 x 1 processes\) is not a multiple"
     ):
         train(config)  # one rank: before its tokenizer and model
+
+
+def test_a_launched_rank_leaves_the_check_to_its_real_world_size(
+    base_config: dict, prompt_files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank started by ``train --nproc 4`` runs ``posttrain train`` again without --nproc: it must not check
+    its batch for one process (6 completions fill 3 groups on 4 processes); its run checks the real world
+    size before its model loads."""
+    import posttrain.run
+
+    config = grpo_config(base_config, prompt_files, micro_batch_size=6, gradient_accumulation_steps=1)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    started: list[object] = []
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(posttrain.run, "run", started.append)  # the rank's run itself is not under test
+    assert main(["train", str(path)]) == 0 and len(started) == 1
 
 
 def test_min_iterations_counts_the_optimizer_steps_of_a_rollout(

@@ -46,7 +46,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: must be >= 1 (the number of processes on this machine)")
     config = load(args.config, args.overrides, warn=False)  # validate once before starting any process
-    if not args.launcher_args.strip():  # the world size is known: check the batch sizes for it now
+    # before starting processes, when this node's --nproc is the world size (a launched rank, or several
+    # nodes, check their real world size before their model loads: run.set_up)
+    if not args.launcher_args.strip() and "LOCAL_RANK" not in os.environ:
         from posttrain.plan import resolve
 
         resolve(config, args.nproc)
