@@ -300,8 +300,6 @@ def _flat(x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
     return x.transpose(0, 1).reshape(1, x.shape[1], batch * length, x.shape[3])
 
 
-#: what :func:`bounds_hook` adds to a forward's inputs (the names ``HostPrepared`` batches carry)
-BOUND_KEYS = ("document_bounds", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 #: where a forward may take a cache (generation): no documents are derived there
 _CACHES = ("past_key_values", "cache")
 _POSITIONS_AT: dict[Any, int | None] = {}
