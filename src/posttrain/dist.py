@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,6 +102,21 @@ def all_reduce_named(values: dict[str, list[float]], info: DistInfo) -> dict[str
         out[name] = flat[start : start + len(numbers)]
         start += len(numbers)
     return out
+
+
+def exit_launched_rank() -> None:
+    """End a rank that a launcher started (world size > 1) once its run is done: leave the process group after a
+    barrier, flush the output, and skip the interpreter's teardown. There, gloo's threads are torn down in no
+    set order and now and then abort a process whose run succeeded ("terminate called without an active
+    exception", exit -6), which the launcher reports as a failed run. A lone process returns as usual."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not torch_dist.is_initialized():
+        return
+    torch_dist.barrier()
+    torch_dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def barrier(info: DistInfo) -> None:

@@ -6,13 +6,12 @@ equal the unsharded ones."""
 
 import copy
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from posttrain.dist import init_distributed
+from posttrain.dist import exit_launched_rank, init_distributed
 from posttrain.models.expert_parallel import (
     expert_group_name,
     full_experts,
@@ -57,10 +56,4 @@ for arch in sys.argv[1:]:
     if rank == 0:
         print(json.dumps(report), flush=True)
 
-# leave the process group before the interpreter exits: gloo's threads torn down at exit can abort the process
-dist.barrier()
-dist.destroy_process_group()
-# and skip the interpreter's teardown: once in ~20 runs a gloo thread still joinable at exit aborted rank 1
-# ("terminate called without an active exception") after every report had been printed
-sys.stdout.flush()
-os._exit(0)
+exit_launched_rank()  # as `posttrain train` ends a launched rank: no abort in the interpreter's teardown

@@ -14,6 +14,7 @@ import torch
 from deepspeed.utils import safe_get_full_grad
 
 from posttrain.config import load_config
+from posttrain.dist import exit_launched_rank
 from posttrain.models import expert_parallel, sequence_parallel
 from posttrain.models.expert_parallel import expert_group_name, gather_experts, installed_layout
 from posttrain.run import run
@@ -104,3 +105,4 @@ for spec in sys.argv[2:]:
     }
 if int(os.environ.get("RANK", "0")) == 0:
     torch.save(results, sys.argv[1])
+exit_launched_rank()  # as `posttrain train` ends a launched rank: no abort in the interpreter's teardown

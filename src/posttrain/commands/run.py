@@ -65,9 +65,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             args.launcher_args,
             config.kill_switch_path,
         )
+    from posttrain.dist import exit_launched_rank
     from posttrain.run import run
 
     run(config)
+    exit_launched_rank()  # a launched rank ends here, past the interpreter's teardown of gloo's threads
     return 0
 
 
