@@ -14,8 +14,10 @@ from posttrain.methods.grpo.losses import (
     k3,
     loss_sum,
     loss_units,
+    nanstd,
     token_losses,
 )
+from posttrain.methods.grpo.rollout import rollout_records
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]  # two groups of 4: one split, one with no spread
 
@@ -47,6 +49,96 @@ def test_rloo_baseline_is_the_mean_of_the_others() -> None:
             others = [x for j, x in enumerate(group) if j != i]
             hand.append(r - sum(others) / len(others))
     assert got == pytest.approx(hand, abs=1e-15)
+
+
+# TRL 1.16: a completion every reward function returned None for is NaN, out of its group's baseline and spread
+NAN = math.nan
+WITH_UNSCORED = [1.0, NAN, 0.0, 3.0, NAN, NAN, 2.0, NAN]  # group 1: three scored; group 2: one scored
+
+
+def _scored(values: list[float]) -> list[float]:
+    return [v for v in values if not math.isnan(v)]
+
+
+def test_unscored_completions_are_left_out_of_the_group_and_get_advantage_zero() -> None:
+    rewards = torch.tensor(WITH_UNSCORED, dtype=torch.float64)
+    first = _scored(WITH_UNSCORED[:4])  # [1, 0, 3]: mean 4/3, unbiased std
+    mean, std = sum(first) / 3, _std(first)
+    group = advantages(rewards, 4, "grpo", "group").tolist()
+    expected = [
+        (1 - mean) / (std + STD_EPSILON),
+        0.0,
+        (0 - mean) / (std + STD_EPSILON),
+        (3 - mean) / (std + STD_EPSILON),
+    ]
+    assert group[:4] == pytest.approx(expected, abs=1e-15)
+    assert group[4:] == [0.0, 0.0, 0.0, 0.0]  # one scored completion: no spread (NaN), advantage 0
+    none = advantages(rewards, 4, "grpo", "none").tolist()
+    assert none == pytest.approx([1 - mean, 0.0, -mean, 3 - mean, 0.0, 0.0, 0.0, 0.0], abs=1e-15)
+    batch = advantages(rewards, 4, "grpo", "batch").tolist()
+    everyone = _std(_scored(WITH_UNSCORED))  # TRL's batch std over every scored completion
+    assert batch[:4] == pytest.approx(
+        [
+            (1 - mean) / (everyone + STD_EPSILON),
+            0.0,
+            -mean / (everyone + STD_EPSILON),
+            (3 - mean) / (everyone + STD_EPSILON),
+        ],
+        abs=1e-15,
+    )
+    assert batch[4:] == [0.0, 0.0, 0.0, 0.0]  # 2 - its group's mean (itself)
+    # rloo: the mean of the other *scored* completions (TRL's RLOOTrainer), 0/0 for a lone scored one
+    rloo = advantages(rewards, 4, "rloo", "none").tolist()
+    assert rloo == pytest.approx([1 - 1.5, 0.0, 0 - 2.0, 3 - 0.5, 0.0, 0.0, 0.0, 0.0], abs=1e-15)
+
+
+def test_nanstd_is_trls() -> None:
+    values = torch.tensor([[1.0, NAN, 0.0, 3.0], [NAN, NAN, 2.0, NAN]], dtype=torch.float64)
+    assert nanstd(values, dim=1)[0].item() == pytest.approx(_std([1.0, 0.0, 3.0]), abs=1e-15)
+    assert math.isnan(nanstd(values, dim=1)[1].item())  # one value: no spread
+    plain = torch.tensor(REWARDS, dtype=torch.float64)
+    assert nanstd(plain).item() == pytest.approx(plain.std().item(), abs=1e-15)
+    trl = pytest.importorskip("trl.trainer.utils")  # where TRL is installed: its own function agrees
+    assert torch.equal(nanstd(values, dim=1).isnan(), trl.nanstd(values, dim=1).isnan())
+    assert nanstd(values, dim=1)[0].item() == trl.nanstd(values, dim=1)[0].item()
+
+
+def test_rollout_records_are_trls() -> None:
+    """``reward``/``reward_std`` over the batch's scored completions (TRL 1.16's ``nanmean``/``nanstd``),
+    ``frac_reward_zero_std`` from the spread the advantages use, terminated lengths, each function's mean and
+    std over what it scored."""
+    per_function = torch.tensor(
+        [[1.0, 0.0], [NAN, NAN], [0.0, NAN], [3.0, 1.0], [NAN, NAN], [NAN, NAN], [2.0, 2.0], [NAN, NAN]],
+        dtype=torch.float64,
+    )
+    totals = torch.tensor(WITH_UNSCORED, dtype=torch.float64)  # weights 1 and 0 (the second only logged)
+    lengths = torch.tensor([4.0, 8.0, 2.0, 8.0, 5.0, 8.0, 3.0, 1.0], dtype=torch.float64)
+    truncated = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=torch.float64)
+    got = rollout_records(per_function, totals, lengths, truncated, ["a", "b"], 4, "group")
+    scored = _scored(WITH_UNSCORED)
+    assert got["reward"] == pytest.approx(sum(scored) / len(scored), abs=1e-15)
+    assert got["reward_std"] == pytest.approx(_std(scored), abs=1e-15)
+    assert got["reward_std_group"] == pytest.approx(_std([1.0, 0.0, 3.0]), abs=1e-15)  # the lone group is NaN
+    assert got["frac_reward_zero_std"] == 0.0  # a NaN spread is not zero (torch.isclose)
+    terminated = [4.0, 2.0, 5.0, 3.0, 1.0]
+    assert (got["completions/mean_terminated_length"], got["completions/min_terminated_length"]) == (3.0, 1.0)
+    assert got["completions/max_terminated_length"] == max(terminated)
+    assert got["completions/clipped_ratio"] == 3 / 8
+    assert got["rewards/a/mean"] == pytest.approx(1.5) and got["rewards/a/std"] == pytest.approx(
+        _std([1.0, 0.0, 3.0, 2.0])
+    )
+    assert got["rewards/b/mean"] == pytest.approx(1.0) and got["rewards/b/std"] == pytest.approx(1.0)
+    flat = rollout_records(
+        per_function[:, :1].nan_to_num(),
+        torch.tensor(REWARDS, dtype=torch.float64),
+        lengths,
+        torch.ones(8, dtype=torch.float64),
+        ["a"],
+        4,
+        "group",
+    )
+    assert flat["frac_reward_zero_std"] == 0.5  # the second group has no spread: half the completions
+    assert flat["completions/mean_terminated_length"] == 0.0  # none ended: TRL logs 0
 
 
 LOGPS = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -4.0]], dtype=torch.float64)

@@ -147,7 +147,8 @@ class GRPOLoss:
         values = self.scorer(batch["rows"], completions)
         weight = batch["prompt_weight"].double().cpu()
         totals = self.scorer.total(values)
-        metrics = {"reward": (totals * weight).sum()}
+        scored = (~torch.isnan(totals)).double() * weight  # a completion no reward scored is left out
+        metrics = {"reward": (torch.nan_to_num(totals) * scored).sum(), "reward" + COUNT: scored.sum()}
         for index, reward in enumerate(self.scorer.rewards):
             column = values[:, index]
             seen = (~torch.isnan(column)).double() * weight

@@ -4,12 +4,16 @@ Notation: for completion i of a group of G with reward r_i, tokens t with mask m
 that count), policy log-probability l_it = log pi(o_it | q, o_i<t) at the sampling temperature, the old
 policy's (the one that generated the batch) l^old_it and the reference's l^ref_it.
 
-Advantages (``advantages``):
+Advantages (``advantages``), as TRL 1.16 computes them:
 - grpo (DeepSeekMath, Shao et al. 2024): A_i = r_i - mean_j r_j over the group;
-- rloo (Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean_j r_j);
+- rloo (Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean_j r_j), the
+  leave-one-out baseline of TRL's RLOOTrainer, inside GRPO's loss (TRL's RLOOTrainer is this with
+  ``scale_rewards: none``, its KL as a sequence-level reward penalty rather than the k3 term per token);
 then divided by std + 1e-4 of the group's rewards (``scale_rewards: group``, as DeepSeekMath), of the whole
 step's rewards (``batch``), or not at all (``none``: Dr. GRPO, Liu et al. 2025). Standard deviations are
-unbiased (n - 1), as TRL takes them.
+unbiased (n - 1), as TRL takes them (``nanstd``). A completion no reward function scored (every one returned
+None) has reward NaN: it is left out of its group's mean and spread (and out of the leave-one-out baseline)
+and its advantage is 0; a group with one scored completion has no spread, and advantages 0.
 
 Per-token loss (``token_losses``), with the ratio rho_it = exp(l_it - l^old_it) per token (``token``), or
 exp(sum_t m_it (l_it - l^old_it) / sum_t m_it) for the whole completion (``sequence``: GSPO, Zheng et al.
@@ -38,18 +42,39 @@ import torch
 STD_EPSILON = 1e-4
 
 
+def nanstd(values: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """The unbiased (n - 1) standard deviation of the values that are not NaN; NaN with fewer than two (TRL's
+    ``nanstd``)."""
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    variance = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(values)).sum(dim=dim, keepdim=True).to(values.dtype)
+    correction = torch.where(count > 1, count / (count - 1), torch.full_like(variance, float("nan")))
+    std = (variance * correction).sqrt()
+    return std if keepdim else (std.squeeze(dim) if dim is not None else std.reshape(()))
+
+
+def reward_spread(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
+    """Per completion, the standard deviation its advantage is scaled by (or, for ``none``, would be): its
+    group's, or the whole step's for ``batch``."""
+    if scale == "batch":
+        return nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    return nanstd(rewards.view(-1, group), dim=1).repeat_interleave(group)
+
+
 def advantages(rewards: torch.Tensor, group: int, baseline: str, scale: str) -> torch.Tensor:
-    """``rewards``: the step's completions in group order (``[prompts x group]`` flattened)."""
+    """``rewards``: the step's completions in group order (``[prompts x group]`` flattened), NaN for one no
+    reward function scored (its advantage is 0)."""
     grouped = rewards.view(-1, group)
-    mean = grouped.mean(dim=1, keepdim=True)
-    centred = grouped - mean
     if baseline == "rloo":
-        centred = centred * group / (group - 1)
-    if scale == "group":
-        centred = centred / (grouped.std(dim=1, keepdim=True) + STD_EPSILON)
-    elif scale == "batch":
-        centred = centred / (rewards.std() + STD_EPSILON)
-    return centred.reshape(-1)
+        scored = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+        others = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scored - 1)
+        centred = grouped - others
+    else:
+        centred = grouped - torch.nanmean(grouped, dim=1, keepdim=True)
+    centred = centred.reshape(-1)
+    if scale != "none":
+        centred = centred / (reward_spread(rewards, group, scale) + STD_EPSILON)
+    return torch.nan_to_num(centred, nan=0.0)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from posttrain.methods.grpo.generation import (
     TransformersBackend,
     completion_key,
 )
-from posttrain.methods.grpo.losses import PolicyLoss, advantages, loss_units
+from posttrain.methods.grpo.losses import PolicyLoss, advantages, loss_units, nanstd, reward_spread
 from posttrain.methods.grpo.rewards import Reward, build_rewards, score
 from posttrain.methods.grpo.vllm_backend import build_vllm_backend
 from posttrain.models.token_logps import token_logps
@@ -89,7 +89,11 @@ class Scorer:
         return torch.tensor(values, dtype=torch.float64).T.reshape(len(rows), len(self.rewards))
 
     def total(self, values: torch.Tensor) -> torch.Tensor:
-        return (values * self.weights).nansum(dim=1)
+        """The weighted sum of each completion's rewards (a None counts as 0, TRL's ``nansum``); NaN for a
+        completion no reward function scored, which TRL leaves out of its group (advantage 0) and of the
+        logged reward."""
+        totals = (values * self.weights).nansum(dim=1)
+        return totals.masked_fill(torch.isnan(values).all(dim=1), math.nan)
 
 
 class Reference:
@@ -255,22 +259,10 @@ class GRPOSteps:
     def _summary(
         self, rewards: torch.Tensor, totals: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor
     ) -> dict[str, Any]:
-        grouped = totals.view(-1, self.group)
-        stds = grouped.std(dim=1)
-        out = {
-            "reward": float(totals.mean()),
-            "reward_std": float(stds.mean()),
-            "frac_reward_zero_std": float((stds < 1e-9).double().mean()),
-            "completions/mean_length": float(lengths.mean()),
-            "completions/max_length": float(lengths.max()),
-            "completions/min_length": float(lengths.min()),
-            "completions/clipped_ratio": float(truncated.mean()),
-        }
-        for index, reward in enumerate(self.scorer.rewards):
-            column = rewards[:, index]
-            seen = column[~torch.isnan(column)]
-            out[f"rewards/{reward.name}/mean"] = float(seen.mean()) if len(seen) else math.nan
-        return out
+        names = [reward.name for reward in self.scorer.rewards]
+        return rollout_records(
+            rewards, totals, lengths, truncated, names, self.group, self.config.scale_rewards
+        )
 
     def _micro_batches(
         self, prompt_ids: list[list[int]], completions: Completions, advantage: torch.Tensor
@@ -372,3 +364,41 @@ def policy_loss(config: Any) -> PolicyLoss:
         sequence_ratio=config.importance_sampling_level == "sequence",
         max_completion_length=config.max_completion_length,
     )
+
+
+def rollout_records(
+    rewards: torch.Tensor,
+    totals: torch.Tensor,
+    lengths: torch.Tensor,
+    truncated: torch.Tensor,
+    names: list[str],
+    group: int,
+    scale: str,
+) -> dict[str, float]:
+    """A rollout's records, as TRL 1.16 logs them, from every rank's completions (``rewards``: ``[completions,
+    functions]``, NaN where a function returned None; ``totals``: their weighted sums, NaN where none scored):
+    ``reward`` and ``reward_std`` over the scored completions of the whole batch, ``frac_reward_zero_std`` over
+    completions from the spread their advantage is scaled by, the lengths of all and of the terminated
+    completions (0 when none ended), each function's mean and std over the completions it scored;
+    ``reward_std_group``: the mean of the groups' standard deviations (what ``reward_std`` meant in older
+    TRL)."""
+    spread = reward_spread(totals, group, scale)
+    terminated = lengths[truncated == 0]
+    terminated = terminated if len(terminated) else torch.zeros(1, dtype=lengths.dtype)
+    out = {
+        "reward": float(torch.nanmean(totals)),
+        "reward_std": float(nanstd(totals)),
+        "reward_std_group": float(torch.nanmean(nanstd(totals.view(-1, group), dim=1))),
+        "frac_reward_zero_std": float(torch.isclose(spread, torch.zeros_like(spread)).double().mean()),
+        "completions/mean_length": float(lengths.mean()),
+        "completions/max_length": float(lengths.max()),
+        "completions/min_length": float(lengths.min()),
+        "completions/clipped_ratio": float(truncated.mean()),
+        "completions/mean_terminated_length": float(terminated.mean()),
+        "completions/min_terminated_length": float(terminated.min()),
+        "completions/max_terminated_length": float(terminated.max()),
+    }
+    for index, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = float(torch.nanmean(rewards[:, index]))
+        out[f"rewards/{name}/std"] = float(nanstd(rewards[:, index]))
+    return out
