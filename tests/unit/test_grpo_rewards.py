@@ -186,3 +186,25 @@ def test_keyed_draws_follow_the_softmax_whatever_the_other_rows() -> None:
     assert (scores == 0).sum(-1).tolist() == [1, 1, 1] and torch.equal(
         scores.argmax(-1), keyed_draw(logits.expand(3, 5), keys[:3], step=3)
     )
+
+
+def test_text_prompts_carry_the_tokenizers_special_tokens_as_in_trl(tiny_tokenizer) -> None:
+    """TRL tokenizes a text prompt with ``processing_class(text=prompts)``: special tokens on. A tokenizer that
+    adds its BOS puts it before the prompt; chat prompts go through the template (which writes its own)."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    from posttrain.data.grpo import prompt_ids
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    bos = tokenizer.bos_token
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tokenizer.bos_token_id)]
+    )
+    text = "reverse 12345"
+    ids = prompt_ids(tokenizer, text)
+    assert ids[0] == tokenizer.bos_token_id and ids == tokenizer(text)["input_ids"]
+    assert ids[1:] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    chat = prompt_ids(tokenizer, [{"role": "user", "content": text}])
+    assert chat.count(tokenizer.bos_token_id) == 1  # the template's BOS only

@@ -151,6 +151,9 @@ class DataFactory:
     parts: dict[str, str] = field(default_factory=dict)
     """What each sequence of a sample is (by its columns' prefix, ``chosen_``...), for the pre-flight
     report's samples: which answer is preferred, which completion desirable, what is only scored."""
+    revision: int = 1
+    """Raised when ``format_batch`` turns the same rows into other tokens, so that stores built before are
+    not reused (part of the data cache's key)."""
 
 
 # --------------------------------------------------------------------------------------- formatting workers

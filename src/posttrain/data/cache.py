@@ -104,6 +104,7 @@ def cache_key(ctx: RunContext, tokenizer: Any, max_length: int) -> str:
         "version": posttrain.__version__,
         "trainer": config.type,
         "columns": list(DATA_FACTORIES.get(config.data.type).obj.columns),  # the stored layout
+        "format": DATA_FACTORIES.get(config.data.type).obj.revision,  # how rows become tokens
         "data": data,
         "max_length": max_length,
         "sources": [source_fingerprint(s) for s in config.data.sources],

@@ -56,9 +56,10 @@ def prompt_of(row: dict[str, Any]) -> list[dict[str, Any]] | str:
 
 
 def prompt_ids(tokenizer: Any, prompt: list[dict[str, Any]] | str) -> list[int]:
-    """Messages through the chat template with its generation prompt; text as it is (no special tokens)."""
+    """Messages through the chat template with its generation prompt; text with the tokenizer's special
+    tokens (its BOS, for tokenizers that add one), as TRL tokenizes a text prompt."""
     if isinstance(prompt, str):
-        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(prompt)["input_ids"])
     return render_ids(tokenizer, prompt, add_generation_prompt=True)
 
 

@@ -42,6 +42,7 @@ DATA = DataFactory(
     chat=False,
     not_chat="prompts: completions are sampled and stop at an end-of-turn token",
     origin_key=ORIGIN_KEY,
+    revision=2,  # text prompts carry the tokenizer's special tokens (TRL's tokenization)
 )
 
 
