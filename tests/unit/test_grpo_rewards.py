@@ -88,6 +88,48 @@ def test_a_trl_reward_function_gets_trls_arguments(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    "returned",
+    [
+        "[True, None, np.float32(0.25), np.int64(3)]",
+        "np.array([1.0, np.nan, 0.25, 3.0])",
+        "torch.tensor([1.0, float('nan'), 0.25, 3.0])",
+        "[torch.tensor(True), None, torch.tensor(0.25, dtype=torch.float64), np.bool_(True) + 2]",
+    ],
+)
+def test_rewards_may_return_what_trl_takes(tmp_path: Path, returned: str) -> None:
+    """Bools, NumPy scalars and arrays, 0-d tensors and tensors, None: as TRL turns them into a tensor."""
+    body = f"import numpy as np\nimport torch\ndef reward(completions, **kw):\n    return {returned}\n"
+    values = _score(_user_reward(tmp_path, body), ["a", "b", "c", "d"])
+    assert values[0] == 1.0 and math.isnan(values[1]) and values[2] == 0.25 and values[3] == 3.0
+
+
+def test_async_rewards_are_awaited_together(tmp_path: Path) -> None:
+    """``async def`` rewards (TRL gathers them on an event loop): two that each wait for the other finish only
+    when they run at once."""
+    from posttrain.methods.grpo.rewards import score_all
+
+    body = (
+        "import asyncio\nSTARTED = []\n"
+        "async def first(completions, **kw):\n    STARTED.append(1)\n    await _both()\n    return [1.0] * len(completions)\n"
+        "async def second(completions, **kw):\n    STARTED.append(2)\n    await _both()\n    return [2.0] * len(completions)\n"
+        "async def _both():\n    while len(STARTED) < 2:\n        await asyncio.sleep(0.001)\n"
+        "async def broken(completions, **kw):\n    await asyncio.sleep(0)\n    raise KeyError('answer')\n"
+    )
+    path = tmp_path / "async_rewards.py"
+    path.write_text(body)
+    rewards = build_rewards(
+        [FunctionReward(function=f"{path}:first"), FunctionReward(function=f"{path}:second")], 10
+    )
+    values = score_all(
+        rewards, ["q", "q"], ["a", "b"], [[1], [1]], {}, ["data.jsonl row 1", "data.jsonl row 2"]
+    )
+    assert values == [[1.0, 1.0], [2.0, 2.0]]
+    broken = build_rewards([FunctionReward(function=f"{path}:broken")], 10)
+    with pytest.raises(RewardError, match=rf"reward 'broken' .* raised KeyError: 'answer' at {path}:16"):
+        score_all(broken, ["q"], ["a"], [[1]], {}, ["data.jsonl row 1"])
+
+
+@pytest.mark.parametrize(
     ("body", "expected"),
     [
         (

@@ -12,6 +12,7 @@ A reward that raises, returns the wrong number of values or a value that is not 
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import re
@@ -253,37 +254,86 @@ def score(
     columns: dict[str, list[Any]],
     origins: list[str],
 ) -> list[float]:
-    """The reward of every completion (NaN for None), or a :class:`RewardError` saying what went wrong."""
+    """The reward of every completion (NaN for None), or a :class:`RewardError` saying what went wrong. An
+    ``async def`` reward is awaited (:func:`score_all` awaits several together, as TRL gathers them)."""
+    return score_all([reward], prompts, completions, completion_ids, columns, origins)[0]
+
+
+def score_all(
+    rewards: Sequence[Reward],
+    prompts: list[Any],
+    completions: list[Any],
+    completion_ids: list[list[int]],
+    columns: dict[str, list[Any]],
+    origins: list[str],
+) -> list[list[float]]:
+    """Every reward's values for the completions: plain functions in turn, ``async def`` ones (or any that
+    return an awaitable) awaited together, as TRL gathers its async reward functions."""
+    arguments = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+    results: list[Any] = [_call(reward, arguments, origins) for reward in rewards]
+    pending = [i for i, value in enumerate(results) if inspect.isawaitable(value)]
+    if pending:
+
+        async def gather() -> list[Any]:
+            return await asyncio.gather(*(results[i] for i in pending), return_exceptions=True)
+
+        for index, value in zip(pending, asyncio.run(gather()), strict=True):
+            if isinstance(value, BaseException):
+                raise _raised(rewards[index], value, origins) from None
+            results[index] = value
+    return [
+        _checked(reward, values, completions, origins)
+        for reward, values in zip(rewards, results, strict=True)
+    ]
+
+
+def _call(reward: Reward, arguments: dict[str, Any], origins: list[str]) -> Any:
     try:
-        values = reward.function(
-            prompts=prompts, completions=completions, completion_ids=completion_ids, **columns
-        )
+        return reward.function(**arguments)
     except RewardError:
         raise
     except Exception as exc:
-        frames = [f for f in traceback.extract_tb(exc.__traceback__)[1:]]
-        at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-        raise RewardError(
-            f"reward {reward.name!r} ({reward.where()}) raised {type(exc).__name__}: {exc}{at}, scoring the "
-            f"completions of {_rows(origins)}"
-        ) from None
-    if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != len(completions):
-        count = len(values) if isinstance(values, Sequence) else type(values).__name__
+        raise _raised(reward, exc, origins) from None
+
+
+def _raised(reward: Reward, exc: BaseException, origins: list[str]) -> RewardError:
+    if isinstance(exc, RewardError):
+        return exc
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+    at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return RewardError(
+        f"reward {reward.name!r} ({reward.where()}) raised {type(exc).__name__}: {exc}{at}, scoring the "
+        f"completions of {_rows(origins)}"
+    )
+
+
+def _as_number(value: Any) -> float | None:
+    """A reward value as TRL takes it: None, a number or a bool (1.0 / 0.0), a NumPy scalar or a 0-d tensor;
+    None for anything else (the caller says what it was)."""
+    if hasattr(value, "ndim") and getattr(value, "ndim", 1) == 0 and hasattr(value, "item"):
+        value = value.item()  # a NumPy scalar or a 0-d tensor (its value read back to the host)
+    if isinstance(value, bool | int | float):
+        return float(value)
+    return None
+
+
+def _checked(reward: Reward, values: Any, completions: list[Any], origins: list[str]) -> list[float]:
+    array_like = hasattr(values, "__len__") and hasattr(values, "__getitem__")
+    if isinstance(values, str | bytes | dict) or not array_like or len(values) != len(completions):
+        count = len(values) if array_like and not isinstance(values, str | bytes) else type(values).__name__
         raise RewardError(
             f"reward {reward.name!r} ({reward.where()}) returned {count} values for {len(completions)} completions "
             f"(of {_rows(origins)}); return one float or None per completion"
         )
     out = []
-    for value, origin in zip(values, origins, strict=True):
-        if value is None:
-            out.append(math.nan)
-        elif isinstance(value, bool) or not isinstance(value, int | float):
+    for value, origin in zip(list(values), origins, strict=True):
+        number = None if value is None else _as_number(value)
+        if value is not None and number is None:
             raise RewardError(
                 f"reward {reward.name!r} ({reward.where()}) returned {value!r} ({type(value).__name__}) for a "
-                f"completion of {origin}; return a float or None"
+                f"completion of {origin}; return a number, a bool or None"
             )
-        else:
-            out.append(float(value))
+        out.append(math.nan if number is None else number)
     return out
 
 

@@ -36,7 +36,7 @@ from posttrain.methods.grpo.generation import (
     completion_key,
 )
 from posttrain.methods.grpo.losses import PolicyLoss, advantages, loss_units, nanstd, reward_spread
-from posttrain.methods.grpo.rewards import Reward, build_rewards, score
+from posttrain.methods.grpo.rewards import Reward, build_rewards, score_all
 from posttrain.methods.grpo.vllm_backend import build_vllm_backend
 from posttrain.models.token_logps import token_logps
 from posttrain.tokenizers.chat_templates import end_of_turn_ids
@@ -85,7 +85,7 @@ class Scorer:
                 columns.setdefault(key, [None] * len(rows))[index] = value
         origins = [str(row.get(ORIGIN_KEY, "a row")) for row in rows]
         shown = [completions_as_prompted(p, t) for p, t in zip(prompts, texts, strict=True)]
-        values = [score(reward, prompts, shown, completions.ids, columns, origins) for reward in self.rewards]
+        values = score_all(self.rewards, prompts, shown, completions.ids, columns, origins)
         return torch.tensor(values, dtype=torch.float64).T.reshape(len(rows), len(self.rewards))
 
     def total(self, values: torch.Tensor) -> torch.Tensor:
