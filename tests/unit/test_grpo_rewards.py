@@ -250,3 +250,30 @@ def test_text_prompts_carry_the_tokenizers_special_tokens_as_in_trl(tiny_tokeniz
     assert ids[1:] == tokenizer(text, add_special_tokens=False)["input_ids"]
     chat = prompt_ids(tokenizer, [{"role": "user", "content": text}])
     assert chat.count(tokenizer.bos_token_id) == 1  # the template's BOS only
+
+
+def test_the_models_generation_defaults_never_apply_and_its_eos_stops() -> None:
+    """A checkpoint's ``generation_config.json`` (a repetition penalty, n-gram blocking, suppressed tokens)
+    does not change what is sampled: completions come from the policy as the run's config says. Its EOS ids
+    end a completion as the tokenizer's do (TRL stops at both)."""
+    from transformers import GenerationConfig
+
+    from posttrain.methods.grpo.generation import Sampling, TransformersBackend, completion_key
+    from posttrain.tiny_model import build_model
+
+    model = build_model(256, hidden_size=32, heads=2, seed=5).eval()
+    backend = TransformersBackend([255], pad_id=0)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    sampling = Sampling(max_new_tokens=12, temperature=1.0)
+    keys = [completion_key(0, 0, 0, p, 0) for p in range(2)]
+    clean = backend.generate(model, prompts, sampling, keys), backend.generate(model, prompts, sampling, None)
+    own = GenerationConfig(repetition_penalty=5.0, no_repeat_ngram_size=1, suppress_tokens=list(range(20, 200)))
+    model.generation_config = own
+    dressed = backend.generate(model, prompts, sampling, keys), backend.generate(model, prompts, sampling, None)
+    assert [c.ids for c in dressed] == [c.ids for c in clean]
+    assert model.generation_config is own  # restored after generating
+    greedy = clean[1].ids[0]
+    assert len(greedy) == 12 and clean[1].truncated[0]
+    model.generation_config = GenerationConfig(eos_token_id=greedy[2])
+    stopped = backend.generate(model, prompts, sampling, None)
+    assert stopped.ids[0] == greedy[: greedy.index(greedy[2]) + 1] and not stopped.truncated[0]

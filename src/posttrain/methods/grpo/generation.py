@@ -121,13 +121,30 @@ def left_padded(
     return ids.to(device), mask.to(device)
 
 
+def generation_eos(module: torch.nn.Module) -> set[int]:
+    """The end-of-sequence ids of the model's own generation config (``generation_config.json``), which TRL
+    stops at beside the tokenizer's EOS."""
+    from posttrain.models.token_logps import unwrap
+
+    found = getattr(getattr(unwrap(module), "generation_config", None), "eos_token_id", None)
+    if found is None:
+        return set()
+    return {int(found)} if isinstance(found, int) else {int(i) for i in found}
+
+
 @contextlib.contextmanager
 def generating(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """The training module set up to generate: eval mode, the KV cache on, ZeRO-3 parameters gathered once
-    for the whole generation; everything restored after."""
+    for the whole generation, and a blank generation config in place of the model's, so that none of its
+    defaults (a ``repetition_penalty``, ``top_k``, ``suppress_tokens``... from ``generation_config.json``)
+    fills what the run leaves unset: completions come from the policy being trained, sampled as the config
+    says; everything restored after."""
+    from transformers import GenerationConfig
+
     from posttrain.models.token_logps import unwrap
 
     base = unwrap(module)
+    own = getattr(base, "generation_config", None)
     training, use_cache = module.training, getattr(base.config, "use_cache", True)
     partitioned = [p for p in module.parameters() if hasattr(p, "ds_id")]
     gathered: Any = contextlib.nullcontext()
@@ -137,10 +154,12 @@ def generating(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
         gathered = deepspeed.zero.GatheredParameters(partitioned)
     module.eval()
     base.config.use_cache = True
+    base.generation_config = GenerationConfig()
     try:
         with gathered, torch.no_grad():
             yield module
     finally:
+        base.generation_config = own
         base.config.use_cache = use_cache
         module.train(training)
 
@@ -171,6 +190,7 @@ class TransformersBackend:
 
         device = next(module.parameters()).device
         ids, mask = left_padded(prompts, self.pad_id, device)
+        stops = sorted(set(self.stop_ids) | generation_eos(module))
         processors = LogitsProcessorList()
         if sampling.repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
@@ -184,7 +204,7 @@ class TransformersBackend:
         options = GenerationConfig(
             max_new_tokens=sampling.max_new_tokens,
             do_sample=False,
-            eos_token_id=self.stop_ids,
+            eos_token_id=stops,
             pad_token_id=self.pad_id,
             num_beams=1,
         )
@@ -192,7 +212,7 @@ class TransformersBackend:
             out = model.generate(
                 input_ids=ids, attention_mask=mask, generation_config=options, logits_processor=processors
             )
-        return split_completions(out[:, ids.shape[1] :].cpu(), self.stop_ids, self.pad_id)
+        return split_completions(out[:, ids.shape[1] :].cpu(), stops, self.pad_id)
 
     def sync_weights(self, module: torch.nn.Module) -> None:
         """Nothing to push: generation runs on the training weights."""

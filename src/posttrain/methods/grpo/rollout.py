@@ -34,6 +34,7 @@ from posttrain.methods.grpo.generation import (
     Sampling,
     TransformersBackend,
     completion_key,
+    generation_eos,
 )
 from posttrain.methods.grpo.losses import PolicyLoss, advantages, loss_units, nanstd, reward_spread
 from posttrain.methods.grpo.rewards import Reward, build_rewards, score_all
@@ -56,9 +57,11 @@ def sampling_of(config: Any) -> Sampling:
     )
 
 
-def stop_ids(tokenizer: Any) -> list[int]:
-    """Where a completion ends: the chat template's end-of-turn tokens and EOS."""
-    return sorted(end_of_turn_ids(tokenizer) | ({tokenizer.eos_token_id} - {None}))
+def stop_ids(tokenizer: Any, module: torch.nn.Module | None = None) -> list[int]:
+    """Where a completion ends: the chat template's end-of-turn tokens, the tokenizer's EOS and (given the
+    model) its generation config's EOS ids, as TRL stops."""
+    found = end_of_turn_ids(tokenizer) | ({tokenizer.eos_token_id} - {None})
+    return sorted(found | (generation_eos(module) if module is not None else set()))
 
 
 def completions_as_prompted(prompt: Any, text: str) -> Any:
@@ -173,7 +176,7 @@ class GRPOSteps:
         self.updates = config.num_iterations
         self.sampling = sampling_of(config)
         self.pad_id = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
-        stops = stop_ids(tokenizer)
+        stops = stop_ids(tokenizer, engine.module)
         self.backend: Any = (
             build_vllm_backend(config, engine.module, stops, self.pad_id)
             if config.use_vllm
