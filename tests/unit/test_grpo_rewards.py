@@ -267,9 +267,14 @@ def test_the_models_generation_defaults_never_apply_and_its_eos_stops() -> None:
     sampling = Sampling(max_new_tokens=12, temperature=1.0)
     keys = [completion_key(0, 0, 0, p, 0) for p in range(2)]
     clean = backend.generate(model, prompts, sampling, keys), backend.generate(model, prompts, sampling, None)
-    own = GenerationConfig(repetition_penalty=5.0, no_repeat_ngram_size=1, suppress_tokens=list(range(20, 200)))
+    own = GenerationConfig(
+        repetition_penalty=5.0, no_repeat_ngram_size=1, suppress_tokens=list(range(20, 200))
+    )
     model.generation_config = own
-    dressed = backend.generate(model, prompts, sampling, keys), backend.generate(model, prompts, sampling, None)
+    dressed = (
+        backend.generate(model, prompts, sampling, keys),
+        backend.generate(model, prompts, sampling, None),
+    )
     assert [c.ids for c in dressed] == [c.ids for c in clean]
     assert model.generation_config is own  # restored after generating
     greedy = clean[1].ids[0]
