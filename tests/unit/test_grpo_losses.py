@@ -189,10 +189,41 @@ def test_k3_kl_against_the_reference() -> None:
         for t in range(3):
             d = REF[i, t].item() - LOGPS[i, t].item()
             assert kl[i, t].item() == pytest.approx(math.exp(d) - d - 1, abs=1e-15)
-    params = PolicyLoss("dapo", beta=0.04, epsilon=0.2, epsilon_high=0.2)
-    with_kl, stats = token_losses(params, LOGPS, OLD, REF, ADV, MASK)
+    plain = PolicyLoss("dapo", beta=0.04, epsilon=0.2, epsilon_high=0.2, bias_correction_kl=False)
+    with_kl, stats = token_losses(plain, LOGPS, OLD, REF, ADV, MASK)
     without, _ = token_losses(PolicyLoss("dapo", epsilon=0.2, epsilon_high=0.2), LOGPS, OLD, None, ADV, MASK)
     assert torch.allclose(with_kl, without + 0.04 * kl, atol=1e-15) and torch.equal(stats["kl"], kl)
+    # TRL's use_bias_correction_kl (its default): the KL term times the unclipped ratio, per token...
+    ratio = torch.exp(LOGPS - OLD)
+    corrected, stats = token_losses(PolicyLoss("dapo", beta=0.04), LOGPS, OLD, REF, ADV, MASK)
+    assert torch.allclose(corrected, without + 0.04 * kl * ratio, atol=1e-15)
+    assert torch.allclose(stats["kl"], kl * ratio, atol=1e-15)
+    # ... or per completion under GSPO: exp(the completion's mean log-ratio) broadcast onto its tokens
+    gspo = PolicyLoss("dapo", beta=0.04, sequence_ratio=True)
+    _, stats = token_losses(gspo, LOGPS, OLD, REF, ADV, MASK)
+    for i in range(2):
+        kept = [t for t in range(3) if MASK[i, t] > 0]
+        mean = sum(LOGPS[i, t].item() - OLD[i, t].item() for t in kept) / len(kept)
+        assert stats["kl"][i].tolist() == pytest.approx((kl[i] * math.exp(mean)).tolist(), abs=1e-15)
+    # on-policy the ratio is 1, yet its gradient reaches the KL term: d/dl [k3 * exp(l - l_old)] = k3 + dk3/dl
+    logps = LOGPS.clone().requires_grad_(True)
+    loss, _ = token_losses(
+        PolicyLoss("dapo", beta=1.0), logps, LOGPS, REF, torch.zeros(2, dtype=torch.float64), MASK
+    )
+    (loss * MASK).sum().backward()
+    d = REF - LOGPS
+    assert torch.allclose(logps.grad, (torch.exp(d) - d - 1 + (1 - torch.exp(d))) * MASK, atol=1e-12)
+
+
+def test_gspo_clip_statistics_count_completions() -> None:
+    """With one ratio per completion (GSPO), the clip shares are per completion, as TRL logs them."""
+    params = PolicyLoss("grpo", epsilon=0.01, epsilon_high=0.01, sequence_ratio=True)
+    _, stats = token_losses(params, LOGPS, OLD, None, ADV, MASK)
+    assert all(stats[k].shape == (2, 1) for k in ("clip_ratio/low_mean", "clip_ratio/high_mean"))
+    _, per_token = token_losses(
+        PolicyLoss("grpo", epsilon=0.01, epsilon_high=0.01), LOGPS, OLD, None, ADV, MASK
+    )
+    assert per_token["clip_ratio/region_mean"].shape == LOGPS.shape
 
 
 def test_each_loss_type_aggregates_as_its_paper_does() -> None:

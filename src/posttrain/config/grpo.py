@@ -191,7 +191,11 @@ def _scale(value: Any) -> Any:
 class GRPOTrainerConfig(TrainerConfig):
     mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
         *TrainerConfig.mode_keys,
-        ModeKeys(("ref_model",), lambda c, root: c.beta > 0, "beta > 0 (a KL penalty to the reference)"),
+        ModeKeys(
+            ("ref_model", "use_bias_correction_kl"),
+            lambda c, root: c.beta > 0,
+            "beta > 0 (a KL penalty to the reference)",
+        ),
         ModeKeys(
             ("epsilon", "epsilon_high", "importance_sampling_level"),
             lambda c, root: c.loss_type != "reinforce",
@@ -233,6 +237,11 @@ class GRPOTrainerConfig(TrainerConfig):
 
     beta: HumanFloat = Field(default=0.0, ge=0.0)
     """Weight of the KL penalty to the reference (the k3 estimator per token). 0 loads no reference model."""
+
+    use_bias_correction_kl: bool = True
+    """TRL's name and default: the KL term is multiplied by the importance ratio (not clipped; per completion
+    under ``importance_sampling_level: sequence``), so that its gradient is the unbiased reverse-KL gradient
+    (DeepSeek-V3.2). It changes the KL gradient even on-policy, where the ratio is 1 but differentiable."""
 
     ref_model: ModelConfig | None = None
     """The frozen reference for ``beta > 0``. Null: the policy's initial weights (with adapters: the base

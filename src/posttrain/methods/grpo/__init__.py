@@ -130,10 +130,15 @@ class GRPOLoss:
             self.params, logps, old, batch.get("ref_logps"), batch["advantages"], mask
         )
         tokens = mask.sum()
+        completions = (mask.sum(-1) > 0).to(mask.dtype)  # completions with a token in the loss
         metrics = {}
         for name, values in stats.items():
-            metrics[name] = (values.detach() * mask).sum()
-            metrics[name + COUNT] = tokens
+            if values.shape[-1] == 1:  # one value per completion (GSPO's clip statistics): a mean over them
+                metrics[name] = (values.detach()[:, 0] * completions).sum()
+                metrics[name + COUNT] = completions.sum()
+            else:
+                metrics[name] = (values.detach() * mask).sum()
+                metrics[name + COUNT] = tokens
         if entropy is not None:
             metrics["entropy"] = (entropy * mask).sum()
             metrics["entropy" + COUNT] = tokens

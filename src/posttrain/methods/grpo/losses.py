@@ -22,7 +22,9 @@ exp(sum_t m_it (l_it - l^old_it) / sum_t m_it) for the whole completion (``seque
     L_it = -min(rho_it A_i, clip(rho_it, 1 - epsilon, 1 + epsilon_high) A_i) + beta KL_it
 
 and for ``reinforce`` (no ratio): L_it = -A_i l_it + beta KL_it. KL_it is the k3 estimator of
-KL(pi || pi_ref) (Schulman 2020): exp(l^ref - l) - (l^ref - l) - 1, which is >= 0 and unbiased.
+KL(pi || pi_ref) (Schulman 2020): exp(l^ref - l) - (l^ref - l) - 1, which is >= 0 and unbiased; with TRL's
+``use_bias_correction_kl`` (its default) it is multiplied by the unclipped ratio rho_it (DeepSeek-V3.2), whose
+gradient reaches it even on-policy, where rho is 1: the unbiased reverse-KL gradient.
 
 Aggregation (``loss_sum``) returns a *sum*; posttrain's loop divides by the loss units of the whole optimizer
 step over every micro-batch and rank, so each form is exact under gradient accumulation and data parallelism:
@@ -85,15 +87,16 @@ class PolicyLoss:
     epsilon_high: float = 0.2
     sequence_ratio: bool = False  # GSPO's one ratio per completion
     max_completion_length: int = 256
+    bias_correction_kl: bool = True  # the KL term times the (unclipped) ratio: TRL's use_bias_correction_kl
 
 
 def log_ratio(logps: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, sequence: bool) -> torch.Tensor:
-    """l - l_old per token, or (``sequence``) the completion's mean over its tokens, broadcast to them."""
+    """l - l_old per token ``[completions, tokens]``, or (``sequence``) the completion's mean over its tokens,
+    ``[completions, 1]`` (broadcast where it meets the tokens, as TRL keeps it)."""
     delta = logps - old
     if not sequence:
         return delta
-    mean = (delta * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
-    return mean.expand_as(delta)
+    return (delta * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
 
 
 def k3(logps: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -110,14 +113,15 @@ def token_losses(
     advantage: torch.Tensor,
     mask: torch.Tensor,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``[completions, tokens]`` losses and the per-token statistics (KL, the clipped share) as tensors of
-    the same shape (to be summed over the mask)."""
+    """``[completions, tokens]`` losses and the statistics (KL, the clipped share): per token, ``[completions,
+    tokens]`` (to be averaged over the mask), or, for a ratio per completion (GSPO), the clip statistics per
+    completion, ``[completions, 1]`` (averaged over the completions, as TRL does)."""
     adv = advantage.unsqueeze(-1)
     stats: dict[str, torch.Tensor] = {}
+    ratio = torch.exp(log_ratio(logps, old, mask, params.sequence_ratio))
     if params.loss_type == "reinforce":
         loss = -adv * logps
     else:
-        ratio = torch.exp(log_ratio(logps, old, mask, params.sequence_ratio))
         clipped = torch.clamp(ratio, 1 - params.epsilon, 1 + params.epsilon_high)
         loss = -torch.min(ratio * adv, clipped * adv)
         low = (ratio < 1 - params.epsilon) & (adv < 0)
@@ -127,9 +131,11 @@ def token_losses(
         stats["clip_ratio/region_mean"] = (low | high).float()
     if params.beta > 0 and ref is not None:
         kl = k3(logps, ref)
+        if params.bias_correction_kl:
+            kl = kl * ratio  # TRL's use_bias_correction_kl: the unbiased reverse-KL gradient
         loss = loss + params.beta * kl
         stats["kl"] = kl
-    return loss, stats
+    return loss.expand_as(logps), stats
 
 
 def loss_sum(params: PolicyLoss, losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

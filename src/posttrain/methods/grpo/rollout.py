@@ -366,6 +366,7 @@ def policy_loss(config: Any) -> PolicyLoss:
         epsilon_high=config.clip_high,
         sequence_ratio=config.importance_sampling_level == "sequence",
         max_completion_length=config.max_completion_length,
+        bias_correction_kl=config.use_bias_correction_kl,
     )
 
 
