@@ -270,3 +270,25 @@ def test_on_policy_the_ratio_is_one_and_the_gradient_is_reinforce_with_the_group
 def test_reinforce_has_no_ratio() -> None:
     losses, stats = token_losses(PolicyLoss("reinforce"), LOGPS, OLD, None, ADV, MASK)
     assert torch.equal(losses, -ADV[:, None] * LOGPS) and not stats
+
+
+def test_token_logps_and_entropy_agree_on_the_tiled_path() -> None:
+    """grpo's log-probabilities and entropy from whole logits and from the tiled head (chunks of rows, no
+    whole logits held): equal at every labelled position, at the sampling temperature."""
+    from posttrain.data.samples import IGNORE_INDEX
+    from posttrain.models.token_logps import token_logps
+    from posttrain.tiny_model import build_model
+
+    model = build_model(512, hidden_size=32, heads=2, seed=1).double()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 500, (3, 20), generator=generator)
+    labels = ids.clone()
+    labels[:, :6] = IGNORE_INDEX  # the prompt
+    batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
+    plain, plain_entropy = token_logps(model, batch, False, temperature=0.7, entropy=True)
+    tiled, tiled_entropy = token_logps(model, batch, True, temperature=0.7, entropy=True)
+    labelled = torch.zeros_like(labels, dtype=torch.bool)
+    labelled[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    assert torch.allclose(plain[labelled], tiled[labelled].to(plain.dtype), atol=1e-5)
+    assert torch.allclose(plain_entropy[labelled], tiled_entropy[labelled].to(plain_entropy.dtype), atol=1e-5)
+    assert tiled_entropy[labelled].min() > 0 and (tiled_entropy[~labelled] == 0).all()

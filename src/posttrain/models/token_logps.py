@@ -74,6 +74,7 @@ class ChunkedHeadNLL(torch.autograd.Function):
         bias: torch.Tensor | None,
         targets: torch.Tensor,
         rows: torch.Tensor | None = None,
+        entropy: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if rows is None:  # a batch without the host's ``target_rows``: one device read
             rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
@@ -86,6 +87,9 @@ class ChunkedHeadNLL(torch.autograd.Function):
             lse[start : start + chunk] = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, targets[index].unsqueeze(1)).squeeze(1)
             nll[index] = lse[start : start + chunk] - picked
+            if entropy is not None:  # H = lse - sum softmax(z) z, filled in place (not differentiated)
+                shares = torch.exp(logits - lse[start : start + chunk].unsqueeze(1))
+                entropy[index] = lse[start : start + chunk] - (shares * logits).sum(-1)
             del logits  # before the next chunk's logits exist
         ctx.save_for_backward(hidden, weight, bias, targets, rows, lse)
         ctx.chunk = chunk
@@ -120,6 +124,7 @@ class ChunkedHeadNLL(torch.autograd.Function):
             grad_hidden,
             grad_weight.to(weight.dtype) if grad_weight is not None else None,
             grad_bias.to(bias.dtype) if grad_bias is not None else None,
+            None,
             None,
             None,
         )
@@ -159,10 +164,12 @@ def head_computes_nll(
     rows: torch.Tensor | None = None,
     per_token: bool = False,
     temperature: float = 1.0,
+    entropy: torch.Tensor | None = None,
 ) -> Iterator[None]:
     """While active, the model's LM head returns the NLL of ``targets`` summed per row (``per_token``: per
     position, ``[rows, tokens]``) instead of logits, from logits divided by ``temperature``. ``rows``: the flat
-    positions with a label, from the host, when the batch brought them."""
+    positions with a label, from the host, when the batch brought them. ``entropy`` (flat, one per position):
+    filled with the next-token distribution's entropy at every labelled position, chunk by chunk."""
     head = tileable_head(model)
     if head is None:
         base = unwrap(model)
@@ -181,10 +188,10 @@ def head_computes_nll(
         if temperature != 1.0:  # logits / T from the scaled head (its gradient flows through the division)
             weight = weight / temperature
             bias = None if bias is None else bias / temperature
-        if fused is not None and not per_token:
+        if fused is not None and not per_token and entropy is None:
             return fused(hidden, weight, bias, targets)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        nll = ChunkedHeadNLL.apply(flat, weight, bias, targets.reshape(-1), rows).view(targets.shape)
+        nll = ChunkedHeadNLL.apply(flat, weight, bias, targets.reshape(-1), rows, entropy).view(targets.shape)
         return nll if per_token else nll.sum(-1)
 
     head.forward = nll_forward  # type: ignore[method-assign]
@@ -223,14 +230,16 @@ def token_logps(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per position, the float32 log-probability of its next-token label at ``temperature`` (0 where there
     is none), ``[rows, tokens]``; and, with ``entropy``, the entropy of the next-token distribution (not
-    differentiated; None on the tiled path, which never holds whole logits)."""
+    differentiated; on the tiled path computed chunk by chunk at the labelled positions, 0 elsewhere)."""
     targets = target_labels(batch)
     inputs = model_inputs(batch)
     if use_tiled(tiled, batch, model):
+        found = torch.zeros(targets.numel(), dtype=torch.float32, device=targets.device) if entropy else None
         with head_computes_nll(
-            model, targets, batch.get("target_rows"), per_token=True, temperature=temperature
+            model, targets, batch.get("target_rows"), per_token=True, temperature=temperature, entropy=found
         ):
-            return -model(**inputs, use_cache=False).logits, None
+            logps = -model(**inputs, use_cache=False).logits
+        return logps, (found.view(targets.shape) if found is not None else None)
     logits = model(**inputs, use_cache=False).logits.float()
     if temperature != 1.0:
         logits = logits / temperature
