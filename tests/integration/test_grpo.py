@@ -17,6 +17,15 @@ from tests.resume_helpers import assert_same_continuation, cli, kill_and_resume
 pytestmark = pytest.mark.integration
 
 
+#: a reward of weight 0 that reads TRL's trainer_state and logs through log_metric and log_extra
+PROGRESS = """
+def progress(completions, trainer_state, log_metric, log_extra, **kwargs):
+    log_metric("progress/share_done", trainer_state.global_step / trainer_state.max_steps)
+    log_extra("step_seen", [trainer_state.global_step] * len(completions))
+    return [0.0] * len(completions)
+"""
+
+
 @pytest.fixture(scope="module")
 def prompt_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("grpo")
@@ -31,6 +40,8 @@ def prompt_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_grpo_learns_from_a_reward_and_logs_what_trl_users_look_for(
     base_config: dict, prompt_files: dict[str, Path], tmp_path: Path
 ) -> None:
+    progress = tmp_path / "progress.py"
+    progress.write_text(PROGRESS)
     config = grpo_config(
         base_config,
         prompt_files,
@@ -40,6 +51,7 @@ def test_grpo_learns_from_a_reward_and_logs_what_trl_users_look_for(
         eval_on_start=True,
         completions_log_interval=4,
     )
+    config["rewards"].append({"function": f"{progress}:progress", "weight": 0.0})
     train(config)
     records = metrics(config)
     steps = [r for r in records if "reward" in r]
@@ -65,15 +77,19 @@ def test_grpo_learns_from_a_reward_and_logs_what_trl_users_look_for(
         "clip_ratio/region_mean",
         "generation_share",
         "time_generation",
+        "progress/share_done",
     ):
         assert all(key in r for r in steps), key
+    # TRL's trainer_state, log_metric and log_extra: the share of the run done when each batch was generated
+    assert [r["progress/share_done"] for r in steps[:3]] == pytest.approx([0 / 24, 1 / 24, 2 / 24])
     assert 0 < steps[0]["generation_share"] < 1 and steps[-1]["kl"] > 0 and steps[0]["entropy"] > 0
     evaluations = [r for r in records if "eval_reward" in r]
     assert [r["iter"] for r in evaluations] == [0, 24]  # eval_on_start and at the end: greedy completions
     assert all(r["eval_loss"] == pytest.approx(-r["eval_reward"]) for r in evaluations)
     logged = [json.loads(x) for x in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert {r["generation"] for r in logged} == {0, 4, 8, 12, 16, 20} and len(logged) == 6 * 32
-    assert set(logged[0]) >= {"prompt", "completion", "reward", "rewards", "advantage", "origin"}
+    assert set(logged[0]) >= {"prompt", "completion", "reward", "rewards", "advantage", "origin", "step_seen"}
+    assert {r["step_seen"] for r in logged if r["generation"] == 4} == {4}
     assert logged[0]["origin"].startswith(str(prompt_files["train"])) and " row " in logged[0]["origin"]
     from posttrain.tracking.plot import plot_metrics
 

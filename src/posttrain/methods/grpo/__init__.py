@@ -19,7 +19,14 @@ from posttrain.data.grpo import COLUMNS, ORIGIN_KEY, fit_prompt, format_grpo_row
 from posttrain.errors import UserError
 from posttrain.methods.grpo.generation import Completions, TransformersBackend
 from posttrain.methods.grpo.losses import loss_sum, token_losses
-from posttrain.methods.grpo.rollout import GRPOSteps, Scorer, policy_loss, sampling_of, stop_ids
+from posttrain.methods.grpo.rollout import (
+    GRPOSteps,
+    Scorer,
+    policy_loss,
+    run_reward_context,
+    sampling_of,
+    stop_ids,
+)
 from posttrain.models.token_logps import token_logps
 from posttrain.plan import BatchSizes
 from posttrain.tokenizers.padding import input_pad_id
@@ -150,7 +157,10 @@ class GRPOLoss:
         prompts = [ids[keep].tolist() for ids, keep in zip(batch["prompt_ids"], mask, strict=True)]
         module = getattr(model, "module", model)
         completions: Completions = self.greedy.generate(module, prompts, sampling_of(self.config), None)
+        run = run_reward_context(self.config)  # the trainer state the run's step feed last set
+        self.scorer.context.trainer_state = run.trainer_state if run is not None else None
         values = self.scorer(batch["rows"], completions)
+        self.scorer.context.take()  # what rewards log during evaluation is not recorded
         weight = batch["prompt_weight"].double().cpu()
         totals = self.scorer.total(values)
         scored = (~torch.isnan(totals)).double() * weight  # a completion no reward scored is left out

@@ -18,7 +18,7 @@ import math
 import re
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,42 @@ NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 class RewardError(UserError):
     """A reward function failed on real data: which function, where, on which row."""
+
+
+#: what TRL hands a reward function besides the data, by its names
+CONTEXT_KEYS = ("trainer_state", "log_extra", "log_metric")
+
+
+@dataclass
+class RewardContext:
+    """What a reward function gets besides the data, as TRL gives it: ``trainer_state`` (a transformers
+    ``TrainerState``: ``global_step``, ``max_steps``, ``epoch``... for rewards shaped by progress),
+    ``log_extra(column, values)`` (a column of the completions log, one value per completion of the call) and
+    ``log_metric(name, value)`` (a scalar, averaged over the batch's calls on every rank into the step's
+    record)."""
+
+    trainer_state: Any = None
+    extra: dict[str, list[Any]] = field(default_factory=dict)
+    logged: dict[str, list[float]] = field(default_factory=dict)
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        self.extra.setdefault(str(column), []).extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.logged.setdefault(str(name), []).append(float(value))
+
+    def arguments(self) -> dict[str, Any]:
+        return {
+            "trainer_state": self.trainer_state,
+            "log_extra": self.log_extra,
+            "log_metric": self.log_metric,
+        }
+
+    def take(self) -> tuple[dict[str, list[Any]], dict[str, list[float]]]:
+        """What the functions logged since the last call, and forget it."""
+        extra, logged = self.extra, self.logged
+        self.extra, self.logged = {}, {}
+        return extra, logged
 
 
 # ------------------------------------------------------------------------------------------------ built-ins
@@ -99,9 +135,10 @@ def exact_match(config: ExactMatchReward) -> RewardFunction:
 
     def reward(completions: Sequence[Any], **columns: Any) -> list[float | None]:
         if config.column not in columns:
+            found = sorted(set(columns) - set(CONTEXT_KEYS))
             raise RewardError(
                 f"exact_match reads the column {config.column!r}, which the rows do not have (they have: "
-                f"{', '.join(sorted(columns)) or 'no other columns'}); set rewards[].column"
+                f"{', '.join(found) or 'no other columns'}); set rewards[].column"
             )
         expected = columns[config.column]
         return [
@@ -253,10 +290,11 @@ def score(
     completion_ids: list[list[int]],
     columns: dict[str, list[Any]],
     origins: list[str],
+    context: RewardContext | None = None,
 ) -> list[float]:
     """The reward of every completion (NaN for None), or a :class:`RewardError` saying what went wrong. An
     ``async def`` reward is awaited (:func:`score_all` awaits several together, as TRL gathers them)."""
-    return score_all([reward], prompts, completions, completion_ids, columns, origins)[0]
+    return score_all([reward], prompts, completions, completion_ids, columns, origins, context)[0]
 
 
 def score_all(
@@ -266,10 +304,14 @@ def score_all(
     completion_ids: list[list[int]],
     columns: dict[str, list[Any]],
     origins: list[str],
+    context: RewardContext | None = None,
 ) -> list[list[float]]:
     """Every reward's values for the completions: plain functions in turn, ``async def`` ones (or any that
-    return an awaitable) awaited together, as TRL gathers its async reward functions."""
+    return an awaitable) awaited together, as TRL gathers its async reward functions. Each is called with
+    TRL's arguments: the prompts, completions and their ids, every other column of the rows, and the
+    ``context`` (``trainer_state``, ``log_extra``, ``log_metric``)."""
     arguments = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+    arguments.update((context or RewardContext()).arguments())
     results: list[Any] = [_call(reward, arguments, origins) for reward in rewards]
     pending = [i for i, value in enumerate(results) if inspect.isawaitable(value)]
     if pending:

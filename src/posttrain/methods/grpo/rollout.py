@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
@@ -27,7 +28,7 @@ from posttrain.context import RunContext
 from posttrain.data.grpo import ORIGIN_KEY, decode_row, prompt_of, reward_columns
 from posttrain.data.sampler import shard_order
 from posttrain.data.samples import IGNORE_INDEX, pad_rows, target_labels, target_rows
-from posttrain.dist import all_gather_rows
+from posttrain.dist import all_gather_rows, all_reduce_sum
 from posttrain.errors import UserError
 from posttrain.methods.grpo.generation import (
     Completions,
@@ -37,7 +38,7 @@ from posttrain.methods.grpo.generation import (
     generation_eos,
 )
 from posttrain.methods.grpo.losses import PolicyLoss, advantages, loss_units, nanstd, reward_spread
-from posttrain.methods.grpo.rewards import Reward, build_rewards, score_all
+from posttrain.methods.grpo.rewards import Reward, RewardContext, build_rewards, score_all
 from posttrain.methods.grpo.vllm_backend import build_vllm_backend
 from posttrain.models.token_logps import token_logps
 from posttrain.tokenizers.chat_templates import end_of_turn_ids
@@ -77,6 +78,7 @@ class Scorer:
         self.rewards: list[Reward] = build_rewards(config.rewards, config.max_completion_length)
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
         self.tokenizer = tokenizer
+        self.context = RewardContext()  # trainer_state, log_extra, log_metric: TRL's extra arguments
 
     def __call__(self, rows: list[dict[str, Any]], completions: Completions) -> torch.Tensor:
         """``[completions, rewards]`` float64 (NaN where a function returned None)."""
@@ -88,7 +90,7 @@ class Scorer:
                 columns.setdefault(key, [None] * len(rows))[index] = value
         origins = [str(row.get(ORIGIN_KEY, "a row")) for row in rows]
         shown = [completions_as_prompted(p, t) for p, t in zip(prompts, texts, strict=True)]
-        values = score_all(self.rewards, prompts, shown, completions.ids, columns, origins)
+        values = score_all(self.rewards, prompts, shown, completions.ids, columns, origins, self.context)
         return torch.tensor(values, dtype=torch.float64).T.reshape(len(rows), len(self.rewards))
 
     def total(self, values: torch.Tensor) -> torch.Tensor:
@@ -159,6 +161,16 @@ class GenerationMetrics:
             close()
 
 
+#: each run's reward context by its config object: the step feed sets the trainer state there, and the
+#: evaluation's scorer (built by the loss hook, which sees only the config) reads it
+_RUN_CONTEXTS: weakref.WeakValueDictionary[int, RewardContext] = weakref.WeakValueDictionary()
+
+
+def run_reward_context(config: Any) -> RewardContext | None:
+    """The reward context of the run whose config this is (its step feed's), if it has one."""
+    return _RUN_CONTEXTS.get(id(config))
+
+
 class GRPOSteps:
     """The step feed (``TrainerSpec.steps``) of ``grpo``; see the module docstring."""
 
@@ -168,6 +180,7 @@ class GRPOSteps:
         self.ctx, self.engine, self.config, self.tokenizer = ctx, engine, config, tokenizer
         self.prompts = plan.data.train
         self.step_plan = plan.step_plan
+        self.total_steps = plan.total_steps
         sizes = plan.sizes
         self.group = config.num_generations
         self.per_batch = sizes.global_batch_size // self.group  # prompts
@@ -183,6 +196,8 @@ class GRPOSteps:
             else TransformersBackend(stops, self.pad_id)
         )
         self.scorer = Scorer(config, tokenizer)
+        self.scorer.context.trainer_state = self._trainer_state(None, 0, 0, 1)  # before the first generation
+        _RUN_CONTEXTS[id(config)] = self.scorer.context
         self.reference = Reference(config, ctx, engine, tokenizer) if config.beta > 0 else None
         self.params = policy_loss(config)
         self.metrics = GenerationMetrics(self.scorer.rewards)
@@ -200,6 +215,7 @@ class GRPOSteps:
         order = shard_order(len(self.prompts), 1, 0, self.config.data.seed, epoch)
         first, done = divmod(state.epoch_step, self.updates)
         for batch in range(first, batches):
+            self.scorer.context.trainer_state = self._trainer_state(state, epoch, batch, batches)
             micro_batches = self._resumed(state, done) if done else self._generate(epoch, batch, order)
             if self.updates > 1:  # what the batch's next updates need after a resume
                 state.rank_state[STATE_KEY] = {
@@ -230,6 +246,42 @@ class GRPOSteps:
         self.metrics.latest = dict(saved["metrics"])
         return saved["micro_batches"]
 
+    def _trainer_state(self, state: Any, epoch: int, batch: int, batches: int) -> Any:
+        """What TRL hands reward functions as ``trainer_state``: transformers' ``TrainerState`` at this
+        generation (the optimizer steps done, the run's total, the epoch as a fraction)."""
+        from transformers import TrainerState
+
+        config, dist = self.config, self.ctx.dist
+        return TrainerState(
+            epoch=epoch + batch / max(batches, 1),
+            global_step=state.step if state is not None else 0,
+            max_steps=self.total_steps,
+            num_train_epochs=config.epochs,
+            logging_steps=config.loss_log_interval,
+            train_batch_size=config.micro_batch_size,
+            is_local_process_zero=dist.local_rank == 0,
+            is_world_process_zero=dist.is_main,
+        )
+
+    def _logged_metrics(self, logged: dict[str, list[float]]) -> dict[str, float]:
+        """The rewards' ``log_metric`` values: each name's mean over every call on every rank (names gathered
+        from all ranks, so that a name logged on one rank only still reduces)."""
+        dist = self.ctx.dist
+        names = set(logged)
+        if dist.world_size > 1:
+            import torch.distributed as torch_dist
+
+            everyone: list[Any] = [None] * dist.world_size
+            torch_dist.all_gather_object(everyone, sorted(names))
+            names = {name for found in everyone for name in found}
+        names_in_order = sorted(names)
+        local = [x for n in names_in_order for x in (sum(logged.get(n, [])), float(len(logged.get(n, []))))]
+        totals = all_reduce_sum(local, dist) if local else []
+        return {
+            name: totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else math.nan
+            for i, name in enumerate(names_in_order)
+        }
+
     # ----------------------------------------------------------------------------------------- a rollout
 
     def _generate(self, epoch: int, batch: int, order: np.ndarray) -> list[dict[str, Any]]:
@@ -247,6 +299,7 @@ class GRPOSteps:
         completions = self.backend.generate(self.engine.module, prompt_ids, self.sampling, keys)
         self.metrics.generation_time = time.perf_counter() - started
         values = self.scorer([rows[s // group] for s in slots], completions)
+        extra, logged = self.scorer.context.take()
         lengths = torch.tensor([len(c) for c in completions.ids], dtype=torch.float64)
         truncated = torch.tensor(completions.truncated, dtype=torch.float64)
         mine = torch.cat([values, lengths[:, None], truncated[:, None]], dim=1)
@@ -255,8 +308,10 @@ class GRPOSteps:
         totals = self.scorer.total(rewards)
         advantage = advantages(totals, group, self.config.advantage, self.config.scale_rewards)
         self.metrics.latest = self._summary(rewards, totals, everyone[:, -2], everyone[:, -1])
+        self.metrics.latest.update(self._logged_metrics(logged))
         own = advantage[first : first + self.mine]
-        self._log(epoch, batch, [rows[s // group] for s in slots], completions, values, totals, own, first)
+        mine = [rows[s // group] for s in slots]
+        self._log(epoch, batch, mine, completions, values, totals, own, first, extra)
         return self._micro_batches(prompt_ids, completions, own)
 
     def _summary(
@@ -324,9 +379,10 @@ class GRPOSteps:
         totals: torch.Tensor,
         advantage: torch.Tensor,
         first: int,
+        extra: dict[str, list[Any]],
     ) -> None:
         """Rank 0's completions of every ``completions_log_interval``-th generated batch of the run, one JSON
-        line each."""
+        line each, with the columns the rewards added (``log_extra``, one value per completion)."""
         generation = epoch * (len(self.step_plan[0]) // self.updates) + batch
         if not self.config.log_completions or generation % self.config.completions_log_interval:
             return
@@ -347,6 +403,9 @@ class GRPOSteps:
                 "advantage": float(advantage[index]),
                 "origin": row.get(ORIGIN_KEY),
             }
+            for column, logged in extra.items():  # a built-in field keeps its name; the reward's is prefixed
+                key = column if column not in record else f"extra/{column}"
+                record[key] = _json_value(logged[index]) if index < len(logged) else None
             self.log.write(record)
 
     def close(self) -> None:
@@ -356,6 +415,19 @@ class GRPOSteps:
 
 def _plain(value: float) -> float | None:
     return None if math.isnan(value) else value
+
+
+def _json_value(value: Any) -> Any:
+    """A value a reward logged, as JSON holds it: numbers (NaN as null), text, bools, lists; others as text."""
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float):
+        return _plain(value)
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    return str(value)
 
 
 def policy_loss(config: Any) -> PolicyLoss:
