@@ -80,6 +80,10 @@ def test_grpo_learns_from_a_reward_and_logs_what_trl_users_look_for(
         "progress/share_done",
     ):
         assert all(key in r for r in steps), key
+    # TRL's num_tokens: prompt and completion tokens of every batch so far (32 completions a batch here)
+    for before, after in zip(steps, steps[1:], strict=False):
+        grown = after["num_tokens"] - before["num_tokens"]
+        assert grown > 32 * after["completions/mean_length"] - 1e-6, (before["iter"], grown)
     # TRL's trainer_state, log_metric and log_extra: the share of the run done when each batch was generated
     assert [r["progress/share_done"] for r in steps[:3]] == pytest.approx([0 / 24, 1 / 24, 2 / 24])
     assert 0 < steps[0]["generation_share"] < 1 and steps[-1]["kl"] > 0 and steps[0]["entropy"] > 0
@@ -109,6 +113,7 @@ def test_sigkill_and_auto_resume_give_the_uninterrupted_rewards_and_losses(
     reference, resumed = results["reference_metrics"], results["resumed_metrics"]
     for step in range(kill_at + 1, total + 1):
         assert reference[step]["reward"] == resumed[step]["reward"], step  # the same completions
+        assert reference[step]["num_tokens"] == resumed[step]["num_tokens"], step  # the run-long count kept
 
 
 def test_bad_rewards_and_batches_stop_with_one_clear_line(

@@ -124,6 +124,7 @@ class DeepSpeedCheckpointEngine(CheckpointEngine):
             setattr(state, key, int(record[key]))
         state.epoch_step = epoch_step
         state.tracker_ids = dict(record.get("tracker_ids", {}))
+        state.counters = {name: float(value) for name, value in record.get("counters", {}).items()}
         own = path / loop_file(self.ctx.dist.rank)
         if record.get("world_size") == now["world_size"] and own.is_file():
             state.rank_state = torch.load(own, weights_only=False)

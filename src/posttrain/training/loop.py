@@ -57,6 +57,9 @@ class LoopState:
     history: RecentRecords = field(default_factory=lambda: RecentRecords())
     tracker_ids: dict[str, str] = field(default_factory=dict)
     rank_state: dict[str, Any] = field(default_factory=dict)  # this rank's, saved with resumable checkpoints
+    #: run-long totals a step feed keeps, the same on every rank (grpo's ``num_tokens``), saved with
+    #: resumable checkpoints whatever the process count
+    counters: dict[str, float] = field(default_factory=dict)
 
     def resumable(self) -> dict[str, Any]:
         return {
@@ -65,6 +68,7 @@ class LoopState:
             "epoch_step": self.epoch_step,
             "evals": self.evals,
             "tracker_ids": dict(self.tracker_ids),
+            "counters": dict(self.counters),
         }
 
 

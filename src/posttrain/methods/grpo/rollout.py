@@ -196,6 +196,7 @@ class GRPOSteps:
             else TransformersBackend(stops, self.pad_id)
         )
         self.scorer = Scorer(config, tokenizer)
+        self.counters: dict[str, float] = {}  # the loop state's (steps() takes them from it)
         self.scorer.context.trainer_state = self._trainer_state(None, 0, 0, 1)  # before the first generation
         _RUN_CONTEXTS[id(config)] = self.scorer.context
         self.reference = Reference(config, ctx, engine, tokenizer) if config.beta > 0 else None
@@ -214,6 +215,7 @@ class GRPOSteps:
         batches = len(self.step_plan[epoch]) // self.updates
         order = shard_order(len(self.prompts), 1, 0, self.config.data.seed, epoch)
         first, done = divmod(state.epoch_step, self.updates)
+        self.counters = state.counters  # run-long totals, saved with resumable checkpoints
         for batch in range(first, batches):
             self.scorer.context.trainer_state = self._trainer_state(state, epoch, batch, batches)
             micro_batches = self._resumed(state, done) if done else self._generate(epoch, batch, order)
@@ -302,13 +304,18 @@ class GRPOSteps:
         extra, logged = self.scorer.context.take()
         lengths = torch.tensor([len(c) for c in completions.ids], dtype=torch.float64)
         truncated = torch.tensor(completions.truncated, dtype=torch.float64)
-        mine = torch.cat([values, lengths[:, None], truncated[:, None]], dim=1)
-        everyone = all_gather_rows(mine, dist)  # [batch completions, rewards + 2], slot order
+        prompted = torch.tensor([len(p) for p in prompt_ids], dtype=torch.float64)
+        mine = torch.cat([values, prompted[:, None], lengths[:, None], truncated[:, None]], dim=1)
+        everyone = all_gather_rows(mine, dist)  # [batch completions, rewards + 3], slot order
         rewards = everyone[:, : values.shape[1]]
         totals = self.scorer.total(rewards)
         advantage = advantages(totals, group, self.config.advantage, self.config.scale_rewards)
         self.metrics.latest = self._summary(rewards, totals, everyone[:, -2], everyone[:, -1])
         self.metrics.latest.update(self._logged_metrics(logged))
+        # TRL's num_tokens: prompt and completion tokens of every generated batch so far, all ranks
+        seen = self.counters.get("num_tokens", 0.0) + float(everyone[:, -3].sum() + everyone[:, -2].sum())
+        self.counters["num_tokens"] = seen
+        self.metrics.latest["num_tokens"] = seen
         own = advantage[first : first + self.mine]
         mine = [rows[s // group] for s in slots]
         self._log(epoch, batch, mine, completions, values, totals, own, first, extra)
