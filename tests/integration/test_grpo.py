@@ -4,6 +4,7 @@ and stops with a clear line on bad rewards and bad batch sizes."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def test_grpo_learns_from_a_reward_and_logs_what_trl_users_look_for(
     ):
         assert all(key in r for r in steps), key
     # TRL's num_tokens: prompt and completion tokens of every batch so far (32 completions a batch here)
-    for before, after in zip(steps, steps[1:], strict=False):
+    for before, after in itertools.pairwise(steps):
         grown = after["num_tokens"] - before["num_tokens"]
         assert grown > 32 * after["completions/mean_length"] - 1e-6, (before["iter"], grown)
     # TRL's trainer_state, log_metric and log_extra: the share of the run done when each batch was generated
