@@ -292,3 +292,20 @@ def test_token_logps_and_entropy_agree_on_the_tiled_path() -> None:
     assert torch.allclose(plain[labelled], tiled[labelled].to(plain.dtype), atol=1e-5)
     assert torch.allclose(plain_entropy[labelled], tiled_entropy[labelled].to(plain_entropy.dtype), atol=1e-5)
     assert tiled_entropy[labelled].min() > 0 and (tiled_entropy[~labelled] == 0).all()
+
+
+def test_extreme_clip_shares_are_trls_per_micro_batch() -> None:
+    """``clip_ratio/low_min``: the smallest per-completion share of low-clipped tokens; ``high_max``: the
+    largest of high-clipped ones (TRL's masked_seq_mean, then nanmin/nanmax over the gathered completions)."""
+    from posttrain.methods.grpo import extreme_clip_shares
+    from posttrain.methods.grpo.losses import sequence_shares
+
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    low = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    high = torch.tensor([[0.0, 0.0, 1.0, 1.0], [1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    shares = sequence_shares(low, mask)
+    assert shares[:2].tolist() == pytest.approx([2 / 3, 1.0]) and math.isnan(shares[2])  # no token: NaN
+    got = extreme_clip_shares({"clip_ratio/low_mean": low, "clip_ratio/high_mean": high}, mask)
+    assert got["clip_ratio/low_min"].item() == pytest.approx(2 / 3)  # the empty completion is left out
+    assert got["clip_ratio/high_max"].item() == pytest.approx(1 / 2)
+    assert got["clip_ratio/low_min:count"].item() == 1.0  # each micro-batch counts once

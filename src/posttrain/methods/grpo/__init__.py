@@ -9,6 +9,7 @@ schedule and the memory plan's settings.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,7 +19,7 @@ from posttrain.data.build import DataFactory
 from posttrain.data.grpo import COLUMNS, ORIGIN_KEY, fit_prompt, format_grpo_rows
 from posttrain.errors import UserError
 from posttrain.methods.grpo.generation import Completions, TransformersBackend
-from posttrain.methods.grpo.losses import loss_sum, token_losses
+from posttrain.methods.grpo.losses import loss_sum, sequence_shares, token_losses
 from posttrain.methods.grpo.rollout import (
     GRPOSteps,
     Scorer,
@@ -111,6 +112,32 @@ def grpo_report(flight: DataPlan) -> list[str]:
     ]
 
 
+def extreme_clip_shares(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """TRL's ``clip_ratio/low_min`` and ``clip_ratio/high_max``: of this micro-batch's completions on every
+    process, the smallest share of low-clipped tokens and the largest of high-clipped ones (NaN-free
+    completions only); each micro-batch counts once, so the step record is their mean over the step's
+    micro-batches, as TRL averages what it appends per micro-batch. One collective per micro-batch (no host
+    read) under data parallelism."""
+    import torch.distributed as dist
+
+    low = sequence_shares(stats["clip_ratio/low_mean"].detach(), mask)
+    high = sequence_shares(stats["clip_ratio/high_mean"].detach(), mask)
+    extremes = torch.stack(
+        [torch.nan_to_num(low, nan=math.inf).min(), -torch.nan_to_num(high, nan=-math.inf).max()]
+    ).double()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
+    extremes = torch.where(torch.isinf(extremes), torch.full_like(extremes, math.nan), extremes)
+    one = torch.ones((), dtype=torch.float64, device=extremes.device)  # every rank adds the same: a mean
+    return {
+        "clip_ratio/low_min": extremes[0],
+        "clip_ratio/low_min" + COUNT: one,
+        "clip_ratio/high_max": -extremes[1],
+        "clip_ratio/high_max" + COUNT: one,
+    }
+
+
 class GRPOLoss:
     """The policy loss of a rollout's micro-batch (``losses.py``), and for evaluation batches (prompts) the
     greedy completions' rewards: ``eval_reward`` (the weighted sum), ``eval_rewards/<name>``; ``eval_loss`` is
@@ -146,6 +173,8 @@ class GRPOLoss:
             else:
                 metrics[name] = (values.detach() * mask).sum()
                 metrics[name + COUNT] = tokens
+        if "clip_ratio/low_mean" in stats:
+            metrics.update(extreme_clip_shares(stats, mask))
         if entropy is not None:
             metrics["entropy"] = (entropy * mask).sum()
             metrics["entropy" + COUNT] = tokens

@@ -138,6 +138,14 @@ def token_losses(
     return loss.expand_as(logps), stats
 
 
+def sequence_shares(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each completion's mean of a per-token statistic over its tokens (a per-completion one as it is); NaN
+    for a completion with no token in the loss (TRL's ``masked_seq_mean``)."""
+    if values.shape[-1] == 1:
+        return values[:, 0]
+    return (values * mask).sum(-1) / mask.sum(-1)
+
+
 def loss_sum(params: PolicyLoss, losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The micro-batch's share of the step loss, as a sum over its completions (see the module docstring)."""
     masked = (losses * mask).sum(-1)
