@@ -300,9 +300,15 @@ def test_extreme_clip_shares_are_trls_per_micro_batch() -> None:
     from posttrain.methods.grpo import extreme_clip_shares
     from posttrain.methods.grpo.losses import sequence_shares
 
-    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
-    low = torch.tensor([[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
-    high = torch.tensor([[0.0, 0.0, 1.0, 1.0], [1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    mask = torch.tensor(
+        [[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64
+    )
+    low = torch.tensor(
+        [[1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64
+    )
+    high = torch.tensor(
+        [[0.0, 0.0, 1.0, 1.0], [1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64
+    )
     shares = sequence_shares(low, mask)
     assert shares[:2].tolist() == pytest.approx([2 / 3, 1.0]) and math.isnan(shares[2])  # no token: NaN
     got = extreme_clip_shares({"clip_ratio/low_mean": low, "clip_ratio/high_mean": high}, mask)
