@@ -5,8 +5,9 @@ colocate mode runs it). Not measured yet: no GPU has run it (``tests/gpu/test_gr
 - Each training process holds one engine over its GPU (tensor parallel size 1) sized by
   ``vllm_gpu_memory_utilization``; prompts go in as token ids, one request per completion with the
   completion's own key as the request's seed, so draws are per completion as with ``transformers``.
-- After every optimizer update the weights are pushed in process (``load_weights`` on vLLM's model): PEFT
-  adapters merged for the push and unmerged after, ZeRO-3 parameters gathered one module at a time.
+- After every optimizer update the weights are pushed in process (``load_weights`` on vLLM's model): under
+  ZeRO-3 every parameter gathered first, PEFT adapters merged for the push and unmerged after, a
+  ``modules_to_save`` module's trained copy under its own name (``named_weights``, tested without vLLM).
 - With ``vllm_enable_sleep_mode`` the engine sleeps (weights and KV cache released) while the model trains and
   wakes for generation.
 """
@@ -85,7 +86,7 @@ class VLLMBackend:
         """Push the training weights into vLLM's model (marked stale after every update by the rollout)."""
         self._wake(tags=["weights"])
         model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        for name, tensor in _named_weights(module):
+        for name, tensor in named_weights(module):
             model.load_weights([(name, tensor)])
         self.stale = False
 
@@ -104,30 +105,32 @@ class VLLMBackend:
         del self.llm
 
 
-def _named_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's weights under the names of the model vLLM loaded (adapters merged in, PEFT's prefixes and
-    ``base_layer`` removed), each gathered for the push under ZeRO-3."""
+def named_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's weights under the names of the checkpoint vLLM loaded: LoRA adapters merged in (their own
+    weights not pushed), PEFT's prefixes and ``base_layer`` removed, a ``modules_to_save`` module's trained
+    copy under the module's own name (its ``original_module`` is not pushed). Under ZeRO-3 every parameter is
+    gathered first, so that the adapters merge into whole weights."""
     import contextlib
 
-    peft = hasattr(module, "merge_adapter")
-    if peft:
-        module.merge_adapter()
-    try:
-        for name, param in module.named_parameters():
-            if peft and ("lora_" in name or ("modules_to_save" in name and "original_module" in name)):
-                continue
-            clean = name.removeprefix("base_model.model.").replace(".base_layer", "")
-            clean = clean.replace("modules_to_save.default.", "")
-            gathered: Any = contextlib.nullcontext()
-            if hasattr(param, "ds_id"):
-                import deepspeed
+    partitioned = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    gathered: Any = contextlib.nullcontext()
+    if partitioned:
+        import deepspeed
 
-                gathered = deepspeed.zero.GatheredParameters([param])
-            with gathered:
-                yield clean, param.data
-    finally:
+        gathered = deepspeed.zero.GatheredParameters(partitioned)
+    peft = hasattr(module, "merge_adapter")
+    with gathered:
         if peft:
-            module.unmerge_adapter()
+            module.merge_adapter()
+        try:
+            for name, param in module.named_parameters():
+                if peft and ("lora_" in name or ".original_module." in name):
+                    continue
+                clean = name.removeprefix("base_model.model.").replace(".base_layer", "")
+                yield clean.replace(".modules_to_save.default", ""), param.data
+        finally:
+            if peft:
+                module.unmerge_adapter()
 
 
 def build_vllm_backend(config: Any, module: torch.nn.Module, stop_ids: Sequence[int], pad_id: int) -> Any:
