@@ -12,7 +12,7 @@ import torch
 from posttrain.config import ConfigError, load_config
 from posttrain.config.grpo import ExactMatchReward, FunctionReward, LengthPenaltyReward, RegexReward
 from posttrain.methods.grpo.generation import MASK, KeyedSampler, _mix, _mix_int, completion_key, keyed_draw
-from posttrain.methods.grpo.rewards import RewardError, build_rewards, last_boxed, same_answer, score
+from posttrain.methods.grpo.rewards import RewardError, build_rewards, last_boxed, same_answer, score_all
 
 
 def _one(config) -> object:
@@ -23,7 +23,7 @@ def _score(config, completions, **columns):
     reward = _one(config)
     ids = [[1] * n for n in columns.pop("lengths", [3] * len(completions))]
     origins = [f"data.jsonl row {i + 1}" for i in range(len(completions))]
-    return score(reward, ["q"] * len(completions), completions, ids, columns, origins)
+    return score_all([reward], ["q"] * len(completions), completions, ids, columns, origins)[0]
 
 
 def test_exact_match_extracts_and_compares_numbers_as_numbers() -> None:
@@ -106,8 +106,6 @@ def test_rewards_may_return_what_trl_takes(tmp_path: Path, returned: str) -> Non
 def test_async_rewards_are_awaited_together(tmp_path: Path) -> None:
     """``async def`` rewards (TRL gathers them on an event loop): two that each wait for the other finish only
     when they run at once."""
-    from posttrain.methods.grpo.rewards import score_all
-
     body = (
         "import asyncio\nSTARTED = []\n"
         "async def first(completions, **kw):\n    STARTED.append(1)\n    await _both()\n    return [1.0] * len(completions)\n"

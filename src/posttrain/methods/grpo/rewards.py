@@ -283,20 +283,6 @@ def _name(config: RewardConfig, function: Callable[..., Any]) -> str:
     return getattr(function, "__name__", None) or str(getattr(config, "type", "reward"))
 
 
-def score(
-    reward: Reward,
-    prompts: list[Any],
-    completions: list[Any],
-    completion_ids: list[list[int]],
-    columns: dict[str, list[Any]],
-    origins: list[str],
-    context: RewardContext | None = None,
-) -> list[float]:
-    """The reward of every completion (NaN for None), or a :class:`RewardError` saying what went wrong. An
-    ``async def`` reward is awaited (:func:`score_all` awaits several together, as TRL gathers them)."""
-    return score_all([reward], prompts, completions, completion_ids, columns, origins, context)[0]
-
-
 def score_all(
     rewards: Sequence[Reward],
     prompts: list[Any],
