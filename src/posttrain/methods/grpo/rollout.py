@@ -317,8 +317,8 @@ class GRPOSteps:
         self.counters["num_tokens"] = seen
         self.metrics.latest["num_tokens"] = seen
         own = advantage[first : first + self.mine]
-        mine = [rows[s // group] for s in slots]
-        self._log(epoch, batch, mine, completions, values, totals, own, first, extra)
+        own_rows = [rows[s // group] for s in slots]
+        self._log(epoch, batch, own_rows, completions, values, totals, own, first, extra)
         return self._micro_batches(prompt_ids, completions, own)
 
     def _summary(
