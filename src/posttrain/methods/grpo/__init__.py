@@ -31,6 +31,7 @@ from posttrain.methods.grpo.rollout import (
 from posttrain.models.token_logps import token_logps
 from posttrain.plan import BatchSizes
 from posttrain.tokenizers.padding import input_pad_id
+from posttrain.training.extras import COUNT
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
     from posttrain.run import Batches
     from posttrain.stages.data import DataPlan
     from posttrain.training.engine import Engine
-from posttrain.training.extras import COUNT
 
 #: the ``grpo`` data factory (registered in ``posttrain.builtins``)
 DATA = DataFactory(
@@ -63,9 +63,9 @@ def grpo_steps(
 
 def grpo_schedule(config: GRPOTrainerConfig, samples: int, sizes: BatchSizes) -> tuple[int, int]:
     """grpo's ``schedule`` hook (``registry.Schedule``). The step plan counts completions (the batch sizes
-    do): P = global batch / num_generations prompts a
-    batch, whole batches only (a global batch of whole groups is checked with the batch sizes,
-    ``GRPOTrainerConfig.batch_problems``); each batch takes ``num_iterations`` optimizer steps."""
+    do): P = global batch / num_generations prompts a batch, whole batches only (a global batch of whole
+    groups is checked with the batch sizes, ``GRPOTrainerConfig.batch_problems``); each batch takes
+    ``num_iterations`` optimizer steps."""
     group, batch = config.num_generations, sizes.global_batch_size
     prompts = batch // group
     if samples < prompts:
@@ -77,9 +77,9 @@ def grpo_schedule(config: GRPOTrainerConfig, samples: int, sizes: BatchSizes) ->
 
 
 def grpo_memory(config: GRPOTrainerConfig) -> MethodMemory:
-    """grpo's ``memory`` hook (``registry.MemoryHook``). What the memory plan adds for grpo: training rows of prompt + completion tokens, the generation's KV
-    cache (a whole rank's completions at once), the reference model, vLLM's share, the reward models (their
-    config key and path)."""
+    """grpo's ``memory`` hook (``registry.MemoryHook``). What the memory plan adds for grpo: training rows of
+    prompt + completion tokens, the generation's KV cache (a whole rank's completions at once), the reference
+    model, vLLM's share, the reward models (their config key and path)."""
     return {
         "tokens_per_row_extra": config.max_completion_length,
         "generation_rows": True,
@@ -94,7 +94,8 @@ def grpo_memory(config: GRPOTrainerConfig) -> MethodMemory:
 
 
 def grpo_report(flight: DataPlan) -> list[str]:
-    """grpo's ``report`` hook (``registry.ReportHook``). The pre-flight report's lines: prompts and completions per step, prompt lengths and truncation."""
+    """grpo's ``report`` hook (``registry.ReportHook``). The pre-flight report's lines: prompts and
+    completions per step, prompt lengths and truncation."""
     config, sizes, data = flight.config, flight.sizes, flight.data
     group = config.num_generations
     lengths = data.train.lengths("input_ids")

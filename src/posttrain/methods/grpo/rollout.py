@@ -310,7 +310,9 @@ class GRPOSteps:
         rewards = everyone[:, : values.shape[1]]
         totals = self.scorer.total(rewards)
         advantage = advantages(totals, group, self.config.advantage, self.config.scale_rewards)
-        self.metrics.latest = self._summary(rewards, totals, everyone[:, -2], everyone[:, -1])
+        names = [reward.name for reward in self.scorer.rewards]
+        every_length, every_cut, scale = everyone[:, -2], everyone[:, -1], self.config.scale_rewards
+        self.metrics.latest = rollout_records(rewards, totals, every_length, every_cut, names, group, scale)
         self.metrics.latest.update(self._logged_metrics(logged))
         # TRL's num_tokens: prompt and completion tokens of every generated batch so far, all ranks
         seen = self.counters.get("num_tokens", 0.0) + float(everyone[:, -3].sum() + everyone[:, -2].sum())
@@ -320,14 +322,6 @@ class GRPOSteps:
         own_rows = [rows[s // group] for s in slots]
         self._log(epoch, batch, own_rows, completions, values, totals, own, first, extra)
         return self._micro_batches(prompt_ids, completions, own)
-
-    def _summary(
-        self, rewards: torch.Tensor, totals: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor
-    ) -> dict[str, Any]:
-        names = [reward.name for reward in self.scorer.rewards]
-        return rollout_records(
-            rewards, totals, lengths, truncated, names, self.group, self.config.scale_rewards
-        )
 
     def _micro_batches(
         self, prompt_ids: list[list[int]], completions: Completions, advantage: torch.Tensor
