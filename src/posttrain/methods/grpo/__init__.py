@@ -24,7 +24,7 @@ from posttrain.methods.grpo.rollout import (
     GRPOSteps,
     Scorer,
     policy_loss,
-    run_reward_context,
+    run_feed,
     sampling_of,
     stop_ids,
 )
@@ -162,7 +162,13 @@ class GRPOLoss:
         old = batch.get("old_logps")
         old = logps.detach() if old is None else old
         losses, stats = token_losses(
-            self.params, logps, old, batch.get("ref_logps"), batch["advantages"], mask
+            self.params,
+            logps,
+            old,
+            batch.get("ref_logps"),
+            batch["advantages"],
+            mask,
+            batch.get("sampling_weight"),
         )
         tokens = mask.sum()
         completions = (mask.sum(-1) > 0).to(mask.dtype)  # completions with a token in the loss
@@ -186,9 +192,10 @@ class GRPOLoss:
         mask = batch["prompt_mask"].bool()
         prompts = [ids[keep].tolist() for ids, keep in zip(batch["prompt_ids"], mask, strict=True)]
         module = getattr(model, "module", model)
-        completions: Completions = self.greedy.generate(module, prompts, sampling_of(self.config), None)
-        run = run_reward_context(self.config)  # the trainer state the run's step feed last set
-        self.scorer.context.trainer_state = run.trainer_state if run is not None else None
+        run = run_feed(self.config)  # the run's generation backend (vLLM too) and its last trainer state
+        backend = run.backend if run is not None else self.greedy
+        completions: Completions = backend.generate(module, prompts, sampling_of(self.config), None)
+        self.scorer.context.trainer_state = run.scorer.context.trainer_state if run is not None else None
         values = self.scorer(batch["rows"], completions)
         self.scorer.context.take()  # what rewards log during evaluation is not recorded
         weight = batch["prompt_weight"].double().cpu()

@@ -91,11 +91,13 @@ class Sampling:
 
 @dataclass
 class Completions:
-    """One sampled completion per prompt row: its token ids (the stop token included when it came) and
-    whether it ran into the length limit without one."""
+    """One sampled completion per prompt row: its token ids (the stop token included when it came), whether
+    it ran into the length limit without one, and (from an engine that reports them) the sampling
+    log-probability of each of its tokens."""
 
     ids: list[list[int]]
     truncated: list[bool]
+    logps: list[list[float]] | None = None
 
 
 def split_completions(sequences: torch.Tensor, stop_ids: Sequence[int], pad_id: int) -> Completions:
@@ -178,8 +180,10 @@ class TransformersBackend:
         prompts: Sequence[Sequence[int]],
         sampling: Sampling,
         keys: list[int] | None,
+        logprobs: bool = False,
     ) -> Completions:
-        """``keys`` None: greedy (evaluation)."""
+        """``keys`` None: greedy (evaluation). ``logprobs`` is for an engine apart from the trainer (vLLM): here
+        the sampling and the training model are one, so there is no mismatch to report."""
         from transformers import GenerationConfig, LogitsProcessorList
         from transformers.generation import (
             RepetitionPenaltyLogitsProcessor,

@@ -37,6 +37,7 @@ On-policy (one update per batch, l^old = l detached) the ratio is 1 and its grad
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,75 @@ class PolicyLoss:
     bias_correction_kl: bool = True  # the KL term times the (unclipped) ratio: TRL's use_bias_correction_kl
 
 
+@dataclass(frozen=True)
+class SamplingCorrection:
+    """TRL's ``vllm_importance_sampling_correction``: the engine's and the trainer's probabilities of a sampled
+    completion differ (kernels, precision, batch shapes), so each token's loss is weighed by
+    w = pi_train / pi_engine, per token or once per completion (the product over its tokens), then clipped to
+    [low, high] (``*_truncate``) or set to 0 outside it (``*_mask``)."""
+
+    mode: str = "sequence_mask"
+    low: float | None = None
+    high: float | None = 3.0
+
+    @property
+    def sequence(self) -> bool:
+        return self.mode.startswith("sequence")
+
+
+def sampling_weights(
+    params: SamplingCorrection, old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The correction's weights: ``[completions, tokens]``, or ``[completions, 1]`` per completion, from the
+    trainer's log-probabilities when the batch was generated (``old``) and the engine's (``sampling``, NaN
+    where it gave none: such a token weighs 1)."""
+    delta = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if params.sequence:
+        delta = delta.sum(-1, keepdim=True)
+    ratio = torch.exp(delta)
+    if params.mode.endswith("truncate"):
+        return torch.clamp(ratio, min=params.low, max=params.high)
+    low = -math.inf if params.low is None else params.low
+    high = math.inf if params.high is None else params.high
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def sampling_statistics(
+    params: SamplingCorrection,
+    old: torch.Tensor,
+    sampling: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """One process's ``[mean |old - sampling|, its max, min weight, mean weight, max weight]`` over its
+    completion tokens (tokens the engine gave no log-probability left out; per completion for a sequence
+    mode), 0 where there is nothing, as TRL computes them before gathering."""
+    delta = (old - sampling).abs()[mask.bool() & ~torch.isnan(sampling)]
+    flat = weights.flatten() if params.sequence else weights[mask.bool()]
+    zero = torch.zeros((), dtype=torch.float64)
+    return torch.stack(
+        [
+            delta.double().mean() if delta.numel() else zero,
+            delta.double().max() if delta.numel() else zero,
+            flat.double().min() if flat.numel() else zero,
+            flat.double().mean() if flat.numel() else zero,
+            flat.double().max() if flat.numel() else zero,
+        ]
+    )
+
+
+def sampling_records(gathered: torch.Tensor) -> dict[str, float]:
+    """TRL's ``sampling/...`` metrics from every process's :func:`sampling_statistics` (``[processes, 5]``):
+    the mean of the means, the largest max, the smallest min."""
+    return {
+        "sampling/sampling_logp_difference/mean": float(gathered[:, 0].mean()),
+        "sampling/sampling_logp_difference/max": float(gathered[:, 1].max()),
+        "sampling/importance_sampling_ratio/min": float(gathered[:, 2].min()),
+        "sampling/importance_sampling_ratio/mean": float(gathered[:, 3].mean()),
+        "sampling/importance_sampling_ratio/max": float(gathered[:, 4].max()),
+    }
+
+
 def log_ratio(logps: torch.Tensor, old: torch.Tensor, mask: torch.Tensor, sequence: bool) -> torch.Tensor:
     """l - l_old per token ``[completions, tokens]``, or (``sequence``) the completion's mean over its tokens,
     ``[completions, 1]`` (broadcast where it meets the tokens, as TRL keeps it)."""
@@ -112,10 +182,13 @@ def token_losses(
     ref: torch.Tensor | None,
     advantage: torch.Tensor,
     mask: torch.Tensor,
+    sampling_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``[completions, tokens]`` losses and the statistics (KL, the clipped share): per token, ``[completions,
     tokens]`` (to be averaged over the mask), or, for a ratio per completion (GSPO), the clip statistics per
-    completion, ``[completions, 1]`` (averaged over the completions, as TRL does)."""
+    completion, ``[completions, 1]`` (averaged over the completions, as TRL does). ``sampling_weight``: the
+    engine-mismatch correction (:func:`sampling_weights`), applied to the policy term, not to the KL, as TRL
+    applies it."""
     adv = advantage.unsqueeze(-1)
     stats: dict[str, torch.Tensor] = {}
     ratio = torch.exp(log_ratio(logps, old, mask, params.sequence_ratio))
@@ -129,6 +202,8 @@ def token_losses(
         stats["clip_ratio/low_mean"] = low.float()
         stats["clip_ratio/high_mean"] = high.float()
         stats["clip_ratio/region_mean"] = (low | high).float()
+    if sampling_weight is not None:
+        loss = loss * sampling_weight
     if params.beta > 0 and ref is not None:
         kl = k3(logps, ref)
         if params.bias_correction_kl:

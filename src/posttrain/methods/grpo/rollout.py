@@ -37,7 +37,17 @@ from posttrain.methods.grpo.generation import (
     completion_key,
     generation_eos,
 )
-from posttrain.methods.grpo.losses import PolicyLoss, advantages, loss_units, nanstd, reward_spread
+from posttrain.methods.grpo.losses import (
+    PolicyLoss,
+    SamplingCorrection,
+    advantages,
+    loss_units,
+    nanstd,
+    reward_spread,
+    sampling_records,
+    sampling_statistics,
+    sampling_weights,
+)
 from posttrain.methods.grpo.rewards import Reward, RewardContext, build_rewards, score_all
 from posttrain.methods.grpo.vllm_backend import build_vllm_backend
 from posttrain.models.token_logps import token_logps
@@ -129,8 +139,8 @@ class GenerationMetrics:
     """A step extra carrying each generation's numbers into the step records (they are the same on every rank:
     every rank gathered the whole batch's rewards) and the generation's share of the step time."""
 
-    def __init__(self, rewards: list[Reward]) -> None:
-        self.rewards = rewards
+    def __init__(self, rewards: list[Reward], backend: Any) -> None:
+        self.rewards, self.backend = rewards, backend
         self.latest: dict[str, Any] = {}
         self.generation_time = 0.0
         self.yielded_at = time.perf_counter()
@@ -143,6 +153,8 @@ class GenerationMetrics:
         return None, {}
 
     def step_values(self, sums: dict[str, float], micro_batches: int, report: bool) -> dict[str, list[float]]:
+        if hasattr(self.backend, "mark_stale"):
+            self.backend.mark_stale()  # the update changed the weights: the engine's copy is old
         return {}
 
     def metrics(self, reduced: dict[str, list[float]], report: bool) -> dict[str, Any]:
@@ -161,14 +173,31 @@ class GenerationMetrics:
             close()
 
 
-#: each run's reward context by its config object: the step feed sets the trainer state there, and the
-#: evaluation's scorer (built by the loss hook, which sees only the config) reads it
-_RUN_CONTEXTS: weakref.WeakValueDictionary[int, RewardContext] = weakref.WeakValueDictionary()
+#: each run's step feed by its config object: the evaluation (the loss hook, which sees only the config)
+#: reads the trainer state its reward context holds and generates through its backend (vLLM's engine too)
+_RUN_FEEDS: weakref.WeakValueDictionary[int, GRPOSteps] = weakref.WeakValueDictionary()
 
 
-def run_reward_context(config: Any) -> RewardContext | None:
-    """The reward context of the run whose config this is (its step feed's), if it has one."""
-    return _RUN_CONTEXTS.get(id(config))
+def run_feed(config: Any) -> GRPOSteps | None:
+    """The step feed of the run whose config this is, if it has one (an evaluation-only run has none)."""
+    return _RUN_FEEDS.get(id(config))
+
+
+def longest_prompt(data: Any) -> int:
+    """The longest prompt in tokens, training and evaluation prompts alike (the engine's context)."""
+    lengths = [int(view.lengths("input_ids").max()) for view in (data.train, data.eval) if len(view)]
+    return max(lengths, default=1)
+
+
+def build_backend(
+    config: Any, module: torch.nn.Module, stops: list[int], longest: int, rows: int, dist: Any
+) -> Any:
+    """The vLLM backend of ``vllm_mode``: an engine in this process, or the run's server."""
+    if config.vllm_mode == "server":
+        from posttrain.methods.grpo.vllm_server import build_server_backend
+
+        return build_server_backend(config, module, stops, longest, dist)
+    return build_vllm_backend(config, module, stops, longest, rows, dist)
 
 
 class GRPOSteps:
@@ -191,17 +220,18 @@ class GRPOSteps:
         self.pad_id = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
         stops = stop_ids(tokenizer, engine.module)
         self.backend: Any = (
-            build_vllm_backend(config, engine.module, stops, self.pad_id)
+            build_backend(config, engine.module, stops, longest_prompt(plan.data), self.mine, ctx.dist)
             if config.use_vllm
             else TransformersBackend(stops, self.pad_id)
         )
+        self.correction = sampling_correction_of(config)
         self.scorer = Scorer(config, tokenizer)
         self.counters: dict[str, float] = {}  # the loop state's (steps() takes them from it)
         self.scorer.context.trainer_state = self._trainer_state(None, 0, 0, 1)  # before the first generation
-        _RUN_CONTEXTS[id(config)] = self.scorer.context
+        _RUN_FEEDS[id(config)] = self
         self.reference = Reference(config, ctx, engine, tokenizer) if config.beta > 0 else None
         self.params = policy_loss(config)
-        self.metrics = GenerationMetrics(self.scorer.rewards)
+        self.metrics = GenerationMetrics(self.scorer.rewards, self.backend)
         self.extras = [self.metrics]
         self.log = MetricsFile(
             ctx.output_dir / "completions.jsonl", config.log_completions and ctx.dist.is_main
@@ -229,8 +259,6 @@ class GRPOSteps:
             for _ in range(done, self.updates):
                 self.metrics.yielded_at = time.perf_counter()
                 yield micro_batches
-                if hasattr(self.backend, "mark_stale"):
-                    self.backend.mark_stale()  # the update changed the weights
             done = 0
         state.rank_state.pop(STATE_KEY, None)
 
@@ -298,7 +326,8 @@ class GRPOSteps:
         prompt_ids = [np.asarray(items[s // group]["input_ids"]).tolist() for s in slots]
         keys = [completion_key(self.config.seed, epoch, batch, s // group, s % group) for s in slots]
         started = time.perf_counter()
-        completions = self.backend.generate(self.engine.module, prompt_ids, self.sampling, keys)
+        logprobs = self.correction is not None
+        completions = self.backend.generate(self.engine.module, prompt_ids, self.sampling, keys, logprobs)
         self.metrics.generation_time = time.perf_counter() - started
         values = self.scorer([rows[s // group] for s in slots], completions)
         extra, logged = self.scorer.context.take()
@@ -321,7 +350,11 @@ class GRPOSteps:
         own = advantage[first : first + self.mine]
         own_rows = [rows[s // group] for s in slots]
         self._log(epoch, batch, own_rows, completions, values, totals, own, first, extra)
-        return self._micro_batches(prompt_ids, completions, own)
+        micro_batches = self._micro_batches(prompt_ids, completions, own)
+        statistics = self._add_log_probabilities(micro_batches)
+        if statistics is not None:
+            self.metrics.latest.update(sampling_records(all_gather_rows(statistics[None], dist)))
+        return micro_batches
 
     def _micro_batches(
         self, prompt_ids: list[list[int]], completions: Completions, advantage: torch.Tensor
@@ -351,24 +384,43 @@ class GRPOSteps:
                 "num_attention_sq": sum(len(ids) ** 2 for ids, _ in rows),
             }
             batch["target_rows"] = target_rows(batch)
+            if completions.logps is not None:
+                batch["sampling_logps"] = aligned_logps(
+                    [(len(prompt_ids[i]), completions.logps[i]) for i in part], input_ids.shape[1]
+                )
             out.append(batch)
-        self._add_log_probabilities(out)
         return out
 
     @torch.no_grad()
-    def _add_log_probabilities(self, micro_batches: list[dict[str, Any]]) -> None:
-        """The old policy's log-probabilities (for the ratio of later updates) and the reference's."""
-        if self.updates == 1 and self.reference is None:
-            return
+    def _add_log_probabilities(self, micro_batches: list[dict[str, Any]]) -> torch.Tensor | None:
+        """The old policy's log-probabilities (for the ratio of later updates, and always under the
+        engine-mismatch correction, as TRL), the reference's, and the correction's weights; returns this
+        rank's correction statistics (``losses.sampling_statistics``) when it applies."""
+        correction = self.correction
+        if self.updates == 1 and self.reference is None and correction is None:
+            return None
         from posttrain.data.collate import to_device
 
         tiled, temperature = self.config.tiled_loss_compute, self.config.temperature
+        olds, samplings, masks = [], [], []
         for batch in micro_batches:
+            sampling = batch.pop("sampling_logps", None)
             on_device = to_device(batch, self.engine.device)
-            if self.updates > 1:
+            if self.updates > 1 or correction is not None:
                 batch["old_logps"] = token_logps(self.engine, on_device, tiled, temperature)[0].cpu()
             if self.reference is not None:
                 batch["ref_logps"] = self.reference.logps(on_device, temperature).cpu()
+            if correction is not None and sampling is not None:
+                mask = batch["completion_mask"]
+                batch["sampling_weight"] = sampling_weights(correction, batch["old_logps"], sampling, mask)
+                olds.append(batch["old_logps"].flatten())
+                samplings.append(sampling.flatten())
+                masks.append(mask.flatten())
+        if correction is None or not olds:
+            return None
+        weights = torch.cat([b["sampling_weight"].flatten() for b in micro_batches if "sampling_weight" in b])
+        old, sampled, mask = (torch.cat(parts).view(1, -1) for parts in (olds, samplings, masks))
+        return sampling_statistics(correction, old, sampled, mask, weights.view(1, -1))
 
     def _log(
         self,
@@ -429,6 +481,27 @@ def _json_value(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_json_value(v) for v in value]
     return str(value)
+
+
+def aligned_logps(rows: list[tuple[int, list[float]]], width: int) -> torch.Tensor:
+    """The engine's log-probabilities of each row's completion tokens (``(prompt length, logps)``), laid out
+    as the trainer's are: at the position that predicts the token (``[rows, width]``, 0 elsewhere)."""
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for index, (prompt, logps) in enumerate(rows):
+        if logps:
+            out[index, prompt - 1 : prompt - 1 + len(logps)] = torch.tensor(logps, dtype=torch.float32)
+    return out
+
+
+def sampling_correction_of(config: Any) -> SamplingCorrection | None:
+    """TRL's vLLM importance-sampling correction, when the run generates with vLLM and keeps it on."""
+    if not (config.use_vllm and config.vllm_importance_sampling_correction):
+        return None
+    return SamplingCorrection(
+        config.vllm_importance_sampling_mode,
+        config.vllm_importance_sampling_clip_min,
+        config.vllm_importance_sampling_clip_max,
+    )
 
 
 def policy_loss(config: Any) -> PolicyLoss:

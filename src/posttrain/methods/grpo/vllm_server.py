@@ -1,0 +1,324 @@
+"""``vllm_mode: server``: one vLLM server generates for every training process (TRL's server mode), the way
+past one machine's memory for generation.
+
+- The server: ``posttrain vllm-serve CONFIG`` starts vLLM's OpenAI-compatible server for the run's model with
+  the settings the colocated engine would take (:func:`server_command`: the context, dtype, processed
+  log-probabilities, the model's generation defaults off, and on a CPU eager mode and a KV cache), its
+  development endpoints on (``/collective_rpc``, ``/reset_prefix_cache``: ``VLLM_SERVER_DEV_MODE=1``).
+- The run: rank 0 waits up to ``vllm_server_timeout`` seconds for ``/health``, then checks that the server
+  serves the run's model with a context that holds the longest prompt plus ``max_completion_length`` (one
+  line otherwise, exit 2). Every rank sends its own completions to ``/v1/completions``, one request each with
+  the completion's key as its seed, so draws are those of its key whatever the process count.
+- Weights after every update: the pushed weights (``vllm_backend.named_weights``, every rank taking part in
+  the ZeRO-3 gathers) are written by rank 0 as one safetensors file under a directory the server reads
+  (``/dev/shm`` when there is one: a server on the same machine, or a shared file system), reloaded in place
+  through ``POST /collective_rpc`` (``reload_weights`` from that path), then ``POST /reset_prefix_cache``; the
+  other ranks wait at a barrier. The NCCL transfer TRL's own server uses (GPU to GPU, no file) is not built:
+  vLLM's weight-transfer endpoints need CUDA on both sides, and no GPU has been lent to measure it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.errors import UserError
+from posttrain.logs import say
+from posttrain.methods.grpo.generation import Completions, Sampling
+from posttrain.methods.grpo.vllm_backend import EngineSettings, engine_settings, model_context, named_weights
+
+#: ``vllm.LLM`` arguments and the server's flags for them (the rest have no place in a server)
+SERVER_FLAGS = {
+    "model": "--model",
+    "tokenizer": "--tokenizer",
+    "dtype": "--dtype",
+    "max_model_len": "--max-model-len",
+    "seed": "--seed",
+    "logprobs_mode": "--logprobs-mode",
+    "quantization": "--quantization",
+    "generation_config": "--generation-config",
+    "kv_cache_memory_bytes": "--kv-cache-memory-bytes",
+    "block_size": "--block-size",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "tensor_parallel_size": "--tensor-parallel-size",
+}
+#: switches: given when true
+SERVER_SWITCHES = {
+    "trust_remote_code": "--trust-remote-code",
+    "enable_prefix_caching": "--enable-prefix-caching",
+    "enforce_eager": "--enforce-eager",
+}
+#: the colocated engine's environment a server does without: its engine runs in a process of its own, and
+#: its log (the address it listens on, each request) is the server's to show
+COLOCATED_ONLY = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL")
+
+
+def server_url(config: Any) -> str:
+    """TRL's rule: ``vllm_server_base_url`` when set, else ``http://host:port``."""
+    if config.vllm_server_base_url:
+        return config.vllm_server_base_url.rstrip("/")
+    return f"http://{config.vllm_server_host}:{config.vllm_server_port}"
+
+
+def server_command(settings: EngineSettings, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """The command that starts vLLM's server with ``settings`` and the environment it needs."""
+    import sys
+
+    command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
+    for key, value in settings.kwargs.items():
+        if key in SERVER_FLAGS and value is not None:
+            command += [SERVER_FLAGS[key], str(value)]
+        elif key in SERVER_SWITCHES and value:
+            command.append(SERVER_SWITCHES[key])
+    command += ["--host", host, "--port", str(port)]
+    env = {k: v for k, v in settings.env.items() if k not in COLOCATED_ONLY}
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache: the weight updates
+    return command, env
+
+
+def server_settings(config: Any, device_type: str) -> EngineSettings:
+    """The server's engine settings for a run's config: those of a colocated engine (``engine_settings``),
+    for prompts up to ``data.max_length`` tokens and a KV cache for one process's completions, on this
+    machine's device (the server's)."""
+    from transformers import AutoConfig
+
+    from posttrain.config.model import canonical_dtype
+    from posttrain.models.dimensions import read_dimensions
+
+    if not getattr(config, "use_vllm", False) or config.vllm_mode != "server":
+        raise UserError(
+            "vllm-serve starts the server of a grpo run with use_vllm: true and vllm_mode: server; this config "
+            "has neither (set them, or train with the colocated engine)"
+        )
+    model = AutoConfig.from_pretrained(
+        config.model.name_or_path, trust_remote_code=config.model.trust_remote_code
+    )
+    dims = read_dimensions(model)
+    name = canonical_dtype(config.model.dtype)
+    dtype = getattr(torch, name) if name != "auto" else getattr(model, "torch_dtype", None) or torch.bfloat16
+    rows = config.micro_batch_size * config.gradient_accumulation_steps
+    server = config.model_copy(update={"vllm_enable_sleep_mode": False})
+    return engine_settings(
+        server,
+        dims,
+        dtype,
+        device_type=device_type,
+        longest_prompt=config.data.max_length,
+        rows=rows,
+        cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0],
+        where="a server",
+    )
+
+
+class ServerClient:
+    """JSON over HTTP to the server (the standard library's client: no dependency for a handful of calls)."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        self.url, self.timeout = url, timeout
+
+    def call(self, path: str, body: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
+            text = response.read().decode()
+        return json.loads(text) if text.strip() else None
+
+    def wait_until_up(self) -> None:
+        """``/health`` answering within the timeout, or one line saying how to start the server."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                self.call("/health", timeout=5)
+                return
+            except (urllib.error.URLError, OSError, ValueError) as error:
+                if time.monotonic() > deadline:
+                    raise UserError(
+                        f"vllm_mode: server: no vLLM server answered at {self.url} within {self.timeout:g} s "
+                        f"(vllm_server_timeout; {error}); start it with `posttrain vllm-serve CONFIG` (same config), "
+                        "or set vllm_server_base_url / vllm_server_host / vllm_server_port to where it runs"
+                    ) from None
+                time.sleep(1.0)
+
+
+def check_served_model(served: dict[str, Any], model: str, needed: int, url: str) -> str:
+    """The served model's name, after checking it is the run's model with a context long enough."""
+    entries = served.get("data") or []
+    if not entries:
+        raise UserError(f"vllm_mode: server: the server at {url} serves no model")
+    entry = entries[0]
+    names = {str(entry.get("id")), str(entry.get("root"))}
+    if model not in names and str(Path(model).resolve()) not in names:
+        raise UserError(
+            f"vllm_mode: server: the server at {url} serves {entry.get('root') or entry.get('id')}, not the run's "
+            f"model.name_or_path ({model}); start it for this config: posttrain vllm-serve CONFIG"
+        )
+    context = entry.get("max_model_len")
+    if context is not None and int(context) < needed:
+        raise UserError(
+            f"vllm_mode: server: the server's context is {context} tokens, shorter than the longest prompt plus "
+            f"max_completion_length ({needed}); restart it with posttrain vllm-serve CONFIG (or "
+            "vllm_max_model_length)"
+        )
+    return str(entry.get("id"))
+
+
+def completion_body(
+    model: str,
+    prompt: Sequence[int],
+    sampling: Sampling,
+    stops: Sequence[int],
+    key: int | None,
+    logprobs: bool,
+) -> dict[str, Any]:
+    """One completion's request: every sampling field set by posttrain, greedy without a key."""
+    sampled = key is not None
+    return {
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature if sampled else 0.0,
+        "top_p": sampling.top_p if sampled else 1.0,
+        "top_k": (sampling.top_k or -1) if sampled else -1,
+        "min_p": 0.0,
+        "repetition_penalty": sampling.repetition_penalty,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "seed": key,
+        "stop_token_ids": list(stops),
+        "logprobs": 0 if logprobs else None,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "n": 1,
+    }
+
+
+def completions_from(choices: Sequence[dict[str, Any]], stops: Sequence[int], logprobs: bool) -> Completions:
+    """The server's answers as :class:`Completions` (the stop token kept, as the engine's rows keep it)."""
+    ids, truncated, logps = [], [], []
+    stop_set = set(stops)
+    for choice in choices:
+        tokens = [int(t) for t in choice.get("token_ids") or []]
+        ids.append(tokens)
+        truncated.append(not tokens or tokens[-1] not in stop_set)
+        if logprobs:
+            found = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            logps.append([float("nan") if v is None else float(v) for v in found][: len(tokens)])
+    return Completions(ids, truncated, logps if logprobs else None)
+
+
+class VLLMServerBackend:
+    """Generation on the run's vLLM server (see the module docstring)."""
+
+    name = "vllm-server"
+
+    def __init__(self, config: Any, stop_ids: Sequence[int], dist: Any, needed: int) -> None:
+        self.stop_ids, self.dist = list(stop_ids), dist
+        self.client = ServerClient(server_url(config), float(config.vllm_server_timeout))
+        self.model = config.model.name_or_path
+        self.served = self.model
+        if dist.is_main:
+            self.client.wait_until_up()
+            self.served = check_served_model(
+                self.client.call("/v1/models"), self.model, needed, self.client.url
+            )
+            say(f"vLLM server at {self.client.url}: {self.served}, weights pushed through {self.folder()}")
+        self._barrier()
+        self.stale = True
+        self.pool = ThreadPoolExecutor(max_workers=32)
+
+    def folder(self) -> Path:
+        """Where rank 0 writes the weights for the server to read (memory-backed when the machine has one)."""
+        shm = Path("/dev/shm")
+        return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+    def generate(
+        self,
+        module: torch.nn.Module,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling,
+        keys: list[int] | None,
+        logprobs: bool = False,
+    ) -> Completions:
+        if self.stale:
+            self.push(module)
+        bodies = [
+            completion_body(
+                self.served, prompt, sampling, self.stop_ids, None if keys is None else keys[i], logprobs
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        try:
+            answers = list(self.pool.map(lambda body: self.client.call("/v1/completions", body), bodies))
+        except (urllib.error.URLError, OSError) as error:
+            raise UserError(
+                f"vllm_mode: server: the server at {self.client.url} stopped answering: {error}"
+            ) from None
+        return completions_from([answer["choices"][0] for answer in answers], self.stop_ids, logprobs)
+
+    def push(self, module: torch.nn.Module) -> None:
+        """The training weights to the server (every rank takes part in the gathers; rank 0 writes and
+        reloads), then its prefix cache emptied."""
+        from safetensors.torch import save_file
+
+        weights = {name: tensor.detach().cpu().contiguous() for name, tensor in named_weights(module)}
+        if self.dist.is_main:
+            folder = Path(tempfile.mkdtemp(prefix="posttrain-weights-", dir=self.folder()))
+            try:
+                save_file(weights, str(folder / "model.safetensors"))
+                self.client.call(
+                    "/collective_rpc",
+                    {
+                        "method": "reload_weights",
+                        "kwargs": {"weights_path": str(folder), "is_checkpoint_format": True},
+                    },
+                )
+                self.client.call("/reset_prefix_cache", {})
+            except urllib.error.HTTPError as error:
+                raise UserError(
+                    f"vllm_mode: server: the server at {self.client.url} refused the weight update ({error}); it "
+                    "must run with VLLM_SERVER_DEV_MODE=1, as posttrain vllm-serve starts it"
+                ) from None
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+        del weights
+        self._barrier()
+        self.stale = False
+
+    def mark_stale(self) -> None:
+        self.stale = True
+
+    def sync_weights(self, module: torch.nn.Module) -> None:
+        self.push(module)
+
+    def _barrier(self) -> None:
+        import torch.distributed as torch_dist
+
+        if torch_dist.is_available() and torch_dist.is_initialized():
+            torch_dist.barrier()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+
+
+def build_server_backend(
+    config: Any, module: torch.nn.Module, stops: Sequence[int], longest: int, dist: Any
+) -> VLLMServerBackend:
+    """The run's server backend (rank 0 checks the server; vLLM need not be installed where training runs)."""
+    from posttrain.models.dimensions import read_dimensions
+    from posttrain.models.token_logps import unwrap
+
+    needed = model_context(config, read_dimensions(unwrap(module).config), longest)
+    return VLLMServerBackend(config, stops, dist, needed)

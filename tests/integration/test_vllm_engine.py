@@ -1,0 +1,232 @@
+"""grpo on vLLM's CPU build, as a user runs it (``make test-vllm``; skipped where vLLM is not installed). Every
+run is a ``posttrain`` command in its own process: an engine in a process changes it for good (thread
+binding, seeds). One shared set of runs: a reference run, the same run SIGKILLed and resumed, the trained
+weights evaluated by transformers, the same config on two processes and through a server.
+
+Eval prompts are longer than a KV block (32 tokens), so an engine that kept its prefix cache across a weight
+push would evaluate later steps with the old weights' keys and values."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from posttrain.testing.env import child_env
+from tests.grpo_helpers import DIGITS, write_prompts
+from tests.resume_helpers import assert_same_continuation, cli, kill_and_resume, last_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+KILL_AT, TOTAL = 3, 6
+#: read by the engine's choices: what a user on a CPU would otherwise have to set
+VLLM_VARIABLES = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")
+
+
+#: a reward of weight 0 that tells completions apart: equal means over the same prompts are equal completions
+FINGERPRINT = """
+def fingerprint(completion_ids, **kwargs):
+    return [float(sum((i + 1) * t for i, t in enumerate(ids)) % 1000003) for ids in completion_ids]
+"""
+
+
+def write_long_prompts(path: Path, count: int) -> Path:
+    rng = random.Random(7)
+    with path.open("w") as out:
+        for _ in range(count):
+            number = "".join(rng.choice("0123456789") for _ in range(6))
+            text = (
+                "Read the number at the end of this message carefully, then write its digits in reverse order, "
+                f"one after another, with nothing before or after them: {number}"
+            )
+            out.write(
+                json.dumps({"prompt": [{"role": "user", "content": text}], "answer": number[::-1]}) + "\n"
+            )
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from posttrain.tiny_model import write_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm")
+    (root / "digits.py").write_text(DIGITS + FINGERPRINT)
+    model = write_tiny_model(root / "model", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2)
+    config: dict[str, Any] = {
+        "type": "grpo",
+        "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": True},
+        "data": {
+            "sources": [str(write_prompts(root / "train.jsonl", 64))],
+            "eval_sources": [str(write_long_prompts(root / "eval.jsonl", 8))],
+            "max_length": 96,
+            "dl_num_workers": 0,
+        },
+        "rewards": [
+            f"{root / 'digits.py'}:digit_share",
+            {"function": f"{root / 'digits.py'}:fingerprint", "weight": 0.0},
+        ],
+        "num_generations": 8,
+        "max_completion_length": 16,
+        "micro_batch_size": 16,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 3e-3},
+        "scheduler": {"name": "constant", "warmup_ratio": 0},
+        "loss_log_interval": 1,
+        "eval_interval": 2,
+        "use_vllm": True,
+    }
+    for name in VLLM_VARIABLES:
+        assert name not in child_env(), f"{name} is set: the test would not show posttrain picks it"
+    return {
+        "root": root,
+        "config": config,
+        **kill_and_resume(config, root, nproc=1, kill_at=KILL_AT, total=TOTAL),
+    }
+
+
+def test_the_engine_picks_its_cpu_settings_and_a_resumed_run_is_exact(runs: dict[str, Any]) -> None:
+    said = runs["reference"].stdout + runs["reference"].stderr
+    assert "vLLM on the CPU: eager, in this process, KV cache 64 MiB" in said, said[-3000:]
+    assert "no sleep mode" in said
+    assert_same_continuation(runs, KILL_AT, TOTAL)
+    reference, resumed = runs["reference_metrics"], runs["resumed_metrics"]
+    for step in range(1, TOTAL + 1):
+        assert reference[step]["reward"] == resumed[step]["reward"], step  # the same completions
+        assert reference[step].get("eval_reward") == resumed[step].get("eval_reward"), step
+    # TRL's importance-sampling correction: engine and trainer agree on float32 weights pushed after each update
+    for step in range(1, TOTAL + 1):
+        record = reference[step]
+        assert abs(record["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4, record
+        assert record["sampling/sampling_logp_difference/max"] < 1e-4, record
+
+
+def test_the_last_evaluation_is_what_the_trained_weights_generate(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """The final weights, exported, evaluated by transformers' greedy decoding: the same rewards as the run's
+    last evaluation through vLLM (which differs from the first: the weights moved)."""
+    reference = runs["reference_metrics"]
+    config = copy.deepcopy(runs["config"])
+    config["model"]["name_or_path"] = str(runs["root"] / "reference" / "export" / "final")
+    config.update(use_vllm=False, skip_train=True, logger={"output_dir": str(tmp_path / "eval")})
+    done = cli(config, tmp_path / "eval.yaml")
+    assert done.returncode == 0, done.stderr[-3000:]
+    evaluated = [
+        json.loads(line) for line in (tmp_path / "eval" / "train-log-metrics.jsonl").read_text().splitlines()
+    ]
+    for key in ("eval_reward", "eval_rewards/fingerprint"):
+        assert evaluated[-1][key] == pytest.approx(reference[TOTAL][key], abs=1e-9), key
+    assert reference[2]["eval_rewards/fingerprint"] != reference[TOTAL]["eval_rewards/fingerprint"]
+
+
+PUSH = Path(__file__).parents[1] / "resources" / "vllm_push.py"
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_a_push_reaches_prompts_longer_than_a_kv_block(tmp_path: Path, reset: bool) -> None:
+    """Greedy completions of 48-token prompts after the engine took another model's weights equal
+    transformers' on those weights; without emptying the prefix cache after the push they do not (the
+    prompts' first block would keep the old weights' keys and values)."""
+    command = [sys.executable, str(PUSH), str(tmp_path)] + ([] if reset else ["--no-reset"])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=child_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["before"] == result["expected_before"]  # the engine started from the training weights
+    assert result["after"] != result["before"]
+    assert (result["after"] == result["expected_after"]) is reset
+
+
+def test_two_processes_draw_and_learn_as_one(runs: dict[str, Any], tmp_path: Path) -> None:
+    """Per-request seeds are the completions' keys: two engines (one per process) draw what one draws for the
+    same slots, so the records of the same global batch on two processes are the one-process run's."""
+    config = copy.deepcopy(runs["config"])
+    config.update(
+        gradient_accumulation_steps=1, train_iters=TOTAL, logger={"output_dir": str(tmp_path / "two")}
+    )
+    done = cli(config, tmp_path / "two.yaml", nproc=2, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two, one = last_metrics(tmp_path / "two"), runs["reference_metrics"]
+    for step in range(1, TOTAL + 1):
+        assert two[step]["reward"] == pytest.approx(one[step]["reward"], abs=1e-12), step
+        assert two[step]["loss"] == pytest.approx(one[step]["loss"], abs=1e-6), step
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_for(url: str, server: subprocess.Popen[str], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert server.poll() is None, "the server exited"
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"no server at {url} after {seconds} s")
+
+
+def test_server_mode_generates_what_the_colocated_engine_does(runs: dict[str, Any], tmp_path: Path) -> None:
+    """``posttrain vllm-serve`` for the config, the run on localhost: the weights reloaded through the server's
+    endpoints after every update give the colocated run's rewards and losses; a server that is not there or
+    serves another model stops the run in one line."""
+    port = _free_port()
+    config = copy.deepcopy(runs["config"])
+    config.update(
+        vllm_mode="server",
+        vllm_server_host="127.0.0.1",
+        vllm_server_port=port,
+        train_iters=TOTAL,
+        logger={"output_dir": str(tmp_path / "served")},
+    )
+    path = tmp_path / "served.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(config))
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "posttrain", "vllm-serve", str(path)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=child_env(),
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _wait_for(f"http://127.0.0.1:{port}", server, 240)
+        done = cli(config, path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        served, one = last_metrics(tmp_path / "served"), runs["reference_metrics"]
+        for step in range(1, TOTAL + 1):
+            assert served[step]["reward"] == one[step]["reward"], step
+            assert served[step]["loss"] == pytest.approx(one[step]["loss"], abs=1e-6), step
+            assert served[step].get("eval_reward") == one[step].get("eval_reward"), step
+        other = copy.deepcopy(config)
+        other["model"]["name_or_path"] = str(runs["root"] / "reference" / "export" / "final")
+        refused = cli(other, tmp_path / "other.yaml")
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert f"serves {config['model']['name_or_path']}, not the run's model.name_or_path" in refused.stderr
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and its engine process
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+    config.update(vllm_server_port=_free_port(), vllm_server_timeout=2)
+    absent = cli(config, tmp_path / "absent.yaml")
+    assert absent.returncode == 2 and "no vLLM server answered" in absent.stderr, absent.stderr[-3000:]

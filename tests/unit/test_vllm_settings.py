@@ -1,0 +1,207 @@
+"""What posttrain decides for vLLM without starting it (the engines themselves run in
+tests/integration/test_vllm_engine.py): the engine's settings per device, the refusals, TRL's
+importance-sampling correction by its formula, and the server's command, requests and answers."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from posttrain.config import load_config
+from posttrain.config.errors import ConfigError
+from posttrain.errors import UserError
+from posttrain.methods.grpo.generation import Sampling
+from posttrain.methods.grpo.losses import (
+    SamplingCorrection,
+    sampling_records,
+    sampling_statistics,
+    sampling_weights,
+)
+from posttrain.methods.grpo.vllm_backend import (
+    CPU_KV_FLOOR,
+    cpu_threads,
+    engine_settings,
+    model_context,
+    refuse_grown_vocabulary,
+)
+from posttrain.methods.grpo.vllm_server import (
+    check_served_model,
+    completion_body,
+    completions_from,
+    server_command,
+    server_url,
+)
+from posttrain.models.dimensions import Dimensions
+
+DIMS = Dimensions(
+    "llama",
+    hidden=64,
+    layers=2,
+    heads=2,
+    kv_heads=2,
+    head_dim=32,
+    vocab=1024,
+    intermediate=128,
+    max_positions=128,
+    tied_head=False,
+)
+
+
+def config(**changes: Any) -> Any:
+    data = {
+        "type": "grpo",
+        "model": {"name_or_path": "/models/tiny", "dtype": "float32"},
+        "data": {"sources": ["/data/prompts.jsonl"]},
+        "rewards": [{"type": "length_penalty"}],
+        "use_vllm": True,
+        "max_completion_length": 16,
+    }
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return load_config(data=data)
+
+
+def cpu(run: Any, **kw: Any) -> Any:
+    return engine_settings(run, DIMS, torch.float32, device_type="cpu", longest_prompt=40, rows=8, **kw)
+
+
+def test_on_a_cpu_posttrain_picks_what_the_cpu_build_needs_and_says_so() -> None:
+    settings = cpu(config(), local_rank=1, local_world=2, cores=[0, 1, 2, 3])
+    kwargs = settings.kwargs
+    assert kwargs["enforce_eager"] and kwargs["block_size"] == 32 and "enable_sleep_mode" not in kwargs
+    assert kwargs["kv_cache_memory_bytes"] == CPU_KV_FLOOR  # 8 x 56 tokens of a tiny model: the floor
+    assert kwargs["max_model_len"] == 40 + 16 and kwargs["dtype"] == "float32"
+    assert kwargs["logprobs_mode"] == "processed_logprobs" and kwargs["generation_config"] == "vllm"
+    assert settings.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert settings.env["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"  # the second process's half of the cores
+    assert (
+        "KV cache 64 MiB" in settings.said
+        and "cores 2,3" in settings.said
+        and "no sleep mode" in settings.said
+    )
+    big = engine_settings(config(), DIMS, torch.bfloat16, device_type="cpu", longest_prompt=100, rows=4096)
+    assert big.kwargs["kv_cache_memory_bytes"] == 2 * 2 * 64 * 4096 * 116 * 2  # the memory plan's KV cache
+    assert cpu(config(vllm_kv_cache_memory="1Gi")).kwargs["kv_cache_memory_bytes"] == 2**30
+    assert cpu_threads(0, 1, [0, 1]) == "0,1" and cpu_threads(2, 4, [0, 1]) == "1"
+
+
+def test_on_a_gpu_the_engine_is_colocated_with_the_training_process() -> None:
+    run = config(vllm_enable_sleep_mode=True, vllm_gpu_memory_utilization=0.4)
+    settings = engine_settings(run, DIMS, torch.bfloat16, device_type="cuda", longest_prompt=40, rows=8)
+    kwargs = settings.kwargs
+    assert kwargs["distributed_executor_backend"] == "external_launcher" and kwargs["enable_sleep_mode"]
+    assert (
+        kwargs["gpu_memory_utilization"] == 0.4
+        and "enforce_eager" not in kwargs
+        and kwargs["dtype"] == "bfloat16"
+    )
+    assert "sleep mode level 2" in settings.said
+
+
+def test_the_context_is_trls_rule() -> None:
+    assert model_context(config(), DIMS, 40) == 56
+    assert model_context(config(), DIMS, 120) == 128  # capped by max_position_embeddings
+    assert model_context(config(vllm_max_model_length=96), DIMS, 120) == 96
+
+
+def test_what_vllm_cannot_take_is_refused_in_one_line() -> None:
+    with pytest.raises(UserError, match="vLLM's CPU build has no sleep mode"):
+        cpu(config(vllm_enable_sleep_mode=True))
+    lora = {"r": 4, "target_modules": ["q_proj"]}
+    with pytest.raises(ConfigError, match="cannot load 8-bit") as refused:
+        config(model={"quantization_config": {"load_in_8bit": True}, "peft_config": lora})
+    assert "model.quantization_config" in str(refused.value)
+    four = config(model={"quantization_config": {"load_in_4bit": True}, "peft_config": lora})
+    assert cpu(four).kwargs["quantization"] == "bitsandbytes"
+    from posttrain.tiny_model import build_model
+
+    model = build_model(1024, hidden_size=64, heads=2, seed=0)
+    refuse_grown_vocabulary(config(), model, DIMS)  # as loaded: fine
+    model.resize_token_embeddings(1030)
+    with pytest.raises(UserError, match="vocabulary grown from 1024 to 1030"):
+        refuse_grown_vocabulary(config(), model, DIMS)
+
+
+def trl_weights(mode: str, old: torch.Tensor, sampled: torch.Tensor, mask: torch.Tensor, low: Any, high: Any):
+    """TRL 1.16's computation (grpo_trainer._generate_and_score_completions), written out."""
+    diff = torch.nan_to_num((old - sampled) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=low, max=high)
+    bad = (ratio < (low if low is not None else -math.inf)) | (
+        ratio > (high if high is not None else math.inf)
+    )
+    return ratio.masked_fill(bad, 0.0)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("bounds", [(None, 3.0), (0.5, 2.0)])
+def test_the_importance_sampling_correction_is_trls(mode: str, bounds: tuple[Any, Any]) -> None:
+    generator = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 6, generator=generator) * 3
+    sampled = old + torch.randn(4, 6, generator=generator) * 0.6
+    sampled[1, 2] = math.nan  # a token the engine gave no log-probability
+    mask = torch.ones(4, 6)
+    mask[2, 4:] = 0
+    params = SamplingCorrection(mode, *bounds)
+    weights = sampling_weights(params, old, sampled, mask)
+    assert torch.equal(weights, trl_weights(mode, old, sampled, mask, *bounds))
+    assert weights.shape == ((4, 1) if mode.startswith("sequence") else (4, 6))
+    stats = sampling_statistics(params, old, sampled, mask, weights)
+    delta = (old - sampled).abs()[mask.bool() & ~torch.isnan(sampled)]
+    flat = weights.flatten() if params.sequence else weights[mask.bool()]
+    expected = [delta.mean(), delta.max(), flat.min(), flat.mean(), flat.max()]
+    assert torch.allclose(stats, torch.stack(expected).double())
+    records = sampling_records(torch.stack([stats, stats * 2]))
+    assert records["sampling/importance_sampling_ratio/min"] == pytest.approx(float(flat.min()))
+    assert records["sampling/importance_sampling_ratio/max"] == pytest.approx(2 * float(flat.max()))
+    assert records["sampling/sampling_logp_difference/mean"] == pytest.approx(1.5 * float(delta.mean()))
+
+
+def test_the_server_is_started_and_called_with_the_runs_settings() -> None:
+    run = config(vllm_mode="server", vllm_server_port=8123)
+    assert server_url(run) == "http://0.0.0.0:8123"
+    assert (
+        server_url(config(vllm_mode="server", vllm_server_base_url="http://gen:9000/")) == "http://gen:9000"
+    )
+    command, env = server_command(cpu(run, where="a server"), "127.0.0.1", 8123)
+    line = " ".join(command)
+    assert "--model /models/tiny --tokenizer /models/tiny --dtype float32" in line
+    assert "--max-model-len 56" in line and "--enforce-eager" in line and "--generation-config vllm" in line
+    assert "--logprobs-mode processed_logprobs" in line and line.endswith("--host 127.0.0.1 --port 8123")
+    assert "distributed_executor_backend" not in line and "--quantization" not in line
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    body = completion_body("/models/tiny", [5, 6], Sampling(8, 0.7, 0.9, 5, 1.1), [2], 1234, True)
+    assert (
+        body["prompt"] == [5, 6]
+        and body["seed"] == 1234
+        and body["temperature"] == 0.7
+        and body["top_k"] == 5
+    )
+    assert body["repetition_penalty"] == 1.1 and body["min_p"] == 0.0 and body["logprobs"] == 0
+    greedy = completion_body("/models/tiny", [5], Sampling(8, 0.7, 0.9, 5), [2], None, False)
+    assert greedy["temperature"] == 0.0 and greedy["seed"] is None and greedy["logprobs"] is None
+    answers = [
+        {"token_ids": [7, 2], "logprobs": {"token_logprobs": [-0.5, None]}},
+        {"token_ids": [7, 8], "logprobs": {"token_logprobs": [-0.1, -0.2]}},
+    ]
+    completions = completions_from(answers, [2], True)
+    assert completions.ids == [[7, 2], [7, 8]] and completions.truncated == [False, True]
+    assert completions.logps[0][0] == -0.5 and math.isnan(completions.logps[0][1])
+
+
+def test_a_server_for_another_model_or_a_shorter_context_is_refused() -> None:
+    served = {"data": [{"id": "/models/tiny", "root": "/models/tiny", "max_model_len": 56}]}
+    assert check_served_model(served, "/models/tiny", 56, "http://h:1") == "/models/tiny"
+    with pytest.raises(UserError, match=r"serves /models/tiny, not the run's model\.name_or_path"):
+        check_served_model(served, "/models/other", 56, "http://h:1")
+    with pytest.raises(UserError, match="context is 56 tokens, shorter than"):
+        check_served_model(served, "/models/tiny", 80, "http://h:1")
