@@ -1,7 +1,12 @@
-"""Online RL step speed: ``posttrain train`` (``type: grpo``, transformers backend) against TRL's
-``GRPOTrainer`` on the same prompts, group size, completion length, reward and optimizer, measured in one run.
+"""Online RL step speed: ``posttrain train`` (``type: grpo``) with transformers' ``generate`` and with vLLM
+(``use_vllm: true``), against TRL's ``GRPOTrainer``, on the same prompts, group size, completion length, reward
+and optimizer, measured in one run.
 
     python benchmarks/grpo_step.py --size tiny,100m [--steps 6] [--rounds 2] [--json out.json]
+    .venv-vllm/bin/python benchmarks/grpo_step.py --size 100m --runners posttrain,posttrain-vllm
+
+The ``posttrain-vllm`` runner needs vLLM (on a CPU its CPU build: ``make vllm-env`` makes ``.venv-vllm``);
+without it its rows are skipped. Its engine is the colocated one, with the settings posttrain picks on a CPU.
 
 Each runner trains in a fresh process on a random LLaMA written locally (``tiny``: hidden 64, 2 layers,
 vocabulary 1,024; ``100m``: hidden 640, 12 layers, vocabulary 32,768, 108M parameters), float32 on this CPU:
@@ -19,6 +24,7 @@ without it the TRL rows are skipped. A runner that fails is printed with its err
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -39,7 +45,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {
     "tiny": {"hidden_size": 64, "layers": 2, "heads": 4, "vocab_size": 1024},
-    "100m": {"hidden_size": 640, "layers": 12, "heads": 10, "vocab_size": 32768},
+    "100m": {
+        "hidden_size": 640,
+        "layers": 12,
+        "heads": 10,
+        "vocab_size": 32768,
+    },  # head size 64: vLLM's CPU kernels take it
 }
 GROUP, PROMPTS_PER_STEP, MICRO, ACCUMULATION, LR = 8, 4, 16, 2, 1e-5
 
@@ -84,10 +95,12 @@ def write_inputs(work: Path, size: str, steps: int) -> tuple[Path, Path, Path]:
     return model, prompts, reward
 
 
-def run_posttrain(work: Path, model: Path, prompts: Path, reward: Path, steps: int, completion: int) -> dict:
+def run_posttrain(
+    work: Path, model: Path, prompts: Path, reward: Path, steps: int, completion: int, vllm: bool = False
+) -> dict:
     import yaml
 
-    out = work / "posttrain-run"
+    out = work / ("posttrain-vllm-run" if vllm else "posttrain-run")
     shutil.rmtree(out, ignore_errors=True)  # its metrics file is appended to: a fresh one each round
     config = {
         "type": "grpo",
@@ -107,6 +120,7 @@ def run_posttrain(work: Path, model: Path, prompts: Path, reward: Path, steps: i
         "log_completions": False,
         "loss_log_interval": 0,
         "logger": {"output_dir": str(out)},
+        "use_vllm": vllm,
     }
     path = work / "posttrain.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -119,7 +133,8 @@ def run_posttrain(work: Path, model: Path, prompts: Path, reward: Path, steps: i
     records = [r for r in records if "reward" in r]
     ends = [r["time"] for r in records]
     generation = [r["time_generation"] for r in records]
-    return _figures(ends, generation, [r["reward"] for r in records])
+    generated = [r["completions/mean_length"] * GROUP * PROMPTS_PER_STEP for r in records]
+    return _figures(ends, generation, [r["reward"] for r in records], generated)
 
 
 def run_trl(work: Path, model_dir: Path, prompts: Path, steps: int, completion: int) -> dict:
@@ -144,6 +159,7 @@ def run_trl(work: Path, model_dir: Path, prompts: Path, steps: int, completion: 
     model.generate = timed_generate
     ends: list[float] = []
     rewards: list[float] = []
+    generated: list[float] = []
     per_step: list[float] = []
 
     class Clock(TrainerCallback):
@@ -154,6 +170,7 @@ def run_trl(work: Path, model_dir: Path, prompts: Path, steps: int, completion: 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
             if logs and "reward" in logs:
                 rewards.append(float(logs["reward"]))
+                generated.append(float(logs["completions/mean_length"]) * GROUP * PROMPTS_PER_STEP)
 
     args = GRPOConfig(
         output_dir=str(work / "trl-run"),
@@ -185,18 +202,23 @@ def run_trl(work: Path, model_dir: Path, prompts: Path, steps: int, completion: 
         callbacks=[Clock()],
     )
     trainer.train()
-    return _figures(ends, per_step, rewards)
+    return _figures(ends, per_step, rewards, generated)
 
 
-def _figures(ends: list[float], generation: list[float], rewards: list[float]) -> dict[str, Any]:
-    """Steps per second from the step ends after the first (warm-up) step; the generation share over them."""
+def _figures(
+    ends: list[float], generation: list[float], rewards: list[float], generated: list[float]
+) -> dict[str, Any]:
+    """Steps per second from the step ends after the first (warm-up) step; the generation share over them and
+    the completion tokens generated per second of generation."""
     gaps = [b - a for a, b in itertools.pairwise(ends)]
     timed = sum(gaps)
+    generating = sum(generation[1:])
     return {
         "steps": len(ends),
         "steps_per_second": len(gaps) / timed if timed else None,
         "seconds_per_step": statistics.median(gaps) if gaps else None,
-        "generation_share": sum(generation[1:]) / timed if timed else None,
+        "generation_share": generating / timed if timed else None,
+        "generation_tokens_per_second": sum(generated[1:]) / generating if generating else None,
         "first_reward": rewards[0] if rewards else None,
         "last_reward": rewards[-1] if rewards else None,
     }
@@ -218,8 +240,9 @@ def ensure_trl() -> bool:
 def child(args: argparse.Namespace) -> None:
     work = Path(args.work)
     model, prompts, reward = write_inputs(work, args.size, args.steps)
-    if args.child == "posttrain":
-        result = run_posttrain(work, model, prompts, reward, args.steps, args.completion)
+    if args.child in ("posttrain", "posttrain-vllm"):
+        vllm = args.child == "posttrain-vllm"
+        result = run_posttrain(work, model, prompts, reward, args.steps, args.completion, vllm)
     else:
         result = run_trl(work, model, prompts, args.steps, args.completion)
     print(json.dumps(result))
@@ -241,7 +264,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first is warm-up)")
     parser.add_argument("--completion", type=int, default=32, help="max_completion_length")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per size")
-    parser.add_argument("--runners", default="posttrain,trl")
+    parser.add_argument("--runners", default="posttrain,posttrain-vllm,trl")
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
@@ -249,6 +272,12 @@ def main() -> None:
     if args.child:
         return child(args)
     runners = [r for r in args.runners.split(",") if r]
+    if "posttrain-vllm" in runners and importlib.util.find_spec("vllm") is None:
+        print(
+            "vLLM is not installed here (make vllm-env; run with .venv-vllm/bin/python): its rows are skipped",
+            file=sys.stderr,
+        )
+        runners.remove("posttrain-vllm")
     if "trl" in runners and not ensure_trl():
         print("trl is not installed and could not be installed: its rows are skipped", file=sys.stderr)
         runners.remove("trl")
@@ -280,8 +309,11 @@ def main() -> None:
 
 def _table(results: dict[str, Any]) -> None:
     print(f"\n{results['date']}, {results['machine']}")
-    print("| size | runner | steps/s (median of rounds) | s/step | generation share | x TRL |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| size | runner | steps/s (median of rounds) | s/step | generation share | generated tokens/s | "
+        "x transformers backend | x TRL |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     medians = {
         key: statistics.median(r["steps_per_second"] for r in rounds)
         for key, rounds in results["rounds"].items()
@@ -289,9 +321,14 @@ def _table(results: dict[str, Any]) -> None:
     for key, rounds in results["rounds"].items():
         size, runner = key.split("/")
         share = statistics.median(r["generation_share"] for r in rounds)
-        trl = medians.get(f"{size}/trl")
+        tokens = statistics.median(r["generation_tokens_per_second"] for r in rounds)
+        base, trl = medians.get(f"{size}/posttrain"), medians.get(f"{size}/trl")
+        versus = f"{medians[key] / base:.2f}" if base else "-"
         ratio = f"{medians[key] / trl:.2f}" if trl else "-"
-        print(f"| {size} | {runner} | {medians[key]:.3f} | {1 / medians[key]:.2f} | {share:.0%} | {ratio} |")
+        print(
+            f"| {size} | {runner} | {medians[key]:.3f} | {1 / medians[key]:.2f} | {share:.0%} | {tokens:,.0f} | "
+            f"{versus} | {ratio} |"
+        )
 
 
 if __name__ == "__main__":

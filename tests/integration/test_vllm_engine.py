@@ -162,6 +162,24 @@ def test_two_processes_draw_and_learn_as_one(runs: dict[str, Any], tmp_path: Pat
         assert two[step]["loss"] == pytest.approx(one[step]["loss"], abs=1e-6), step
 
 
+def test_lora_under_zero3_reaches_the_engine_merged(runs: dict[str, Any], tmp_path: Path) -> None:
+    """Adapters merged into ZeRO-3's gathered weights before each push: the engine's log-probabilities of its
+    own samples stay the trainer's while the adapters learn."""
+    config = copy.deepcopy(runs["config"])
+    config["model"]["peft_config"] = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+    config.update(
+        deepspeed={"zero_optimization": {"stage": 3}},
+        optimizer={"lr": 1e-2},
+        train_iters=4,
+        logger={"output_dir": str(tmp_path / "lora")},
+    )
+    done = cli(config, tmp_path / "lora.yaml")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = last_metrics(tmp_path / "lora")
+    for step in range(1, 5):
+        assert records[step]["sampling/sampling_logp_difference/max"] < 1e-4, records[step]
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

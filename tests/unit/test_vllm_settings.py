@@ -205,3 +205,16 @@ def test_a_server_for_another_model_or_a_shorter_context_is_refused() -> None:
         check_served_model(served, "/models/other", 56, "http://h:1")
     with pytest.raises(UserError, match="context is 56 tokens, shorter than"):
         check_served_model(served, "/models/tiny", 80, "http://h:1")
+
+
+def test_the_server_of_a_gpu_run_takes_the_weights_over_nccl(tiny_model_dir: Any) -> None:
+    run = config(model={"name_or_path": str(tiny_model_dir)}, vllm_mode="server")
+    from posttrain.methods.grpo.vllm_server import server_settings
+
+    gpu, _ = server_command(server_settings(run, "cuda"), "0.0.0.0", 8000)
+    assert gpu[gpu.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
+    assert "--gpu-memory-utilization" in gpu and "--enforce-eager" not in gpu
+    on_cpu, _ = server_command(server_settings(run, "cpu"), "0.0.0.0", 8000)
+    assert "--weight-transfer-config" not in on_cpu and "--enforce-eager" in on_cpu
+    with pytest.raises(UserError, match="vllm-serve starts the server of a grpo run"):
+        server_settings(config(model={"name_or_path": str(tiny_model_dir)}), "cpu")

@@ -383,12 +383,13 @@ def build_vllm_backend(
     )
     if device.type == "cuda":  # vLLM's external launcher reads the process's place from the environment
         env = {"RANK": str(dist.rank), "LOCAL_RANK": str(dist.local_rank), "WORLD_SIZE": str(dist.world_size)}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         settings.env.update({k: v for k, v in env.items() if k not in os.environ})
     return VLLMBackend(settings, module, stop_ids)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
     import socket
 
     with socket.socket() as probe:

@@ -13,8 +13,10 @@ past one machine's memory for generation.
   the ZeRO-3 gathers) are written by rank 0 as one safetensors file under a directory the server reads
   (``/dev/shm`` when there is one: a server on the same machine, or a shared file system), reloaded in place
   through ``POST /collective_rpc`` (``reload_weights`` from that path), then ``POST /reset_prefix_cache``; the
-  other ranks wait at a barrier. The NCCL transfer TRL's own server uses (GPU to GPU, no file) is not built:
-  vLLM's weight-transfer endpoints need CUDA on both sides, and no GPU has been lent to measure it.
+  other ranks wait at a barrier. Training on GPUs, the weights go GPU to GPU instead, through vLLM's NCCL
+  weight transfer (:class:`NcclWeights`: its trainer engine and HTTP client, the server started with
+  ``--weight-transfer-config '{"backend": "nccl"}'``), written against vLLM 0.32's API and not yet measured:
+  no GPU has been lent to run it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ import torch
 from posttrain.errors import UserError
 from posttrain.logs import say
 from posttrain.methods.grpo.generation import Completions, Sampling
-from posttrain.methods.grpo.vllm_backend import EngineSettings, engine_settings, model_context, named_weights
+from posttrain.methods.grpo.vllm_backend import (
+    EngineSettings,
+    engine_settings,
+    free_port,
+    model_context,
+    named_weights,
+)
 
 #: ``vllm.LLM`` arguments and the server's flags for them (the rest have no place in a server)
 SERVER_FLAGS = {
@@ -52,6 +60,7 @@ SERVER_FLAGS = {
     "block_size": "--block-size",
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "tensor_parallel_size": "--tensor-parallel-size",
+    "weight_transfer_config": "--weight-transfer-config",
 }
 #: switches: given when true
 SERVER_SWITCHES = {
@@ -78,7 +87,7 @@ def server_command(settings: EngineSettings, host: str, port: int) -> tuple[list
     command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry"]
     for key, value in settings.kwargs.items():
         if key in SERVER_FLAGS and value is not None:
-            command += [SERVER_FLAGS[key], str(value)]
+            command += [SERVER_FLAGS[key], json.dumps(value) if isinstance(value, dict) else str(value)]
         elif key in SERVER_SWITCHES and value:
             command.append(SERVER_SWITCHES[key])
     command += ["--host", host, "--port", str(port)]
@@ -109,7 +118,7 @@ def server_settings(config: Any, device_type: str) -> EngineSettings:
     dtype = getattr(torch, name) if name != "auto" else getattr(model, "torch_dtype", None) or torch.bfloat16
     rows = config.micro_batch_size * config.gradient_accumulation_steps
     server = config.model_copy(update={"vllm_enable_sleep_mode": False})
-    return engine_settings(
+    settings = engine_settings(
         server,
         dims,
         dtype,
@@ -119,6 +128,9 @@ def server_settings(config: Any, device_type: str) -> EngineSettings:
         cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0],
         where="a server",
     )
+    if device_type == "cuda":  # the trainer's GPUs send the weights over NCCL (NcclWeights)
+        settings.kwargs["weight_transfer_config"] = {"backend": "nccl"}
+    return settings
 
 
 class ServerClient:
@@ -224,7 +236,9 @@ class VLLMServerBackend:
 
     name = "vllm-server"
 
-    def __init__(self, config: Any, stop_ids: Sequence[int], dist: Any, needed: int) -> None:
+    def __init__(
+        self, config: Any, module: torch.nn.Module, stop_ids: Sequence[int], dist: Any, needed: int
+    ) -> None:
         self.stop_ids, self.dist = list(stop_ids), dist
         self.client = ServerClient(server_url(config), float(config.vllm_server_timeout))
         self.model = config.model.name_or_path
@@ -238,6 +252,9 @@ class VLLMServerBackend:
         self._barrier()
         self.stale = True
         self.pool = ThreadPoolExecutor(max_workers=32)
+        self.nccl: NcclWeights | None = None
+        if next(module.parameters()).device.type == "cuda":
+            self.nccl = NcclWeights(self.client, module, dist)
 
     def folder(self) -> Path:
         """Where rank 0 writes the weights for the server to read (memory-backed when the machine has one)."""
@@ -271,6 +288,13 @@ class VLLMServerBackend:
     def push(self, module: torch.nn.Module) -> None:
         """The training weights to the server (every rank takes part in the gathers; rank 0 writes and
         reloads), then its prefix cache emptied."""
+        if self.nccl is not None:
+            self.nccl.push()
+            if self.dist.is_main:
+                self.client.call("/reset_prefix_cache", {})
+            self._barrier()
+            self.stale = False
+            return
         from safetensors.torch import save_file
 
         weights = {name: tensor.detach().cpu().contiguous() for name, tensor in named_weights(module)}
@@ -313,6 +337,52 @@ class VLLMServerBackend:
         self.pool.shutdown(wait=False)
 
 
+class NcclWeights:
+    """Server mode's weights from the training GPUs to the server's over NCCL: vLLM's trainer-side transfer
+    engine (``NCCLTrainerWeightTransferEngine``) over its HTTP control client, fed by the pushed weights
+    (``named_weights``: every rank iterates them, taking part in the ZeRO-3 gathers; rank 0 sends). Written
+    against vLLM 0.32's API; not yet measured (no GPU lent)."""
+
+    def __init__(self, client: ServerClient, module: torch.nn.Module, dist: Any) -> None:
+        import socket
+        from urllib.parse import urlparse
+
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.nccl_engine import (
+            NCCLTrainerInitInfo,
+            NCCLTrainerWeightTransferEngine,
+        )
+
+        class PushedWeights(WeightSource):
+            def __init__(self) -> None:
+                self.meta: list[Any] | None = None
+
+            def metadata(self) -> list[Any]:
+                if self.meta is None:
+                    self.meta = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in named_weights(module)]
+                return self.meta
+
+            def __iter__(self) -> Any:
+                return named_weights(module)
+
+        target = urlparse(client.url)
+        workers, address = 1, "127.0.0.1"
+        if dist.is_main:
+            workers = int(client.call("/get_world_size")["world_size"])
+            with socket.create_connection((target.hostname, target.port or 80), timeout=10) as probe:
+                address = probe.getsockname()[0]  # the interface the server reaches this process by
+        info = NCCLTrainerInitInfo(
+            master_address=address, master_port=free_port(), world_size=1 + workers, rank=dist.rank
+        )
+        self.engine = NCCLTrainerWeightTransferEngine.trainer_init(
+            info, client=HTTPVLLMWeightSyncClient(client.url, client.timeout), source=PushedWeights()
+        )
+
+    def push(self) -> None:
+        self.engine.send_weights()
+
+
 def build_server_backend(
     config: Any, module: torch.nn.Module, stops: Sequence[int], longest: int, dist: Any
 ) -> VLLMServerBackend:
@@ -321,4 +391,4 @@ def build_server_backend(
     from posttrain.models.token_logps import unwrap
 
     needed = model_context(config, read_dimensions(unwrap(module).config), longest)
-    return VLLMServerBackend(config, stops, dist, needed)
+    return VLLMServerBackend(config, module, stops, dist, needed)
