@@ -3,13 +3,15 @@
 and optimizer, measured in one run.
 
     python benchmarks/grpo_step.py --size tiny,100m [--steps 6] [--rounds 2] [--json out.json]
-    .venv-vllm/bin/python benchmarks/grpo_step.py --size 100m --runners posttrain,posttrain-vllm
+    .venv-vllm/bin/python benchmarks/grpo_step.py --size tiny,100m \
+        --runners posttrain,posttrain-vllm,posttrain-vllm-uncorrected
 
-The ``posttrain-vllm`` runner needs vLLM (on a CPU its CPU build: ``make vllm-env`` makes ``.venv-vllm``);
-without it its rows are skipped. Its engine is the colocated one, with the settings posttrain picks on a CPU.
+The ``posttrain-vllm`` runners (with TRL's importance-sampling correction, its default, and without) need
+vLLM (on a CPU its CPU build: ``make vllm-env`` makes ``.venv-vllm``); without it their rows are skipped.
+The engine is the colocated one, with the settings posttrain picks on a CPU.
 
-Each runner trains in a fresh process on a random LLaMA written locally (``tiny``: hidden 64, 2 layers,
-vocabulary 1,024; ``100m``: hidden 640, 12 layers, vocabulary 32,768, 108M parameters), float32 on this CPU:
+Each runner trains in a fresh process on a random LLaMA written locally (``tiny``: hidden 64, 2 layers, 2 heads
+of 32, vocabulary 1,024; ``100m``: hidden 640, 12 layers, vocabulary 32,768, 108M parameters), float32 on this CPU:
 prompts ``reverse <digits>`` in the chat template, 8 completions per prompt, 4 prompts per step (32
 completions, micro-batch 16 x accumulation 2), completions of up to ``--completion`` tokens at temperature 1,
 the share of digit characters as the reward, AdamW at a constant lr 1e-5, no KL (beta 0), loss ``dapo``, one
@@ -44,7 +46,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {
-    "tiny": {"hidden_size": 64, "layers": 2, "heads": 4, "vocab_size": 1024},
+    "tiny": {
+        "hidden_size": 64,
+        "layers": 2,
+        "heads": 2,
+        "vocab_size": 1024,
+    },  # head size 32, as vLLM's CPU kernels take
     "100m": {
         "hidden_size": 640,
         "layers": 12,
@@ -53,6 +60,9 @@ SIZES = {
     },  # head size 64: vLLM's CPU kernels take it
 }
 GROUP, PROMPTS_PER_STEP, MICRO, ACCUMULATION, LR = 8, 4, 16, 2, 1e-5
+#: posttrain's runners: transformers' generate; vLLM with TRL's importance-sampling correction (its default: one
+#: more forward of the trainer over the completions); vLLM without it
+POSTTRAIN_RUNNERS = ("posttrain", "posttrain-vllm", "posttrain-vllm-uncorrected")
 
 
 def digit_share(completions: list[Any], **kwargs: Any) -> list[float]:
@@ -96,11 +106,11 @@ def write_inputs(work: Path, size: str, steps: int) -> tuple[Path, Path, Path]:
 
 
 def run_posttrain(
-    work: Path, model: Path, prompts: Path, reward: Path, steps: int, completion: int, vllm: bool = False
+    work: Path, model: Path, prompts: Path, reward: Path, steps: int, completion: int, runner: str
 ) -> dict:
     import yaml
 
-    out = work / ("posttrain-vllm-run" if vllm else "posttrain-run")
+    out = work / f"{runner}-run"
     shutil.rmtree(out, ignore_errors=True)  # its metrics file is appended to: a fresh one each round
     config = {
         "type": "grpo",
@@ -120,8 +130,9 @@ def run_posttrain(
         "log_completions": False,
         "loss_log_interval": 0,
         "logger": {"output_dir": str(out)},
-        "use_vllm": vllm,
     }
+    if runner != "posttrain":
+        config.update(use_vllm=True, vllm_importance_sampling_correction=runner == "posttrain-vllm")
     path = work / "posttrain.yaml"
     path.write_text(yaml.safe_dump(config))
     done = subprocess.run(
@@ -240,9 +251,8 @@ def ensure_trl() -> bool:
 def child(args: argparse.Namespace) -> None:
     work = Path(args.work)
     model, prompts, reward = write_inputs(work, args.size, args.steps)
-    if args.child in ("posttrain", "posttrain-vllm"):
-        vllm = args.child == "posttrain-vllm"
-        result = run_posttrain(work, model, prompts, reward, args.steps, args.completion, vllm)
+    if args.child in POSTTRAIN_RUNNERS:
+        result = run_posttrain(work, model, prompts, reward, args.steps, args.completion, args.child)
     else:
         result = run_trl(work, model, prompts, args.steps, args.completion)
     print(json.dumps(result))
@@ -272,12 +282,12 @@ def main() -> None:
     if args.child:
         return child(args)
     runners = [r for r in args.runners.split(",") if r]
-    if "posttrain-vllm" in runners and importlib.util.find_spec("vllm") is None:
+    if importlib.util.find_spec("vllm") is None and any("vllm" in r for r in runners):
         print(
             "vLLM is not installed here (make vllm-env; run with .venv-vllm/bin/python): its rows are skipped",
             file=sys.stderr,
         )
-        runners.remove("posttrain-vllm")
+        runners = [r for r in runners if "vllm" not in r]
     if "trl" in runners and not ensure_trl():
         print("trl is not installed and could not be installed: its rows are skipped", file=sys.stderr)
         runners.remove("trl")

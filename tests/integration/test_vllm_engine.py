@@ -180,6 +180,18 @@ def test_lora_under_zero3_reaches_the_engine_merged(runs: dict[str, Any], tmp_pa
         assert records[step]["sampling/sampling_logp_difference/max"] < 1e-4, records[step]
 
 
+def test_heads_the_cpu_build_cannot_run_are_refused_in_one_line(runs: dict[str, Any], tmp_path: Path) -> None:
+    from posttrain.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=4)
+    config = copy.deepcopy(runs["config"])
+    config["model"]["name_or_path"] = str(model)
+    config.update(train_iters=1, logger={"output_dir": str(tmp_path / "run")})
+    done = cli(config, tmp_path / "heads.yaml")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "attention heads of 16 dimensions: vLLM's CPU build runs heads of 32, 64" in done.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -161,6 +161,24 @@ def refuse_grown_vocabulary(config: Any, module: torch.nn.Module, dims: Dimensio
         )
 
 
+def refuse_unsupported_head_size(dims: Dimensions, device_type: str) -> None:
+    """vLLM's CPU attention runs a few head sizes only (its backend lists them); another fails deep in the
+    first generation. One line before the engine starts instead."""
+    if device_type != "cpu" or not dims.head_dim:
+        return
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):  # another vLLM: let the engine decide
+        return
+    if dims.head_dim not in supported:
+        raise UserError(
+            f"use_vllm: true on a CPU with attention heads of {dims.head_dim} dimensions: vLLM's CPU build runs "
+            f"heads of {', '.join(map(str, supported))} only; use a model with such heads, or use_vllm: false"
+        )
+
+
 def sampled_logps(output: Any) -> list[float]:
     """The engine's log-probability of every sampled token (NaN where it gave none)."""
     tokens, found = output.token_ids, output.logprobs or []
@@ -364,6 +382,7 @@ def build_vllm_backend(
     dims = read_dimensions(unwrap(module).config)
     refuse_grown_vocabulary(config, module, dims)
     device = next(module.parameters()).device
+    refuse_unsupported_head_size(dims, device.type)
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     cores = (
         sorted(os.sched_getaffinity(0))
