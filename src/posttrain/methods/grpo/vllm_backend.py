@@ -225,7 +225,42 @@ def completions_of(outputs: Sequence[Any], stop_ids: Sequence[int], logprobs: bo
     return Completions(ids, truncated, logps if logprobs else None)
 
 
-class VLLMBackend:
+class EngineCopy:
+    """A backend that generates from its own copy of the weights (an engine in this process, or a server):
+    they are pushed before the first generation after an update (the rollout marks them stale)."""
+
+    stale = True
+
+    def generate(
+        self,
+        module: torch.nn.Module,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling,
+        keys: list[int] | None,
+        logprobs: bool = False,
+    ) -> Completions:
+        """``keys`` None: greedy (evaluation). ``logprobs``: the sampled tokens' log-probabilities too."""
+        if self.stale:
+            self.push(module)
+        return self.sample(prompts, sampling, keys, logprobs)
+
+    def push(self, module: torch.nn.Module) -> None:
+        raise NotImplementedError
+
+    def sample(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, keys: list[int] | None, logprobs: bool
+    ) -> Completions:
+        raise NotImplementedError
+
+    def mark_stale(self) -> None:
+        """An update changed the training weights: push them before the next generation."""
+        self.stale = True
+
+    def sync_weights(self, module: torch.nn.Module) -> None:
+        self.push(module)
+
+
+class VLLMBackend(EngineCopy):
     """vLLM colocated in this process (see the module docstring)."""
 
     name = "vllm"
@@ -244,17 +279,9 @@ class VLLMBackend:
         self.push(module)
         self._sleep()
 
-    def generate(
-        self,
-        module: torch.nn.Module,
-        prompts: Sequence[Sequence[int]],
-        sampling: Sampling,
-        keys: list[int] | None,
-        logprobs: bool = False,
+    def sample(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, keys: list[int] | None, logprobs: bool
     ) -> Completions:
-        """``keys`` None: greedy (evaluation). ``logprobs``: the sampled tokens' log-probabilities too."""
-        if self.stale:
-            self.push(module)
         if self.sleeps:
             self.llm.wake_up(tags=["kv_cache"])
         requests = [{"prompt_token_ids": list(prompt)} for prompt in prompts]
@@ -277,13 +304,6 @@ class VLLMBackend:
         )
         self.llm.reset_prefix_cache()
         self.stale = False
-
-    def mark_stale(self) -> None:
-        """An update changed the training weights: push them before the next generation."""
-        self.stale = True
-
-    def sync_weights(self, module: torch.nn.Module) -> None:
-        self.push(module)
 
     def _sleep(self) -> None:
         if self.sleeps:

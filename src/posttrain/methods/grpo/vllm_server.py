@@ -39,6 +39,7 @@ from posttrain.errors import UserError
 from posttrain.logs import say
 from posttrain.methods.grpo.generation import Completions, Sampling
 from posttrain.methods.grpo.vllm_backend import (
+    EngineCopy,
     EngineSettings,
     engine_settings,
     free_port,
@@ -231,7 +232,7 @@ def completions_from(choices: Sequence[dict[str, Any]], stops: Sequence[int], lo
     return Completions(ids, truncated, logps if logprobs else None)
 
 
-class VLLMServerBackend:
+class VLLMServerBackend(EngineCopy):
     """Generation on the run's vLLM server (see the module docstring)."""
 
     name = "vllm-server"
@@ -261,16 +262,9 @@ class VLLMServerBackend:
         shm = Path("/dev/shm")
         return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
-    def generate(
-        self,
-        module: torch.nn.Module,
-        prompts: Sequence[Sequence[int]],
-        sampling: Sampling,
-        keys: list[int] | None,
-        logprobs: bool = False,
+    def sample(
+        self, prompts: Sequence[Sequence[int]], sampling: Sampling, keys: list[int] | None, logprobs: bool
     ) -> Completions:
-        if self.stale:
-            self.push(module)
         bodies = [
             completion_body(
                 self.served, prompt, sampling, self.stop_ids, None if keys is None else keys[i], logprobs
@@ -320,12 +314,6 @@ class VLLMServerBackend:
         del weights
         self._barrier()
         self.stale = False
-
-    def mark_stale(self) -> None:
-        self.stale = True
-
-    def sync_weights(self, module: torch.nn.Module) -> None:
-        self.push(module)
 
     def _barrier(self) -> None:
         import torch.distributed as torch_dist
