@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from posttrain.methods.grpo.vllm_backend import named_weights
+from posttrain.rollout.vllm_engine import named_weights
 from posttrain.tiny_model import build_model
 
 pytestmark = pytest.mark.integration

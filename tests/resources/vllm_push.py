@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.config import load_config
-from posttrain.methods.grpo.generation import Sampling, TransformersBackend
-from posttrain.methods.grpo.vllm_backend import build_vllm_backend
+from posttrain.rollout.generation import Sampling, TransformersBackend
+from posttrain.rollout.vllm_engine import build_vllm_backend
 from posttrain.tiny_model import write_tiny_model
 
 

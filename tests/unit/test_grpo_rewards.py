@@ -1,5 +1,5 @@
 """Reward functions: the built-ins, the TRL calling convention, and the errors a bad reward stops the run with;
-and the reproducible draw behind every completion (methods/grpo/generation.py)."""
+and the reproducible draw behind every completion (rollout/generation.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 from posttrain.config import ConfigError, load_config
 from posttrain.config.grpo import ExactMatchReward, FunctionReward, LengthPenaltyReward, RegexReward
-from posttrain.methods.grpo.generation import MASK, KeyedSampler, _mix, _mix_int, completion_key, keyed_draw
-from posttrain.methods.grpo.rewards import RewardError, build_rewards, last_boxed, same_answer, score_all
+from posttrain.rollout.generation import MASK, KeyedSampler, _mix, _mix_int, completion_key, keyed_draw
+from posttrain.rollout.rewards import RewardError, build_rewards, last_boxed, same_answer, score_all
 
 
 def _one(config) -> object:
@@ -265,7 +265,7 @@ def test_the_models_generation_defaults_never_apply_and_its_eos_stops() -> None:
     end a completion as the tokenizer's do (TRL stops at both)."""
     from transformers import GenerationConfig
 
-    from posttrain.methods.grpo.generation import Sampling, TransformersBackend, completion_key
+    from posttrain.rollout.generation import Sampling, TransformersBackend, completion_key
     from posttrain.tiny_model import build_model
 
     model = build_model(256, hidden_size=32, heads=2, seed=5).eval()

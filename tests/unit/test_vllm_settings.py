@@ -13,28 +13,28 @@ import torch
 from posttrain.config import load_config
 from posttrain.config.errors import ConfigError
 from posttrain.errors import UserError
-from posttrain.methods.grpo.generation import Sampling
 from posttrain.methods.grpo.losses import (
     SamplingCorrection,
     sampling_records,
     sampling_statistics,
     sampling_weights,
 )
-from posttrain.methods.grpo.vllm_backend import (
+from posttrain.models.dimensions import Dimensions
+from posttrain.rollout.generation import Sampling
+from posttrain.rollout.vllm_engine import (
     CPU_KV_FLOOR,
     cpu_threads,
     engine_settings,
     model_context,
     refuse_grown_vocabulary,
 )
-from posttrain.methods.grpo.vllm_server import (
+from posttrain.rollout.vllm_server import (
     check_served_model,
     completion_body,
     completions_from,
     server_command,
     server_url,
 )
-from posttrain.models.dimensions import Dimensions
 
 DIMS = Dimensions(
     "llama",
@@ -209,7 +209,7 @@ def test_a_server_for_another_model_or_a_shorter_context_is_refused() -> None:
 
 def test_the_server_of_a_gpu_run_takes_the_weights_over_nccl(tiny_model_dir: Any) -> None:
     run = config(model={"name_or_path": str(tiny_model_dir)}, vllm_mode="server")
-    from posttrain.methods.grpo.vllm_server import server_settings
+    from posttrain.rollout.vllm_server import server_settings
 
     gpu, _ = server_command(server_settings(run, "cuda"), "0.0.0.0", 8000)
     assert gpu[gpu.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'

@@ -85,8 +85,8 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
 
     import torch
 
-    from posttrain.methods.grpo.vllm_backend import require_vllm
-    from posttrain.methods.grpo.vllm_server import server_command, server_settings
+    from posttrain.rollout.vllm_engine import require_vllm
+    from posttrain.rollout.vllm_server import server_command, server_settings
 
     config = load(args.config, args.overrides)
     settings = server_settings(config, "cuda" if torch.cuda.is_available() else "cpu")

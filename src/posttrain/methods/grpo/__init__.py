@@ -18,18 +18,13 @@ from posttrain.config.grpo import GRPOTrainerConfig, ModelReward
 from posttrain.data.build import DataFactory
 from posttrain.data.grpo import COLUMNS, ORIGIN_KEY, fit_prompt, format_grpo_rows
 from posttrain.errors import UserError
-from posttrain.methods.grpo.generation import Completions, TransformersBackend
 from posttrain.methods.grpo.losses import loss_sum, sequence_shares, token_losses
-from posttrain.methods.grpo.rollout import (
-    GRPOSteps,
-    Scorer,
-    policy_loss,
-    run_feed,
-    sampling_of,
-    stop_ids,
-)
+from posttrain.methods.grpo.rollout import STATE_KEY, GRPORollout, policy_loss
 from posttrain.models.token_logps import token_logps
 from posttrain.plan import BatchSizes
+from posttrain.rollout.feed import OnlineSteps, run_feed, sampling_of, stop_ids
+from posttrain.rollout.generation import Completions, TransformersBackend
+from posttrain.rollout.rewards import Scorer
 from posttrain.tokenizers.padding import input_pad_id
 from posttrain.training.extras import COUNT
 
@@ -56,9 +51,21 @@ DATA = DataFactory(
 
 def grpo_steps(
     ctx: RunContext, engine: Engine, batches: Batches, tokenizer: PreTrainedTokenizerBase
-) -> GRPOSteps:
-    """grpo's ``steps`` hook (``registry.StepsBuilder``): rollouts from the current weights."""
-    return GRPOSteps(ctx, engine, batches, tokenizer)
+) -> OnlineSteps:
+    """grpo's ``steps`` hook (``registry.StepsBuilder``): the online feed's rollouts from the current weights,
+    scored and turned into advantages by ``GRPORollout``."""
+    config = ctx.config
+    method = GRPORollout(ctx, engine, tokenizer)
+    return OnlineSteps(
+        ctx,
+        engine,
+        batches,
+        tokenizer,
+        method,
+        group=config.num_generations,
+        updates=config.num_iterations,
+        state_key=STATE_KEY,
+    )
 
 
 def grpo_schedule(config: GRPOTrainerConfig, samples: int, sizes: BatchSizes) -> tuple[int, int]:
@@ -195,7 +202,7 @@ class GRPOLoss:
         run = run_feed(self.config)  # the run's generation backend (vLLM too) and its last trainer state
         backend = run.backend if run is not None else self.greedy
         completions: Completions = backend.generate(module, prompts, sampling_of(self.config), None)
-        self.scorer.context.trainer_state = run.scorer.context.trainer_state if run is not None else None
+        self.scorer.context.trainer_state = run.trainer_state if run is not None else None
         values = self.scorer(batch["rows"], completions)
         self.scorer.context.take()  # what rewards log during evaluation is not recorded
         weight = batch["prompt_weight"].double().cpu()

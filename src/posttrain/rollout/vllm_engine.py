@@ -32,8 +32,8 @@ import torch
 from posttrain.errors import UserError
 from posttrain.logs import say
 from posttrain.memory.estimate import kv_cache_bytes
-from posttrain.methods.grpo.generation import Completions, Sampling
 from posttrain.models.dimensions import Dimensions, read_dimensions
+from posttrain.rollout.generation import Completions, Sampling
 
 #: the smallest KV cache a CPU engine is given (a few blocks of a tiny model need more than the plan says)
 CPU_KV_FLOOR = 64 << 20

@@ -37,8 +37,8 @@ import torch
 
 from posttrain.errors import UserError
 from posttrain.logs import say
-from posttrain.methods.grpo.generation import Completions, Sampling
-from posttrain.methods.grpo.vllm_backend import (
+from posttrain.rollout.generation import Completions, Sampling
+from posttrain.rollout.vllm_engine import (
     EngineCopy,
     EngineSettings,
     engine_settings,

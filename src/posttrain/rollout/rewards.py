@@ -368,3 +368,47 @@ def _checked(reward: Reward, values: Any, completions: list[Any], origins: list[
 def _rows(origins: list[str]) -> str:
     unique = list(dict.fromkeys(origins))
     return ", ".join(unique[:3]) + (f" and {len(unique) - 3} more rows" if len(unique) > 3 else "")
+
+
+def completions_as_prompted(prompt: Any, text: str) -> Any:
+    """TRL's convention: text for a text prompt, an assistant message for a chat prompt."""
+    return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
+
+
+class Scorer:
+    """The rewards of a list of completions: every function, then their weighted sum (NaN counts as 0,
+    TRL's ``nansum``)."""
+
+    def __init__(self, config: Any, tokenizer: Any) -> None:
+        import torch
+
+        self.rewards: list[Reward] = build_rewards(config.rewards, config.max_completion_length)
+        self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
+        self.tokenizer = tokenizer
+        self.context = RewardContext()  # trainer_state, log_extra, log_metric: TRL's extra arguments
+
+    def __call__(self, rows: list[dict[str, Any]], completions: Any) -> Any:
+        """``[completions, rewards]`` float64 (NaN where a function returned None)."""
+        import torch
+
+        from posttrain.data.grpo import ORIGIN_KEY, prompt_of, reward_columns
+
+        texts = self.tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
+        prompts = [prompt_of(row) for row in rows]
+        columns: dict[str, list[Any]] = {}
+        for index, row in enumerate(rows):
+            for key, value in reward_columns(row).items():
+                columns.setdefault(key, [None] * len(rows))[index] = value
+        origins = [str(row.get(ORIGIN_KEY, "a row")) for row in rows]
+        shown = [completions_as_prompted(p, t) for p, t in zip(prompts, texts, strict=True)]
+        values = score_all(self.rewards, prompts, shown, completions.ids, columns, origins, self.context)
+        return torch.tensor(values, dtype=torch.float64).T.reshape(len(rows), len(self.rewards))
+
+    def total(self, values: Any) -> Any:
+        """The weighted sum of each completion's rewards (a None counts as 0, TRL's ``nansum``); NaN for a
+        completion no reward function scored, which TRL leaves out of its group (advantage 0) and of the
+        logged reward."""
+        import torch
+
+        totals = (values * self.weights).nansum(dim=1)
+        return totals.masked_fill(torch.isnan(values).all(dim=1), math.nan)

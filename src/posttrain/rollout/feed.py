@@ -1,0 +1,384 @@
+"""The step feed every online method shares: batches of prompts become sampled completions, which the method
+turns into training micro-batches (``OnlineMethod``); what is generic lives here: the prompt order, each
+rank's completion slots, the generation backend (transformers or vLLM) and its weight pushes, the keyed draws,
+the generation's step metrics, the trainer state handed to user functions, the resume of a batch between its
+updates and the completions log.
+
+For batch k of epoch e, the prompts are items ``k*P .. (k+1)*P - 1`` of the epoch's permutation of the prompt
+data (``data.seed`` and the epoch, the same order for any process count), P = global batch / G, G the
+completions per prompt. The batch's completion slots are laid out prompt by prompt (slot s: prompt s // G,
+completion s % G) and every rank takes its contiguous share (a group may straddle ranks). Each completion is
+drawn from its own key (``generation.completion_key``), so the completions do not depend on the process count
+or the batch's composition.
+
+With several updates per batch (grpo's ``num_iterations``) the batch's micro-batches are kept in the loop state
+of this rank, which resumable checkpoints save, so a run killed between two updates of a batch resumes on it.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from posttrain.context import RunContext
+from posttrain.data.grpo import ORIGIN_KEY, decode_row, prompt_of
+from posttrain.data.sampler import shard_order
+from posttrain.data.samples import IGNORE_INDEX, pad_rows, target_labels, target_rows
+from posttrain.errors import UserError
+from posttrain.rollout.generation import (
+    Completions,
+    Sampling,
+    TransformersBackend,
+    completion_key,
+    generation_eos,
+)
+from posttrain.tokenizers.chat_templates import end_of_turn_ids
+from posttrain.tokenizers.padding import input_pad_id
+from posttrain.tracking.metrics import MetricsFile
+
+
+def sampling_of(config: Any) -> Sampling:
+    """The sampling an online method's config asks for (TRL's names: ``max_completion_length``,
+    ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``)."""
+    return Sampling(
+        config.max_completion_length,
+        config.temperature,
+        config.top_p,
+        config.top_k or 0,
+        config.repetition_penalty,
+    )
+
+
+def stop_ids(tokenizer: Any, module: torch.nn.Module | None = None) -> list[int]:
+    """Where a completion ends: the chat template's end-of-turn tokens, the tokenizer's EOS and (given the
+    model) its generation config's EOS ids, as TRL stops."""
+    found = end_of_turn_ids(tokenizer) | ({tokenizer.eos_token_id} - {None})
+    return sorted(found | (generation_eos(module) if module is not None else set()))
+
+
+def completions_as_prompted(prompt: Any, text: str) -> Any:
+    """TRL's convention: text for a text prompt, an assistant message for a chat prompt."""
+    return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
+
+
+def longest_prompt(data: Any) -> int:
+    """The longest prompt in tokens, training and evaluation prompts alike (the engine's context)."""
+    lengths = [int(view.lengths("input_ids").max()) for view in (data.train, data.eval) if len(view)]
+    return max(lengths, default=1)
+
+
+def build_backend(
+    config: Any, module: torch.nn.Module, stops: list[int], pad_id: int, data: Any, rows: int, dist: Any
+) -> Any:
+    """The run's generation backend: transformers' ``generate`` on the training weights, or vLLM
+    (``use_vllm``): an engine in this process, or the run's server (``vllm_mode: server``)."""
+    if not config.use_vllm:
+        return TransformersBackend(stops, pad_id)
+    if config.vllm_mode == "server":
+        from posttrain.rollout.vllm_server import build_server_backend
+
+        return build_server_backend(config, module, stops, longest_prompt(data), dist)
+    from posttrain.rollout.vllm_engine import build_vllm_backend
+
+    return build_vllm_backend(config, module, stops, longest_prompt(data), rows, dist)
+
+
+@dataclass
+class Rollout:
+    """One rank's share of a generated batch: its completion slots, the prompts' rows (decoded, with every
+    column), the prompts' token ids and the sampled completions."""
+
+    epoch: int
+    batch: int
+    first: int  # this rank's first slot of the batch
+    slots: range
+    rows: list[dict[str, Any]]  # per slot: its prompt's row
+    prompt_ids: list[list[int]]
+    completions: Completions
+
+
+class OnlineMethod(Protocol):
+    """What an online method adds to the shared feed (``OnlineSteps``)."""
+
+    def after_generation(self, feed: OnlineSteps, rollout: Rollout) -> dict[str, torch.Tensor]:
+        """The rollout's per-completion training values (``[completions]`` tensors, e.g. grpo's advantages),
+        after setting ``feed.metrics.latest`` to the generation's records; every rank calls it at once (it may
+        gather across ranks)."""
+        ...
+
+    def finish_batches(
+        self, feed: OnlineSteps, rollout: Rollout, micro_batches: list[dict[str, Any]]
+    ) -> None:
+        """Add what the method's loss needs to the micro-batches (log-probabilities of other models...)."""
+        ...
+
+    def log_fields(self, feed: OnlineSteps, rollout: Rollout, index: int) -> dict[str, Any]:
+        """The method's fields of completion ``index``'s line in ``completions.jsonl``."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the run's start."""
+        ...
+
+
+class RolloutMetrics:
+    """A step extra carrying each generation's records into the step records (the method makes them the same
+    on every rank), the generation's time and share of the step; it marks the backend's copy of the weights
+    stale after every update."""
+
+    def __init__(self, method: OnlineMethod, backend: Any) -> None:
+        self.method, self.backend = method, backend
+        self.latest: dict[str, Any] = {}
+        self.generation_time = 0.0
+        self.yielded_at = time.perf_counter()
+        self.closing: list[Any] = []  # the step feed's own closing (its log, its generation backend)
+
+    def recording(self) -> Any:
+        return nullcontext()
+
+    def micro_batch(self, batch: dict[str, Any], micro_batches: int) -> tuple[None, dict[str, torch.Tensor]]:
+        return None, {}
+
+    def step_values(self, sums: dict[str, float], micro_batches: int, report: bool) -> dict[str, list[float]]:
+        if hasattr(self.backend, "mark_stale"):
+            self.backend.mark_stale()  # the update changed the weights: the engine's copy is old
+        return {}
+
+    def metrics(self, reduced: dict[str, list[float]], report: bool) -> dict[str, Any]:
+        training = time.perf_counter() - self.yielded_at
+        share = self.generation_time / (self.generation_time + training) if training > 0 else 0.0
+        out = {**self.latest, "time_generation": self.generation_time, "generation_share": share}
+        self.generation_time = 0.0  # the batch's next updates generate nothing
+        return out
+
+    def describe(self) -> str:
+        return self.method.describe()
+
+    def close(self) -> None:
+        for close in self.closing:
+            close()
+
+
+#: each run's step feed by its config object: the evaluation (the loss hook, which sees only the config)
+#: reads the trainer state the feed set and generates through its backend (vLLM's engine too)
+_RUN_FEEDS: weakref.WeakValueDictionary[int, OnlineSteps] = weakref.WeakValueDictionary()
+
+
+def run_feed(config: Any) -> OnlineSteps | None:
+    """The step feed of the run whose config this is, if it has one (an evaluation-only run has none)."""
+    return _RUN_FEEDS.get(id(config))
+
+
+class OnlineSteps:
+    """The step feed (``TrainerSpec.steps``) of an online method: see the module docstring. ``group``:
+    completions per prompt; ``updates``: optimizer steps per generated batch; ``state_key``: where a batch
+    waiting for its next update is kept in the loop state."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        engine: Any,
+        batches: Any,
+        tokenizer: Any,
+        method: OnlineMethod,
+        *,
+        group: int,
+        updates: int = 1,
+        state_key: str = "online",
+    ) -> None:
+        config, plan = ctx.config, batches.plan
+        self.ctx, self.engine, self.config, self.tokenizer, self.method = (
+            ctx,
+            engine,
+            config,
+            tokenizer,
+            method,
+        )
+        self.prompts = plan.data.train
+        self.step_plan, self.total_steps = plan.step_plan, plan.total_steps
+        sizes = plan.sizes
+        self.group, self.updates, self.state_key = group, updates, state_key
+        self.per_batch = sizes.global_batch_size // group  # prompts
+        self.micro = sizes.micro_batch_size
+        self.mine = sizes.micro_batch_size * sizes.gradient_accumulation_steps  # completions on this rank
+        self.sampling = sampling_of(config)
+        self.pad_id = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
+        self.stops = stop_ids(tokenizer, engine.module)
+        self.backend: Any = build_backend(
+            config, engine.module, self.stops, self.pad_id, plan.data, self.mine, ctx.dist
+        )
+        self.counters: dict[str, float] = {}  # the loop state's (steps() takes them from it)
+        self.trainer_state = self._trainer_state(None, 0, 0, 1)  # before the first generation
+        _RUN_FEEDS[id(config)] = self
+        self.metrics = RolloutMetrics(method, self.backend)
+        self.extras = [self.metrics]
+        self.log = MetricsFile(
+            ctx.output_dir / "completions.jsonl", config.log_completions and ctx.dist.is_main
+        )
+        self.metrics.closing.append(self.close)
+
+    # ------------------------------------------------------------------------------------------ the loop
+
+    def steps(self, state: Any) -> Iterator[list[dict[str, Any]]]:
+        epoch = state.epoch
+        batches = len(self.step_plan[epoch]) // self.updates
+        order = shard_order(len(self.prompts), 1, 0, self.config.data.seed, epoch)
+        first, done = divmod(state.epoch_step, self.updates)
+        self.counters = state.counters  # run-long totals, saved with resumable checkpoints
+        for batch in range(first, batches):
+            self.trainer_state = self._trainer_state(state, epoch, batch, batches)
+            micro_batches = self._resumed(state, done) if done else self._generate(epoch, batch, order)
+            if self.updates > 1:  # what the batch's next updates need after a resume
+                state.rank_state[self.state_key] = {
+                    "epoch": epoch,
+                    "batch": batch,
+                    "micro_batches": micro_batches,
+                    "metrics": dict(self.metrics.latest),
+                }
+            for _ in range(done, self.updates):
+                self.metrics.yielded_at = time.perf_counter()
+                yield micro_batches
+            done = 0
+        state.rank_state.pop(self.state_key, None)
+
+    def _resumed(self, state: Any, done: int) -> list[dict[str, Any]]:
+        saved = state.rank_state.get(self.state_key)
+        if saved is None or (saved["epoch"], saved["batch"]) != (
+            state.epoch,
+            state.epoch_step // self.updates,
+        ):
+            raise UserError(
+                f"resuming after update {done} of the {self.updates} of a generated batch, whose completions this "
+                "rank's checkpoint does not hold (it was written by another number of processes); resume with the "
+                "process count that wrote it, or from a checkpoint at a batch boundary"
+            )
+        self.metrics.latest = dict(saved["metrics"])
+        return saved["micro_batches"]
+
+    def _trainer_state(self, state: Any, epoch: int, batch: int, batches: int) -> Any:
+        """What TRL hands user functions as ``trainer_state``: transformers' ``TrainerState`` at this
+        generation (the optimizer steps done, the run's total, the epoch as a fraction)."""
+        from transformers import TrainerState
+
+        config, dist = self.config, self.ctx.dist
+        return TrainerState(
+            epoch=epoch + batch / max(batches, 1),
+            global_step=state.step if state is not None else 0,
+            max_steps=self.total_steps,
+            num_train_epochs=config.epochs,
+            logging_steps=config.loss_log_interval,
+            train_batch_size=config.micro_batch_size,
+            is_local_process_zero=dist.local_rank == 0,
+            is_world_process_zero=dist.is_main,
+        )
+
+    # ----------------------------------------------------------------------------------------- a rollout
+
+    def _generate(self, epoch: int, batch: int, order: np.ndarray) -> list[dict[str, Any]]:
+        """This rank's completions of the batch, the method's values for them, and the micro-batches."""
+        group = self.group
+        first = self.ctx.dist.rank * self.mine
+        slots = range(first, first + self.mine)
+        positions = order[batch * self.per_batch : (batch + 1) * self.per_batch]
+        items = {s // group: self.prompts[int(positions[s // group])] for s in slots}
+        rows = {p: decode_row(item) for p, item in items.items()}
+        prompt_ids = [np.asarray(items[s // group]["input_ids"]).tolist() for s in slots]
+        keys = [completion_key(self.config.seed, epoch, batch, s // group, s % group) for s in slots]
+        started = time.perf_counter()
+        completions = self.backend.generate(
+            self.engine.module, prompt_ids, self.sampling, keys, self.logprobs()
+        )
+        self.metrics.generation_time = time.perf_counter() - started
+        rollout = Rollout(
+            epoch, batch, first, slots, [rows[s // group] for s in slots], prompt_ids, completions
+        )
+        values = self.method.after_generation(self, rollout)
+        micro_batches = self.micro_batches(prompt_ids, completions, values)
+        self.method.finish_batches(self, rollout, micro_batches)
+        self._log(rollout)
+        return micro_batches
+
+    def logprobs(self) -> bool:
+        """Whether the engine returns its sampled tokens' log-probabilities (a method that corrects for the
+        engine's mismatch asks)."""
+        return bool(getattr(self.method, "wants_sampling_logps", False))
+
+    def micro_batches(
+        self, prompt_ids: list[list[int]], completions: Completions, values: dict[str, torch.Tensor]
+    ) -> list[dict[str, Any]]:
+        """Prompt + completion rows in micro-batches, completion tokens in the loss (``completion_mask``; those
+        cut at the limit left out with ``mask_truncated_completions``), each per-completion value sliced in, and
+        the engine's log-probabilities laid out as the trainer's (``sampling_logps``) when it gave them."""
+        out = []
+        for start in range(0, len(prompt_ids), self.micro):
+            part = range(start, min(start + self.micro, len(prompt_ids)))
+            rows = [
+                (prompt_ids[i] + completions.ids[i], [IGNORE_INDEX] * len(prompt_ids[i]) + completions.ids[i])
+                for i in part
+            ]
+            input_ids, labels, attention = pad_rows(rows, self.pad_id)
+            mask = (target_labels({"labels": labels}) != IGNORE_INDEX).float()
+            if getattr(self.config, "mask_truncated_completions", False):
+                kept = torch.tensor([not completions.truncated[i] for i in part], dtype=torch.float32)
+                mask = mask * kept[:, None]
+            batch: dict[str, Any] = {
+                "input_ids": input_ids,
+                "labels": labels,
+                "attention_mask": attention,
+                "completion_mask": mask,
+                "num_target_tokens": int(mask.sum()),
+                "num_input_tokens": int(attention.sum()),
+                "num_samples": len(part),
+                "num_attention_sq": sum(len(ids) ** 2 for ids, _ in rows),
+            }
+            for name, value in values.items():
+                batch[name] = value[start : start + len(part)]
+            batch["target_rows"] = target_rows(batch)
+            if completions.logps is not None:
+                batch["sampling_logps"] = aligned_logps(
+                    [(len(prompt_ids[i]), completions.logps[i]) for i in part], input_ids.shape[1]
+                )
+            out.append(batch)
+        return out
+
+    def _log(self, rollout: Rollout) -> None:
+        """Rank 0's completions of every ``completions_log_interval``-th generated batch of the run, one JSON
+        line each: the prompt, the completion and the method's fields."""
+        generation = rollout.epoch * (len(self.step_plan[0]) // self.updates) + rollout.batch
+        if not self.config.log_completions or generation % self.config.completions_log_interval:
+            return
+        texts = self.tokenizer.batch_decode(rollout.completions.ids, skip_special_tokens=True)
+        for index, text in enumerate(texts):
+            row = rollout.rows[index]
+            record = {
+                "generation": generation,
+                "epoch": rollout.epoch,
+                "batch": rollout.batch,
+                "prompt": prompt_of(row),
+                "completion": text,
+                "truncated": rollout.completions.truncated[index],
+                **self.method.log_fields(self, rollout, index),
+                "origin": row.get(ORIGIN_KEY),
+            }
+            self.log.write(record)
+
+    def close(self) -> None:
+        self.backend.close()
+        self.log.close()
+
+
+def aligned_logps(rows: Sequence[tuple[int, list[float]]], width: int) -> torch.Tensor:
+    """The engine's log-probabilities of each row's completion tokens (``(prompt length, logps)``), laid out
+    as the trainer's are: at the position that predicts the token (``[rows, width]``, 0 elsewhere)."""
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for index, (prompt, logps) in enumerate(rows):
+        if logps:
+            out[index, prompt - 1 : prompt - 1 + len(logps)] = torch.tensor(logps, dtype=torch.float32)
+    return out
