@@ -16,6 +16,7 @@ from posttrain.config.data import (
     MegatronSourceConfig,
     SFTDataConfig,
 )
+from posttrain.config.distill import DistillTrainerConfig
 from posttrain.config.dpo import DPODataConfig, DPOTrainerConfig
 from posttrain.config.grpo import GRPODataConfig, GRPOTrainerConfig
 from posttrain.config.kto import KTODataConfig, KTOTrainerConfig
@@ -116,6 +117,20 @@ TRAINER_SPECS = (
             report="posttrain.methods.grpo:grpo_report",
         ),
         GRPOTrainerConfig,
+    ),
+    (
+        TrainerSpec(
+            name="distill",
+            accepts=hf_components("grpo"),
+            loss="posttrain.methods.distill:make_distill_loss",
+            collator="posttrain.data.grpo:PromptCollator",
+            description="on-policy distillation: the student samples, the teacher scores every token (TRL's DistillationTrainer)",
+            perplexity=False,
+            steps="posttrain.methods.distill:distill_steps",
+            schedule="posttrain.methods.distill:distill_schedule",
+            memory="posttrain.methods.distill:distill_memory",
+        ),
+        DistillTrainerConfig,
     ),
 )
 

@@ -186,7 +186,8 @@ def _generation(out: MemoryPlan) -> None:
         out.add("reference model", "device", "states", shape.params * b, f"frozen, {s.dtype}")
     for name, params, dtype in s.reward_models:
         size = params * DTYPE_BYTES.get(dtype, 4)
-        out.add("reward model", "device", "states", size, f"{name}: {params / 1e6:,.1f}M in {dtype}, whole")
+        label = "teacher model" if name.startswith("teacher") else "reward model"
+        out.add(label, "device", "states", size, f"{name}: {params / 1e6:,.1f}M in {dtype}, whole")
     if s.vllm_share and s.gpu_memory:
         out.add(
             "vLLM engine", "device", "states", s.vllm_share * s.gpu_memory, f"{s.vllm_share:.0%} of the GPU"

