@@ -163,6 +163,25 @@ gradient_accumulation_steps: 8
 eval_interval: 15          # eval_reward: the rewards of greedy completions to held-out prompts
 eval_on_start: true
 """,
+    "distill": """\
+type: distill              # on-policy distillation: the student samples, the teacher scores every token
+model:
+  name_or_path: {model}    # the student
+  dtype: float32
+  disable_activation_checkpoint: true
+teacher_model_name_or_path: {teacher}   # a larger model with the same tokenizer
+beta: 0.5                  # 0 forward KL(teacher || student), 1 reverse KL (TRL's default), between: JSD
+data:
+  sources: [{data}]        # {{"prompt": [messages] or "text"}} per line (other columns are ignored)
+  train_eval_split: [0.9, 0.1]
+  max_length: 64
+max_completion_length: 16
+temperature: 1.0
+train_iters: 30
+gradient_accumulation_steps: 2
+eval_interval: 15          # eval_divergence: the teacher's judgement of greedy completions to held-out prompts
+eval_on_start: true
+""",
 }
 LEARNING_RATES = {
     "sft": "3e-3",
@@ -172,11 +191,12 @@ LEARNING_RATES = {
     "reward": "5e-4",
     "causal": "1e-2",
     "grpo": "3e-3",
+    "distill": "1e-2",
 }  # tiny model
 
 
 def _dataset(kind: str, path: Path) -> None:
-    if kind == "grpo":  # prompts with the expected answer as a column for the reward
+    if kind in ("grpo", "distill"):  # prompts (with the expected answer as a column for grpo's reward)
         rows = [
             {"prompt": row["messages"][-2:-1], "answer": row["messages"][-1]["content"]}
             for row in chat_rows(300)
@@ -209,6 +229,7 @@ def write_starter(kind: str, out: Path) -> list[Path]:
         "kto": "feedback",
         "causal": "text",
         "grpo": "prompts",
+        "distill": "prompts",
     }
     data = base / "data" / f"{names.get(kind, 'chat')}.jsonl"
     written = []
@@ -219,7 +240,16 @@ def write_starter(kind: str, out: Path) -> list[Path]:
     if not data.is_file():
         _dataset(kind, data)
         written.append(data)
-    text = _HEADER.format(kind=kind, name=out) + STARTERS[kind].format(model=model, data=data)
+    teacher = (
+        base / "tiny-teacher"
+    )  # distill's: wider and deeper, the same tokenizer (same seed and vocabulary)
+    if kind == "distill" and not (teacher / "config.json").is_file():
+        from posttrain.tiny_model import write_tiny_model
+
+        written.append(write_tiny_model(teacher, hidden_size=128, layers=3))
+    text = _HEADER.format(kind=kind, name=out) + STARTERS[kind].format(
+        model=model, data=data, teacher=teacher
+    )
     text += _COMMON_TAIL.format(lr=LEARNING_RATES[kind], output=base / "runs" / out.stem)
     atomic_write_text(out, text)
     return [out, *written]

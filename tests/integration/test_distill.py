@@ -6,6 +6,7 @@ with another vocabulary stops the run in one line."""
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ def test_two_processes_give_the_one_process_records(setup: dict[str, Any], tmp_p
         config = copy.deepcopy(setup["config"])
         out = tmp_path / f"p{nproc}"
         config.update(
-            train_iters=3, gradient_accumulation_steps=accumulation, logger={"output_dir": str(out)}
+            train_iters=1, gradient_accumulation_steps=accumulation, logger={"output_dir": str(out)}
         )
         done = cli(config, tmp_path / f"p{nproc}.yaml", nproc=nproc)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -109,3 +110,55 @@ def test_a_teacher_with_another_vocabulary_is_refused(setup: dict[str, Any], tmp
     assert (
         f"teacher_model_name_or_path: {other} has a vocabulary of 2048 tokens and the student" in done.stderr
     )
+
+
+def test_gkd_mixes_the_datas_and_the_teachers_completions_in(setup: dict[str, Any], tmp_path: Path) -> None:
+    """lmbda < 1: some batches train on the data's completions (or, with seq_kd, the teacher's), drawn per
+    batch from the seed; a row without a completion stops the run in one line naming it."""
+    import json
+
+    rows = [json.loads(line) for line in (setup["root"] / "train.jsonl").read_text().splitlines()]
+    with_answers = tmp_path / "completions.jsonl"
+    with_answers.write_text(
+        "".join(
+            json.dumps({**r, "completion": [{"role": "assistant", "content": r["answer"]}]}) + "\n"
+            for r in rows
+        )
+    )
+    seen = {}
+    for name, changes, data in (
+        ("data", {"lmbda": 0.5}, with_answers),
+        ("teacher", {"lmbda": 0.5, "seq_kd": True}, setup["root"] / "train.jsonl"),
+    ):
+        config = copy.deepcopy(setup["config"])
+        config["data"]["sources"] = [str(data)]
+        config.update(changes, train_iters=4, logger={"output_dir": str(tmp_path / name)})
+        done = cli(config, tmp_path / f"{name}.yaml")
+        assert done.returncode == 0, done.stderr[-3000:]
+        seen[name] = last_metrics(tmp_path / name)
+    for records in seen.values():
+        assert {records[step]["on_policy"] for step in (1, 2, 3, 4)} == {0.0, 1.0}  # this seed mixes both
+        assert all(math.isfinite(records[step]["loss"]) for step in (1, 2, 3, 4))
+    off = next(step for step in (1, 2, 3, 4) if seen["data"][step]["on_policy"] == 0.0)
+    assert seen["data"][off]["completions/clipped_ratio"] == 0.0  # the answers end within the limit
+    config = copy.deepcopy(setup["config"])
+    config.update(lmbda=0.0, train_iters=1, logger={"output_dir": str(tmp_path / "missing")})
+    done = cli(config, tmp_path / "missing.yaml")
+    assert done.returncode == 2 and "has no 'completion'" in done.stderr, done.stderr[-3000:]
+
+
+def test_zero3_gives_the_unpartitioned_losses(setup: dict[str, Any], tmp_path: Path) -> None:
+    """Under ZeRO-3 the student's head is gathered for the divergence computed inside it (and its backward)."""
+    losses = {}
+    for stage in (0, 3):
+        config = copy.deepcopy(setup["config"])
+        config.update(
+            train_iters=1,
+            deepspeed={"zero_optimization": {"stage": stage}},
+            logger={"output_dir": str(tmp_path / f"z{stage}")},
+        )
+        done = cli(config, tmp_path / f"z{stage}.yaml")
+        assert done.returncode == 0, done.stderr[-3000:]
+        first = last_metrics(tmp_path / f"z{stage}")[1]
+        losses[stage] = (first["loss"], first["grad_norm"])  # the same weights: the forward and the backward
+    assert losses[3] == pytest.approx(losses[0], rel=1e-5)

@@ -103,3 +103,20 @@ def test_reward_functions_from_the_page(base_config: dict, tmp_path: Path, monke
     assert len(records) == 2 and all(
         "rewards/digits_only/mean" in r and "rewards/correct/mean" in r for r in records
     )
+
+
+def test_online_method_from_the_page(base_config: dict, tmp_path: Path, clean_registries) -> None:
+    """The page's online method trains on the shared feed: its record in every step, its completions logged."""
+    from tests.grpo_helpers import write_prompts
+
+    files = examples()
+    (tmp_path / "online.py").write_text(files["online.py"])
+    config = merge(base_config, **yaml.safe_load(files["online.yaml"]), train_iters=3, loss_log_interval=1)
+    config["code"] = str(tmp_path / "online.py")
+    config["data"] = {"sources": [str(write_prompts(tmp_path / "prompts.jsonl", 32))], "max_length": 64}
+    config.update(completions_log_interval=1)
+    train(config)
+    records = [r for r in metrics(config) if "kept" in r]
+    assert len(records) == 3 and all(0.0 <= r["kept"] <= 1.0 for r in records)
+    logged = Path(config["logger"]["output_dir"]) / "completions.jsonl"
+    assert logged.read_text().count("\n") == 3 * 4  # one process: its 4 completions (micro-batch 4) a step

@@ -171,7 +171,7 @@ def test_plot_overlays_runs(base_config: dict, tmp_path: Path, capsys) -> None:
     assert "no such metrics file" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind", ["sft", "lora", "dpo", "kto", "reward", "causal", "grpo"])
+@pytest.mark.parametrize("kind", ["sft", "lora", "dpo", "kto", "reward", "causal", "grpo", "distill"])
 def test_starter_configs_run_as_they_are(kind: str, tmp_path_factory, monkeypatch, capsys) -> None:
     directory = tmp_path_factory.getbasetemp() / "starters"  # one tiny model for all four
     directory.mkdir(exist_ok=True)
@@ -190,6 +190,10 @@ def test_starter_configs_run_as_they_are(kind: str, tmp_path_factory, monkeypatc
         kind == "grpo"
     ):  # the reward of greedy completions to held-out prompts rises (eval_loss is its negative)
         assert evals[0]["iter"] == 0 and evals[-1]["eval_reward"] >= evals[0]["eval_reward"] + 0.25, evals
+    elif kind == "distill":  # the teacher's divergence from the student's greedy completions falls
+        assert evals[0]["iter"] == 0 and evals[-1]["eval_divergence"] < 0.5 * evals[0]["eval_divergence"], (
+            evals
+        )
     else:
         assert evals[0]["iter"] == 0 and evals[-1]["eval_loss"] < 0.5 * evals[0]["eval_loss"], evals
     assert all(r["lr"] > 0 for r in records if "lr" in r)  # no step spent at lr 0

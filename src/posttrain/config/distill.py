@@ -41,6 +41,16 @@ class DistillTrainerConfig(OnlineTrainerConfig):
     forward KL(teacher || student), 1 the reverse KL(student || teacher), between them the JSD of the mixture
     (1 - beta) student + beta teacher."""
 
+    lmbda: HumanFloat = Field(default=1.0, ge=0.0, le=1.0)
+    """GKD's name: the share of batches trained on the student's own completions, each batch drawn from the
+    seed (the same on every process and after a resume); the other batches train on the data's completions
+    (a ``completion`` column: text, or an assistant message) or, with ``seq_kd``, on the teacher's. 1 (the
+    default): always on-policy, as TRL's DistillationTrainer; GKD's default is 0.5."""
+
+    seq_kd: bool = False
+    """GKD's name: the batches that are not on-policy train on completions the teacher samples (sequence-level
+    KD) instead of the data's."""
+
     max_completion_length: HumanInt = Field(default=512, gt=0)
     """Longest completion the student samples, in tokens (TRL's default 512)."""
 

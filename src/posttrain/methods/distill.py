@@ -32,8 +32,14 @@ from posttrain.data.samples import target_labels
 from posttrain.dist import all_gather_rows
 from posttrain.errors import UserError
 from posttrain.models.token_logps import chunk_rows, model_inputs, tileable_head, unwrap
-from posttrain.rollout.feed import OnlineSteps, Rollout, completion_records, run_feed, sampling_of
+from posttrain.rollout.feed import OnlineSteps, Rollout, completion_records, run_feed, sampling_of, stop_ids
+from posttrain.rollout.generation import Completions, TransformersBackend, completion_key, keyed_uniform
+from posttrain.tokenizers.chat_templates import end_of_turn_ids
+from posttrain.tokenizers.padding import input_pad_id
 from posttrain.training.extras import COUNT
+
+#: the slot of a batch's key that draws whether it is on-policy (no completion has it)
+ON_POLICY_DRAW = -1
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -134,6 +140,10 @@ class Teacher:
         check_vocabularies(config, unwrap(engine.module))
         self.model = load_reference_model(config.teacher, ctx).to(engine.device)
         self.head = _head(self.model, "teacher")
+        stops = stop_ids(tokenizer, self.model)
+        self.backend = TransformersBackend(
+            stops, input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
+        )
 
     @torch.no_grad()
     def hidden(self, batch: dict[str, Any]) -> torch.Tensor:
@@ -156,13 +166,49 @@ def check_vocabularies(config: DistillTrainerConfig, student: torch.nn.Module) -
     found = read_dimensions(
         AutoConfig.from_pretrained(teacher.name_or_path, trust_remote_code=teacher.trust_remote_code)
     ).vocab
-    rows = int(student.get_output_embeddings().weight.shape[0])
+    weight = student.get_output_embeddings().weight
+    rows = int(getattr(weight, "ds_shape", weight.shape)[0])  # ZeRO-3 keeps a partition: its whole shape
     if found != rows:
         raise UserError(
             f"teacher_model_name_or_path: {teacher.name_or_path} has a vocabulary of {found} tokens and the "
             f"student ({config.model.name_or_path}) {rows}: distillation compares their next-token distributions "
             "token by token; use a teacher from the student's family (the same tokenizer)"
         )
+
+
+def on_policy(seed: int, epoch: int, batch: int, lmbda: float) -> bool:
+    """Whether batch ``batch`` of ``epoch`` trains on the student's own completions: a uniform number drawn
+    from (seed, epoch, batch) alone, below ``lmbda``."""
+    if lmbda >= 1.0:
+        return True
+    key = torch.tensor([completion_key(seed, epoch, batch, ON_POLICY_DRAW)], dtype=torch.int64)
+    return float(keyed_uniform(key, 0)[0]) < lmbda
+
+
+def data_completions(rows: list[dict[str, Any]], tokenizer: Any, stops: list[int], limit: int) -> Completions:
+    """Each row's ``completion`` column as the completion tokens the student would have produced: its text
+    (an assistant message's content) tokenized without special tokens, then the end-of-turn token (or EOS)
+    that ends a sampled completion; cut at ``limit`` tokens (truncated, as a sampled one would be)."""
+    from posttrain.data.grpo import ORIGIN_KEY
+
+    end = stops[0] if stops else tokenizer.eos_token_id
+    turn = sorted(end_of_turn_ids(tokenizer))
+    end = turn[0] if turn else end
+    ids, truncated = [], []
+    for row in rows:
+        value = row.get("completion")
+        if isinstance(value, list) and value and isinstance(value[-1], dict):
+            value = value[-1].get("content")
+        if not isinstance(value, str):
+            raise UserError(
+                f"{row.get(ORIGIN_KEY, 'a row')}: lmbda < 1 without seq_kd trains part of the batches on the data's "
+                "completions, and this row has no 'completion' (text or an assistant message); add the column, set "
+                "seq_kd: true (the teacher's completions) or lmbda: 1"
+            )
+        tokens = [*tokenizer(value, add_special_tokens=False)["input_ids"], end]
+        ids.append(tokens[:limit])
+        truncated.append(len(tokens) > limit)
+    return Completions(ids, truncated)
 
 
 class DistillRollout:
@@ -174,10 +220,35 @@ class DistillRollout:
     def __init__(self, ctx: RunContext, engine: Any, tokenizer: Any) -> None:
         self.ctx = ctx
         self.teacher = Teacher(ctx.config, ctx, engine, tokenizer)
+        self.on_policy = True
 
     def describe(self) -> str:
         config = self.ctx.config
-        return f"distill: teacher {config.teacher_model_name_or_path}, beta {config.beta:g}"
+        mixed = (
+            ""
+            if config.lmbda == 1
+            else f", lmbda {config.lmbda:g} (else the {'teacher' if config.seq_kd else 'data'}'s completions)"
+        )
+        return f"distill: teacher {config.teacher_model_name_or_path}, beta {config.beta:g}{mixed}"
+
+    def completions_for(
+        self,
+        feed: OnlineSteps,
+        epoch: int,
+        batch: int,
+        rows: list[dict[str, Any]],
+        prompt_ids: list[list[int]],
+        keys: list[int],
+    ) -> Completions | None:
+        """GKD's mixing: None (the student samples) for a share ``lmbda`` of batches, drawn per batch from the
+        seed; otherwise the teacher's samples (``seq_kd``) or the data's completions."""
+        config = self.ctx.config
+        self.on_policy = on_policy(config.seed, epoch, batch, config.lmbda)
+        if self.on_policy:
+            return None
+        if config.seq_kd:
+            return self.teacher.backend.generate(self.teacher.model, prompt_ids, feed.sampling, keys)
+        return data_completions(rows, feed.tokenizer, feed.stops, config.max_completion_length)
 
     def after_generation(self, feed: OnlineSteps, rollout: Rollout) -> dict[str, torch.Tensor]:
         completions = rollout.completions
@@ -187,6 +258,7 @@ class DistillRollout:
         )
         everyone = all_gather_rows(mine, self.ctx.dist)
         feed.metrics.latest = completion_records(everyone[:, 0], everyone[:, 1])
+        feed.metrics.latest["on_policy"] = float(self.on_policy)
         return {}
 
     def finish_batches(
@@ -232,7 +304,8 @@ class DistillLoss:
         teacher_states = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).index_select(0, rows)
         head = _head(model, "student")
         found: dict[str, torch.Tensor] = {}
-        chunk = chunk_rows(head.weight.shape[0], head.weight.shape[1], max(int(rows.numel()), 1))
+        vocab, width = getattr(head.weight, "ds_shape", head.weight.shape)  # ZeRO-3: the whole weight's
+        chunk = chunk_rows(int(vocab), int(width), max(int(rows.numel()), 1))
 
         def head_divergence(hidden: torch.Tensor) -> torch.Tensor:
             states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)

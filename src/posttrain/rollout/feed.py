@@ -127,6 +127,9 @@ class OnlineMethod(Protocol):
         """One line for the run's start."""
         ...
 
+    # optional: ``completions_for(feed, epoch, batch, rows, prompt_ids, keys) -> Completions | None``, the
+    # batch's completions from elsewhere (the data's, another model's: distill's GKD mixing), None to sample
+
 
 class RolloutMetrics:
     """A step extra carrying each generation's records into the step records (the method makes them the same
@@ -292,13 +295,15 @@ class OnlineSteps:
         prompt_ids = [np.asarray(items[s // group]["input_ids"]).tolist() for s in slots]
         keys = [completion_key(self.config.seed, epoch, batch, s // group, s % group) for s in slots]
         started = time.perf_counter()
-        completions = self.backend.generate(
-            self.engine.module, prompt_ids, self.sampling, keys, self.logprobs()
-        )
+        slot_rows = [rows[s // group] for s in slots]
+        given = getattr(self.method, "completions_for", None)
+        completions = given(self, epoch, batch, slot_rows, prompt_ids, keys) if given is not None else None
+        if completions is None:  # the policy's own samples
+            completions = self.backend.generate(
+                self.engine.module, prompt_ids, self.sampling, keys, self.logprobs()
+            )
         self.metrics.generation_time = time.perf_counter() - started
-        rollout = Rollout(
-            epoch, batch, first, slots, [rows[s // group] for s in slots], prompt_ids, completions
-        )
+        rollout = Rollout(epoch, batch, first, slots, slot_rows, prompt_ids, completions)
         values = self.method.after_generation(self, rollout)
         micro_batches = self.micro_batches(prompt_ids, completions, values)
         self.method.finish_batches(self, rollout, micro_batches)
