@@ -356,6 +356,9 @@ class MethodMemory(TypedDict, total=False):
     reference_model: bool  # a frozen reference model is held beside the policy
     vllm_share: float  # the share of each GPU an inference engine takes
     reward_models: list[tuple[str, str]]  # (config key, path) of reward models held whole on every process
+    teacher_models: list[
+        tuple[str, str, str]
+    ]  # (config key, path, dtype) of causal LMs held whole and frozen
 
 
 class MemoryHook(Protocol):

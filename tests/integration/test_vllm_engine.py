@@ -260,3 +260,33 @@ def test_server_mode_generates_what_the_colocated_engine_does(runs: dict[str, An
     config.update(vllm_server_port=_free_port(), vllm_server_timeout=2)
     absent = cli(config, tmp_path / "absent.yaml")
     assert absent.returncode == 2 and "no vLLM server answered" in absent.stderr, absent.stderr[-3000:]
+
+
+def test_distillation_samples_through_the_engine(runs: dict[str, Any], tmp_path: Path) -> None:
+    """distill's student completions come from the same colocated engine (the shared online feed): the run
+    trains on them and says what the engine picked."""
+    from posttrain.tiny_model import write_tiny_model
+
+    teacher = write_tiny_model(
+        tmp_path / "teacher", seed=0, hidden_size=128, layers=3, vocab_size=1024, heads=4
+    )
+    config = copy.deepcopy(runs["config"])
+    for key in ("rewards", "num_generations", "eval_interval"):
+        config.pop(key)
+    config["data"].pop("eval_sources")
+    config.update(
+        type="distill",
+        teacher_model_name_or_path=str(teacher),
+        beta=0.5,
+        train_iters=4,
+        optimizer={"lr": 1e-2},
+        logger={"output_dir": str(tmp_path / "distill")},
+    )
+    done = cli(config, tmp_path / "distill.yaml")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "vLLM on the CPU: eager, in this process" in done.stdout + done.stderr
+    records = last_metrics(tmp_path / "distill")
+    for step in range(1, 5):
+        record = records[step]
+        assert 0 < record["loss"] < 10 and record["teacher_entropy"] > 0, record
+        assert record["completions/mean_length"] > 0 and record["time_generation"] > 0, record

@@ -79,6 +79,7 @@ class Settings:
     reference_model: bool = False
     vllm_share: float = 0.0
     reward_models: tuple[tuple[str, int, str], ...] = ()
+    teacher_models: tuple[tuple[str, int, str], ...] = ()  # distill's teacher: (path, parameters, dtype)
     gpu_memory: float = 0.0  # bytes per GPU (vLLM's share is a fraction of it)
 
     @property
@@ -186,8 +187,10 @@ def _generation(out: MemoryPlan) -> None:
         out.add("reference model", "device", "states", shape.params * b, f"frozen, {s.dtype}")
     for name, params, dtype in s.reward_models:
         size = params * DTYPE_BYTES.get(dtype, 4)
-        label = "teacher model" if name.startswith("teacher") else "reward model"
-        out.add(label, "device", "states", size, f"{name}: {params / 1e6:,.1f}M in {dtype}, whole")
+        out.add("reward model", "device", "states", size, f"{name}: {params / 1e6:,.1f}M in {dtype}, whole")
+    for name, params, dtype in s.teacher_models:
+        size = params * DTYPE_BYTES.get(dtype, 4)
+        out.add("teacher model", "device", "states", size, f"{name}: {params / 1e6:,.1f}M in {dtype}, whole")
     if s.vllm_share and s.gpu_memory:
         out.add(
             "vLLM engine", "device", "states", s.vllm_share * s.gpu_memory, f"{s.vllm_share:.0%} of the GPU"

@@ -8,7 +8,7 @@ from posttrain.config.deepspeed import build_deepspeed_config, uses_bf16_optimiz
 from posttrain.config.deepspeed_block import offload_device
 from posttrain.config.trainer import TrainerConfig
 from posttrain.memory.estimate import Settings
-from posttrain.memory.shape import ModelShape, scorer_shape
+from posttrain.memory.shape import ModelShape, causal_lm_shape, scorer_shape
 from posttrain.registry import TRAINERS, load_component
 
 
@@ -60,6 +60,12 @@ def settings_for(
         reward_models=tuple(
             (scorer.name, scorer.params, scorer.dtype)
             for scorer in (scorer_shape(key, path) for key, path in method.get("reward_models", ()))
+        ),
+        teacher_models=tuple(
+            (shape.name, shape.params, shape.dtype)
+            for shape in (
+                causal_lm_shape(key, path, dtype) for key, path, dtype in method.get("teacher_models", ())
+            )
         ),
     )
 

@@ -103,6 +103,26 @@ def scorer_shape(key: str, name_or_path: str) -> ScorerShape:
     return ScorerShape(name_or_path, params, _weight_dtype(hf_config))
 
 
+def causal_lm_shape(key: str, name_or_path: str, dtype: str | None = None) -> ScorerShape:
+    """A whole causal LM at ``name_or_path`` another method holds frozen on every process (distill's teacher):
+    its parameters counted on the meta device, LM head included (a tied one once); ``dtype``: what it loads
+    in (default: its checkpoint's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        hf_config = AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as error:
+        raise not_found(key, name_or_path, error) from None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as error:
+        raise ShapeUnavailable(f"{key}: {type(error).__name__}: {error}") from error
+    params = sum(p.numel() for p in model.parameters())
+    chosen = dtype if dtype and dtype != "auto" else _weight_dtype(hf_config)
+    return ScorerShape(name_or_path, params, chosen)
+
+
 def _weight_dtype(hf_config: Any) -> str:
     return str(getattr(hf_config, "dtype", None) or "float32").removeprefix("torch.")
 

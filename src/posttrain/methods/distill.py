@@ -393,5 +393,7 @@ def distill_memory(config: DistillTrainerConfig) -> MethodMemory:
         "tokens_per_row_extra": config.max_completion_length,
         "generation_rows": True,
         "vllm_share": config.vllm_gpu_memory_utilization if config.use_vllm else 0.0,
-        "reward_models": [("teacher_model_name_or_path", config.teacher_model_name_or_path)],
+        "teacher_models": [
+            ("teacher_model_name_or_path", config.teacher_model_name_or_path, str(config.teacher.dtype))
+        ],
     }
