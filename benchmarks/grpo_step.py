@@ -30,12 +30,10 @@ import importlib.util
 import itertools
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # online_runs beside this script
 SIZES = {
     "tiny": {
         "hidden_size": 64,
@@ -235,19 +234,6 @@ def _figures(
     }
 
 
-def ensure_trl() -> bool:
-    try:
-        import trl  # noqa: F401
-
-        return True
-    except ImportError:
-        pass
-    constraints = ROOT / "constraints.txt"
-    command = [sys.executable, "-m", "pip", "install", "-q", "trl", "-c", str(constraints)]
-    print("installing trl (not a dependency of posttrain) for its runner ...", file=sys.stderr)
-    return subprocess.run(command, capture_output=True).returncode == 0
-
-
 def child(args: argparse.Namespace) -> None:
     work = Path(args.work)
     model, prompts, reward = write_inputs(work, args.size, args.steps)
@@ -258,27 +244,10 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(result))
 
 
-def spawn(runner: str, size: str, args: argparse.Namespace, work: Path) -> dict | None:
-    command = [sys.executable, __file__, "--child", runner, "--size", size, "--work", str(work)]
-    command += ["--steps", str(args.steps), "--completion", str(args.completion)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        print(f"{runner} ({size}) failed:\n{done.stderr[-3000:]}", file=sys.stderr)
-        return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", default="tiny,100m", help="tiny, 100m or both (comma-separated)")
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (the first is warm-up)")
-    parser.add_argument("--completion", type=int, default=32, help="max_completion_length")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per size")
-    parser.add_argument("--runners", default="posttrain,posttrain-vllm,trl")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--work", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    from online_runs import arguments, ensure_trl, finish, run_rounds
+
+    args = arguments(__doc__, "tiny,100m", "posttrain,posttrain-vllm,trl")
     if args.child:
         return child(args)
     runners = [r for r in args.runners.split(",") if r]
@@ -291,30 +260,9 @@ def main() -> None:
     if "trl" in runners and not ensure_trl():
         print("trl is not installed and could not be installed: its rows are skipped", file=sys.stderr)
         runners.remove("trl")
-    results: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {__import__('torch').__version__}",
-        "date": time.strftime("%Y-%m-%d"),
-        "rounds": {},
-    }
-    failed = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for size in args.size.split(","):
-            work = Path(tmp) / size
-            work.mkdir()
-            for round_number in range(args.rounds):
-                for runner in runners:
-                    found = spawn(runner, size, args, work)
-                    key = f"{size}/{runner}"
-                    if found is None:
-                        failed.append(key)
-                        continue
-                    results["rounds"].setdefault(key, []).append(found)
-                    print(f"{key} round {round_number + 1}: {json.dumps(found)}", flush=True)
+    results, failed = run_rounds(__file__, runners, args)
     _table(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    if failed:
-        raise SystemExit(f"{len(failed)} run(s) failed: {', '.join(failed)}")
+    finish(results, failed, args.json)
 
 
 def _table(results: dict[str, Any]) -> None:

@@ -85,10 +85,10 @@ class ScorerShape:
     dtype: str  # its checkpoint's weight dtype (what it loads in)
 
 
-def scorer_shape(key: str, name_or_path: str) -> ScorerShape:
-    """A one-label sequence classifier at ``name_or_path``: its backbone built on the meta device and the score
-    head (hidden x 1); ``key`` names the config entry in the error when nothing is there."""
-    from transformers import AutoConfig, AutoModel
+def _on_meta(key: str, name_or_path: str, auto_class: Any) -> tuple[Any, int]:
+    """The model at ``name_or_path`` built by ``auto_class`` on the meta device: its config and parameter
+    count (a tied weight once); ``key`` names the config entry in the error when nothing is there."""
+    from transformers import AutoConfig
 
     try:
         hf_config = AutoConfig.from_pretrained(name_or_path)
@@ -96,31 +96,27 @@ def scorer_shape(key: str, name_or_path: str) -> ScorerShape:
         raise not_found(key, name_or_path, error) from None
     try:
         with torch.device("meta"):
-            backbone = AutoModel.from_config(hf_config)
+            model = auto_class.from_config(hf_config)
     except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as error:
         raise ShapeUnavailable(f"{key}: {type(error).__name__}: {error}") from error
-    params = sum(p.numel() for p in backbone.parameters()) + read_dimensions(hf_config).hidden
-    return ScorerShape(name_or_path, params, _weight_dtype(hf_config))
+    return hf_config, sum(p.numel() for p in model.parameters())
+
+
+def scorer_shape(key: str, name_or_path: str) -> ScorerShape:
+    """A one-label sequence classifier at ``name_or_path``: its backbone and the score head (hidden x 1)."""
+    from transformers import AutoModel
+
+    hf_config, params = _on_meta(key, name_or_path, AutoModel)
+    return ScorerShape(name_or_path, params + read_dimensions(hf_config).hidden, _weight_dtype(hf_config))
 
 
 def causal_lm_shape(key: str, name_or_path: str, dtype: str | None = None) -> ScorerShape:
-    """A whole causal LM at ``name_or_path`` another method holds frozen on every process (distill's teacher):
-    its parameters counted on the meta device, LM head included (a tied one once); ``dtype``: what it loads
-    in (default: its checkpoint's)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A whole causal LM at ``name_or_path`` another method holds frozen on every process (distill's teacher),
+    LM head included; ``dtype``: what it loads in (default: its checkpoint's)."""
+    from transformers import AutoModelForCausalLM
 
-    try:
-        hf_config = AutoConfig.from_pretrained(name_or_path)
-    except (OSError, ValueError) as error:
-        raise not_found(key, name_or_path, error) from None
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config)
-    except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as error:
-        raise ShapeUnavailable(f"{key}: {type(error).__name__}: {error}") from error
-    params = sum(p.numel() for p in model.parameters())
-    chosen = dtype if dtype and dtype != "auto" else _weight_dtype(hf_config)
-    return ScorerShape(name_or_path, params, chosen)
+    hf_config, params = _on_meta(key, name_or_path, AutoModelForCausalLM)
+    return ScorerShape(name_or_path, params, dtype if dtype and dtype != "auto" else _weight_dtype(hf_config))
 
 
 def _weight_dtype(hf_config: Any) -> str:
