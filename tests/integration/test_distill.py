@@ -87,7 +87,7 @@ def test_two_processes_give_the_one_process_records(setup: dict[str, Any], tmp_p
         config = copy.deepcopy(setup["config"])
         out = tmp_path / f"p{nproc}"
         config.update(
-            train_iters=1, gradient_accumulation_steps=accumulation, logger={"output_dir": str(out)}
+            train_iters=3, gradient_accumulation_steps=accumulation, logger={"output_dir": str(out)}
         )
         done = cli(config, tmp_path / f"p{nproc}.yaml", nproc=nproc)
         assert done.returncode == 0, done.stderr[-3000:]
@@ -95,6 +95,22 @@ def test_two_processes_give_the_one_process_records(setup: dict[str, Any], tmp_p
     for step in (1, 2, 3):
         for name in ("loss", "entropy", "completions/mean_length"):
             assert runs[2][step][name] == pytest.approx(runs[1][step][name], abs=1e-6), (step, name)
+    # ZeRO-3 on two processes: student and teacher partitioned; the first step's loss and gradient are the same
+    config = copy.deepcopy(setup["config"])
+    config.update(
+        train_iters=1,
+        gradient_accumulation_steps=1,
+        deepspeed={"zero_optimization": {"stage": 3}},
+        logger={"output_dir": str(tmp_path / "z3")},
+    )
+    done = cli(config, tmp_path / "z3.yaml", nproc=2)
+    assert done.returncode == 0 and "teacher: partitioned by ZeRO-3" in done.stdout + done.stderr, (
+        done.stderr[-3000:]
+    )
+    first = last_metrics(tmp_path / "z3")[1]
+    assert (first["loss"], first["grad_norm"]) == pytest.approx(
+        (runs[1][1]["loss"], runs[1][1]["grad_norm"]), rel=1e-5
+    )
 
 
 def test_a_teacher_with_another_vocabulary_is_refused(setup: dict[str, Any], tmp_path: Path) -> None:
@@ -159,6 +175,7 @@ def test_zero3_gives_the_unpartitioned_losses(setup: dict[str, Any], tmp_path: P
         )
         done = cli(config, tmp_path / f"z{stage}.yaml")
         assert done.returncode == 0, done.stderr[-3000:]
+        assert ("teacher: partitioned by ZeRO-3" in done.stdout + done.stderr) == (stage == 3)
         first = last_metrics(tmp_path / f"z{stage}")[1]
         losses[stage] = (first["loss"], first["grad_norm"])  # the same weights: the forward and the backward
     assert losses[3] == pytest.approx(losses[0], rel=1e-5)

@@ -188,9 +188,11 @@ def _generation(out: MemoryPlan) -> None:
     for name, params, dtype in s.reward_models:
         size = params * DTYPE_BYTES.get(dtype, 4)
         out.add("reward model", "device", "states", size, f"{name}: {params / 1e6:,.1f}M in {dtype}, whole")
-    for name, params, dtype in s.teacher_models:
-        size = params * DTYPE_BYTES.get(dtype, 4)
-        out.add("teacher model", "device", "states", size, f"{name}: {params / 1e6:,.1f}M in {dtype}, whole")
+    for name, params, dtype in s.teacher_models:  # partitioned with the student under ZeRO-3
+        share = s.world_size if s.stage == 3 else 1
+        size = params * DTYPE_BYTES.get(dtype, 4) / share
+        how = f"ZeRO 3, 1/{share}" if s.stage == 3 else "whole"
+        out.add("teacher model", "device", "states", size, f"{name}: {params / 1e6:,.1f}M in {dtype}, {how}")
     if s.vllm_share and s.gpu_memory:
         out.add(
             "vLLM engine", "device", "states", s.vllm_share * s.gpu_memory, f"{s.vllm_share:.0%} of the GPU"

@@ -31,6 +31,7 @@ from posttrain.config.distill import DistillTrainerConfig
 from posttrain.data.samples import target_labels
 from posttrain.dist import all_gather_rows
 from posttrain.errors import UserError
+from posttrain.logs import say
 from posttrain.models.token_logps import chunk_rows, model_inputs, tileable_head, unwrap
 from posttrain.rollout.feed import OnlineSteps, Rollout, completion_records, run_feed, sampling_of, stop_ids
 from posttrain.rollout.generation import Completions, TransformersBackend, completion_key, keyed_uniform
@@ -91,13 +92,14 @@ def chunked_divergence(
     hidden: torch.Tensor,
     head: torch.nn.Linear,
     teacher_hidden: torch.Tensor,
-    teacher_head: torch.nn.Linear,
+    teacher_head: tuple[torch.Tensor, torch.Tensor | None],
     beta: float,
     temperature: float,
     rows: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`divergence` over ``[positions, hidden]`` states through both heads, ``rows`` positions at a time,
-    each chunk's logits recomputed in the backward instead of kept."""
+    """:func:`divergence` over ``[positions, hidden]`` states through the student's head and the teacher's
+    (``(weight, bias)``), ``rows`` positions at a time, each chunk's logits recomputed in the backward instead
+    of kept."""
     values, entropies, teacher_entropies = [], [], []
     for start in range(0, hidden.shape[0], rows):
         part = slice(start, start + rows)
@@ -107,8 +109,8 @@ def chunked_divergence(
             head.weight,
             head.bias,
             teacher_hidden[part],
-            teacher_head.weight,
-            teacher_head.bias,
+            teacher_head[0],
+            teacher_head[1],
             beta,
             temperature,
             use_reentrant=False,
@@ -131,14 +133,29 @@ def _head(model: Any, who: str) -> torch.nn.Linear:
 
 
 class Teacher:
-    """The frozen teacher on the student's device (whole on every process), after checking it shares the
-    student's vocabulary."""
+    """The frozen teacher on the student's device, after checking it shares the student's vocabulary: whole
+    on every process, or under ZeRO-3 (when the student is) partitioned by a DeepSpeed engine of its own,
+    its layers gathered as they run and its LM head gathered for each micro-batch's divergence."""
 
     def __init__(self, config: DistillTrainerConfig, ctx: RunContext, engine: Any, tokenizer: Any) -> None:
         from posttrain.models.reference import load_reference_model
 
         check_vocabularies(config, unwrap(engine.module))
-        self.model = load_reference_model(config.teacher, ctx).to(engine.device)
+        model = load_reference_model(config.teacher, ctx)
+        self.runner: Any = model.to(engine.device)
+        if zero_stage(engine) == 3:
+            import deepspeed
+
+            settings: dict[str, Any] = {
+                "train_micro_batch_size_per_gpu": 1,
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            }
+            for key in ("bf16", "fp16"):
+                if key in engine.ds.config:
+                    settings[key] = engine.ds.config[key]
+            self.runner = deepspeed.initialize(model=model, config=settings)[0]
+            say("teacher: partitioned by ZeRO-3 over the processes (a DeepSpeed engine of its own, frozen)")
+        self.model = unwrap(self.runner)
         self.head = _head(self.model, "teacher")
         stops = stop_ids(tokenizer, self.model)
         self.backend = TransformersBackend(
@@ -150,9 +167,26 @@ class Teacher:
         """The teacher's last hidden states ``[rows, tokens, hidden]`` (its head returns them as they are)."""
         self.head.forward = lambda states: states  # type: ignore[method-assign]
         try:
-            return self.model(**model_inputs(batch), use_cache=False).logits
+            return self.runner(**model_inputs(batch), use_cache=False).logits
         finally:
             del self.head.forward
+
+    def head_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM head's weight and bias, whole: as they are, or under ZeRO-3 gathered copies held for one
+        micro-batch (its divergence and the backward's recomputation read them)."""
+        weight, bias = self.head.weight, self.head.bias
+        if not hasattr(weight, "ds_id"):
+            return weight, bias
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for p in (weight, bias) if p is not None]):
+            return weight.detach().clone(), None if bias is None else bias.detach().clone()
+
+
+def zero_stage(engine: Any) -> int:
+    """The student engine's ZeRO stage (0 for an engine without DeepSpeed's)."""
+    ds = getattr(engine, "ds", None)
+    return int(ds.zero_optimization_stage()) if ds is not None else 0
 
 
 def check_vocabularies(config: DistillTrainerConfig, student: torch.nn.Module) -> None:
@@ -303,6 +337,7 @@ class DistillLoss:
         teacher_hidden = teacher.hidden(batch)
         teacher_states = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).index_select(0, rows)
         head = _head(model, "student")
+        teacher_head = teacher.head_weights()
         found: dict[str, torch.Tensor] = {}
         vocab, width = getattr(head.weight, "ds_shape", head.weight.shape)  # ZeRO-3: the whole weight's
         chunk = chunk_rows(int(vocab), int(width), max(int(rows.numel()), 1))
@@ -310,7 +345,7 @@ class DistillLoss:
         def head_divergence(hidden: torch.Tensor) -> torch.Tensor:
             states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
             value, entropy, teacher_entropy = chunked_divergence(
-                states, head, teacher_states, teacher.head, config.beta, config.temperature, chunk
+                states, head, teacher_states, teacher_head, config.beta, config.temperature, chunk
             )
             found.update(entropy=entropy, teacher_entropy=teacher_entropy)
             out = hidden.new_zeros(hidden.shape[0] * hidden.shape[1], dtype=torch.float32)
