@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import copy
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from posttrain.testing.env import child_env
 from tests.grpo_helpers import write_prompts
 from tests.resume_helpers import assert_same_continuation, cli, kill_and_resume, last_metrics
 
@@ -125,6 +128,16 @@ def test_a_teacher_with_another_vocabulary_is_refused(setup: dict[str, Any], tmp
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert (
         f"teacher_model_name_or_path: {other} has a vocabulary of 2048 tokens and the student" in done.stderr
+    )
+    checked = subprocess.run(
+        [sys.executable, "-m", "posttrain", "validate", str(tmp_path / "other.yaml")],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )  # validation refuses it too, before anything is trained
+    assert checked.returncode == 2 and f"{other} has a vocabulary of 2048 tokens" in checked.stderr, (
+        checked.stderr
     )
 
 

@@ -111,6 +111,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     missing = list(missing_inputs(config))
     if missing and args.check_paths:
         raise UserError("missing inputs:\n  - " + "\n  - ".join(missing))
+    if config.checks_model and not missing:  # the method's checks on the model's facts, as train runs them
+        from posttrain.stages.data import model_facts
+        from posttrain.utils.hub import looks_local
+
+        facts = model_facts(config) if looks_local(config.model.name_or_path) else None
+        if facts is not None:
+            config.refuse_model_problems(facts)
     data = redact(config.model_dump(mode="json"))
     print(json.dumps(data, indent=2) if args.json else yaml.safe_dump(data, sort_keys=False), end="")
     for line in missing:

@@ -64,6 +64,35 @@ class DistillTrainerConfig(OnlineTrainerConfig):
                 values[TEACHER_KWARGS[key]] = value
         return ModelConfig.model_validate(values)
 
+    def model_problems(self, facts: Any) -> Iterator[Problem]:
+        """The teacher's vocabulary (its ``config.json``) must be the student's: the divergence compares their
+        next-token distributions token by token."""
+        from transformers import AutoConfig
+
+        teacher = self.teacher
+        try:
+            found = AutoConfig.from_pretrained(
+                teacher.name_or_path, trust_remote_code=teacher.trust_remote_code
+            )
+        except (OSError, ValueError) as error:
+            yield Problem(
+                "teacher_model_name_or_path", f"{teacher.name_or_path}: cannot read its config ({error})"
+            )
+            return
+        text = found.get_text_config() if hasattr(found, "get_text_config") else found
+        vocab = getattr(text, "vocab_size", None)
+        if facts.vocab_size and vocab and int(vocab) != int(facts.vocab_size):
+            yield Problem(
+                "teacher_model_name_or_path", self.vocabulary_mismatch(int(vocab), int(facts.vocab_size))
+            )
+
+    def vocabulary_mismatch(self, teacher_vocab: int, student_vocab: int) -> str:
+        return (
+            f"{self.teacher_model_name_or_path} has a vocabulary of {teacher_vocab} tokens and the student "
+            f"({self.model.name_or_path}) {student_vocab}: distillation compares their next-token distributions "
+            "token by token; use a teacher from the student's family (the same tokenizer)"
+        )
+
     def problems(self) -> Iterator[Problem]:
         yield from super().problems()
         unknown = sorted(set(self.teacher_model_init_kwargs or {}) - set(TEACHER_KWARGS))

@@ -280,6 +280,26 @@ class TrainerConfig(BaseConfig):
         its model loads) otherwise. A method that needs whole groups in a batch (grpo) overrides it."""
         return iter(())
 
+    def model_problems(self, facts: Any) -> Iterator[Problem]:
+        """The method's checks that need the model's facts (``models.facts.ModelFacts``, read from its
+        ``config.json`` before any weight loads) and may read other models' configs: run by ``posttrain
+        validate`` for a local model (exit 2) and by every rank before its model loads. A method that trains
+        against another model (distill's teacher) overrides it."""
+        return iter(())
+
+    def refuse_model_problems(self, facts: Any) -> None:
+        """:meth:`model_problems`, every one in one error (exit 2)."""
+        from posttrain.errors import UserError
+
+        found = [f"{path}: {message}" for path, message in self.model_problems(facts)]
+        if found:
+            raise UserError("\n".join(found))
+
+    @property
+    def checks_model(self) -> bool:
+        """Whether the method checks the model's facts (overrides :meth:`model_problems`)."""
+        return type(self).model_problems is not TrainerConfig.model_problems
+
     def _batch_problems(self) -> Iterator[Problem]:
         explicit = self.model_fields_set
         packed = self.data.pack_samples

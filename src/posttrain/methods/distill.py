@@ -202,12 +202,8 @@ def check_vocabularies(config: DistillTrainerConfig, student: torch.nn.Module) -
     ).vocab
     weight = student.get_output_embeddings().weight
     rows = int(getattr(weight, "ds_shape", weight.shape)[0])  # ZeRO-3 keeps a partition: its whole shape
-    if found != rows:
-        raise UserError(
-            f"teacher_model_name_or_path: {teacher.name_or_path} has a vocabulary of {found} tokens and the "
-            f"student ({config.model.name_or_path}) {rows}: distillation compares their next-token distributions "
-            "token by token; use a teacher from the student's family (the same tokenizer)"
-        )
+    if found != rows:  # the config's were checked before loading; a chat-template preset may have grown it
+        raise UserError(f"teacher_model_name_or_path: {config.vocabulary_mismatch(found, rows)}")
 
 
 def on_policy(seed: int, epoch: int, batch: int, lmbda: float) -> bool:

@@ -90,9 +90,10 @@ def engine_features(model: torch.nn.Module) -> EngineFeatures:
 
 
 def check_model(config: TrainerConfig, facts: ModelFacts, world_size: int) -> None:
-    """The checks that need the model's facts, each feature's from its own module."""
+    """The checks that need the model's facts, each feature's from its own module, then the method's."""
     sp_checks.check_model(config.sequence_parallel_size, facts, config.model.attn_implementation)
     moe_checks.check_model(config, facts, world_size)
+    config.refuse_model_problems(facts)
 
 
 def step_extras(module: torch.nn.Module, facts: ModelFacts, config: TrainerConfig) -> list[StepExtra]:
