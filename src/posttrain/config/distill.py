@@ -83,15 +83,11 @@ class DistillTrainerConfig(OnlineTrainerConfig):
         vocab = getattr(text, "vocab_size", None)
         if facts.vocab_size and vocab and int(vocab) != int(facts.vocab_size):
             yield Problem(
-                "teacher_model_name_or_path", self.vocabulary_mismatch(int(vocab), int(facts.vocab_size))
+                "teacher_model_name_or_path",
+                f"{self.teacher_model_name_or_path} has a vocabulary of {vocab} tokens and the student "
+                f"({self.model.name_or_path}) {facts.vocab_size}: distillation compares their next-token "
+                "distributions token by token; use a teacher from the student's family (the same tokenizer)",
             )
-
-    def vocabulary_mismatch(self, teacher_vocab: int, student_vocab: int) -> str:
-        return (
-            f"{self.teacher_model_name_or_path} has a vocabulary of {teacher_vocab} tokens and the student "
-            f"({self.model.name_or_path}) {student_vocab}: distillation compares their next-token distributions "
-            "token by token; use a teacher from the student's family (the same tokenizer)"
-        )
 
     def problems(self) -> Iterator[Problem]:
         yield from super().problems()

@@ -28,12 +28,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from posttrain.config.distill import DistillTrainerConfig
-from posttrain.data.samples import target_labels
 from posttrain.dist import all_gather_rows
 from posttrain.errors import UserError
 from posttrain.logs import say
 from posttrain.models.token_logps import chunk_rows, model_inputs, tileable_head, unwrap
-from posttrain.rollout.feed import OnlineSteps, Rollout, completion_records, run_feed, sampling_of, stop_ids
+from posttrain.rollout.feed import OnlineSteps, Rollout, completion_records, run_feed, stop_ids
 from posttrain.rollout.generation import Completions, TransformersBackend, completion_key, keyed_uniform
 from posttrain.tokenizers.chat_templates import end_of_turn_ids
 from posttrain.tokenizers.padding import input_pad_id
@@ -190,20 +189,15 @@ def zero_stage(engine: Any) -> int:
 
 
 def check_vocabularies(config: DistillTrainerConfig, student: torch.nn.Module) -> None:
-    """The teacher's vocabulary (its config, read before it loads) must be the student's: the divergence
-    compares their distributions token by token."""
-    from transformers import AutoConfig
+    """The check of the teacher's vocabulary before any model loaded (``model_problems``), again against the
+    student as built: a chat-template preset may have grown its embeddings since."""
+    import dataclasses
 
-    from posttrain.models.dimensions import read_dimensions
+    from posttrain.models.facts import facts_from_hf_config
 
-    teacher = config.teacher
-    found = read_dimensions(
-        AutoConfig.from_pretrained(teacher.name_or_path, trust_remote_code=teacher.trust_remote_code)
-    ).vocab
     weight = student.get_output_embeddings().weight
     rows = int(getattr(weight, "ds_shape", weight.shape)[0])  # ZeRO-3 keeps a partition: its whole shape
-    if found != rows:  # the config's were checked before loading; a chat-template preset may have grown it
-        raise UserError(f"teacher_model_name_or_path: {config.vocabulary_mismatch(found, rows)}")
+    config.refuse_model_problems(dataclasses.replace(facts_from_hf_config(student.config), vocab_size=rows))
 
 
 def on_policy(seed: int, epoch: int, batch: int, lmbda: float) -> bool:
@@ -313,23 +307,24 @@ class DistillLoss:
             return self.evaluate(model, batch)
         return self.divergence_sum(model, batch)
 
-    def teacher(self) -> Teacher:
+    def feed(self) -> OnlineSteps:
+        """The run's online feed (its backend, its teacher)."""
         feed = run_feed(self.config)
         if feed is None:
             raise UserError(
                 "distill evaluates the student against its teacher while training; set skip_train: false"
             )
-        return feed.method.teacher  # type: ignore[attr-defined,no-any-return]
+        return feed
+
+    def teacher(self) -> Teacher:
+        return self.feed().method.teacher  # type: ignore[attr-defined,no-any-return]
 
     def divergence_sum(
         self, model: Any, batch: dict[str, Any]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         config, teacher = self.config, self.teacher()
         mask = batch["completion_mask"]
-        rows = batch.get("target_rows")
-        if rows is None:
-            rows = torch.nonzero(target_labels(batch).reshape(-1) >= 0).squeeze(1)
-        rows = rows.to(mask.device)
+        rows = batch["target_rows"].to(mask.device)  # the feed's micro-batches carry them, found on the host
         teacher_hidden = teacher.hidden(batch)
         teacher_states = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]).index_select(0, rows)
         head = _head(model, "student")
@@ -367,29 +362,20 @@ class DistillLoss:
         """The student's greedy completions of the held-out prompts (through the run's backend), scored by the
         divergence: ``eval_loss`` is its sum over a completion, averaged over the prompts; ``eval_divergence``
         its mean per completion token."""
-        from posttrain.data.samples import IGNORE_INDEX, pad_rows, target_rows
+        from posttrain.data.collate import to_device
 
-        feed = run_feed(self.config)
-        if feed is None:
-            raise UserError(
-                "distill evaluates the student against its teacher while training; set skip_train: false"
-            )
+        feed = self.feed()
         mask = batch["prompt_mask"].bool()
         prompts = [ids[keep].tolist() for ids, keep in zip(batch["prompt_ids"], mask, strict=True)]
         module = getattr(model, "module", model)
-        completions = feed.backend.generate(module, prompts, sampling_of(self.config), None)
-        rows = [(p + c, [IGNORE_INDEX] * len(p) + c) for p, c in zip(prompts, completions.ids, strict=True)]
-        input_ids, labels, attention = pad_rows(rows, feed.pad_id)
+        completions = feed.backend.generate(module, prompts, feed.sampling, None)
         device = batch["prompt_ids"].device
-        scored: dict[str, Any] = {
-            "input_ids": input_ids.to(device),
-            "labels": labels.to(device),
-            "attention_mask": attention.to(device),
-        }
-        scored["completion_mask"] = (target_labels(scored) != IGNORE_INDEX).float()
-        scored["target_rows"] = target_rows({"labels": labels}).to(device)
-        total, metrics = self.divergence_sum(model, scored)
-        tokens = scored["completion_mask"].sum()
+        total, metrics, tokens = torch.zeros((), device=device), {}, torch.zeros((), device=device)
+        for micro in feed.micro_batches(prompts, completions, {}):  # prompt + completion rows, as in training
+            scored = to_device(micro, device)
+            part, found = self.divergence_sum(model, scored)
+            total, tokens = total + part, tokens + scored["completion_mask"].sum()
+            metrics = {name: metrics.get(name, 0) + value for name, value in found.items()}
         return total, {**metrics, "divergence": total, "divergence" + COUNT: tokens}
 
 

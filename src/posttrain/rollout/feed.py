@@ -63,11 +63,6 @@ def stop_ids(tokenizer: Any, module: torch.nn.Module | None = None) -> list[int]
     return sorted(found | (generation_eos(module) if module is not None else set()))
 
 
-def completions_as_prompted(prompt: Any, text: str) -> Any:
-    """TRL's convention: text for a text prompt, an assistant message for a chat prompt."""
-    return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
-
-
 def longest_prompt(data: Any) -> int:
     """The longest prompt in tokens, training and evaluation prompts alike (the engine's context)."""
     lengths = [int(view.lengths("input_ids").max()) for view in (data.train, data.eval) if len(view)]

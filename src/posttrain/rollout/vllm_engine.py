@@ -404,11 +404,6 @@ def build_vllm_backend(
     device = next(module.parameters()).device
     refuse_unsupported_head_size(dims, device.type)
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
-    cores = (
-        sorted(os.sched_getaffinity(0))
-        if hasattr(os, "sched_getaffinity")
-        else list(range(os.cpu_count() or 1))
-    )
     settings = engine_settings(
         config,
         dims,
@@ -418,13 +413,20 @@ def build_vllm_backend(
         rows=rows,
         local_rank=dist.local_rank,
         local_world=int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size)),
-        cores=cores,
+        cores=usable_cores(),
     )
     if device.type == "cuda":  # vLLM's external launcher reads the process's place from the environment
         env = {"RANK": str(dist.rank), "LOCAL_RANK": str(dist.local_rank), "WORLD_SIZE": str(dist.world_size)}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         settings.env.update({k: v for k, v in env.items() if k not in os.environ})
     return VLLMBackend(settings, module, stop_ids)
+
+
+def usable_cores() -> list[int]:
+    """The CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def free_port() -> int:

@@ -45,6 +45,7 @@ from posttrain.rollout.vllm_engine import (
     free_port,
     model_context,
     named_weights,
+    usable_cores,
 )
 
 #: ``vllm.LLM`` arguments and the server's flags for them (the rest have no place in a server)
@@ -126,7 +127,7 @@ def server_settings(config: Any, device_type: str) -> EngineSettings:
         device_type=device_type,
         longest_prompt=config.data.max_length,
         rows=rows,
-        cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0],
+        cores=usable_cores(),
         where="a server",
     )
     if device_type == "cuda":  # the trainer's GPUs send the weights over NCCL (NcclWeights)

@@ -124,8 +124,6 @@ class GRPORollout:
         statistics = self._add_log_probabilities(micro_batches)
         if statistics is not None:
             feed.metrics.latest.update(sampling_records(all_gather_rows(statistics[None], self.ctx.dist)))
-        for batch in micro_batches:
-            batch.pop("sampling_logps", None)
 
     def log_fields(self, feed: OnlineSteps, rollout: Rollout, index: int) -> dict[str, Any]:
         """The completion's total reward, each function's, its advantage and the columns the rewards added
