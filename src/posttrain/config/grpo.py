@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
@@ -113,21 +112,9 @@ class FunctionReward(RewardConfig):
     @field_validator("function")
     @classmethod
     def _importable(cls, value: str) -> str:
-        file, _, name = value.rpartition(":")
-        if not file.endswith(".py") or not name.isidentifier():
-            raise ValueError("name a function as path/to/file.py:function")
-        from posttrain.config.user_code import import_user_module
+        from posttrain.config.user_code import import_named
 
-        path = Path(file).expanduser().resolve()
-        if not path.is_file():
-            raise ValueError(f"no such file {path} (paths are relative to where posttrain runs)")
-        try:
-            module = import_user_module(path)
-        except Exception as exc:
-            raise ValueError(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
-        if not callable(getattr(module, name, None)):
-            found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-            raise ValueError(f"{path.name} has no function {name!r} (it has: {', '.join(found) or 'none'})")
+        import_named(value)
         return value
 
 
@@ -149,6 +136,31 @@ class ModelReward(RewardConfig):
     """Prompt and completion are cut to this many tokens (their start kept) before scoring."""
 
 
+class CodeTestsReward(RewardConfig):
+    """The share of the row's tests that the completion's last Python block passes, run in the sandbox
+    (``rollout.sandbox``: a child process with wall and CPU time, memory and process limits, its own temporary
+    directory, no network and no writes elsewhere where the machine allows, none of the parent's environment).
+    0 without a code block."""
+
+    type: Literal["code_tests"] = "code_tests"
+    """A built-in reward: run the code against tests."""
+
+    column: str = "tests"
+    """The data column holding the tests: a list of statements (``assert f(2) == 4``) or one program."""
+
+    timeout: HumanFloat = Field(default=10.0, gt=0.0)
+    """Wall-clock seconds a completion's program may run (its CPU time is limited to the same)."""
+
+    memory: HumanInt = Field(default=512 * 2**20, gt=0)
+    """Address space of the program, in bytes (``512Mi``)."""
+
+    processes: HumanInt = Field(default=32, ge=1)
+    """Processes the program may run at once."""
+
+    parallel: HumanInt = Field(default=4, ge=1)
+    """Completions run at once."""
+
+
 def _reward_entry(value: Any) -> Any:
     """A plain string is a user function (``file.py:function``); a dict without a type names its type by
     its one distinctive key."""
@@ -162,7 +174,7 @@ def _reward_entry(value: Any) -> Any:
 
 
 Reward = Annotated[
-    ExactMatchReward | RegexReward | LengthPenaltyReward | FunctionReward | ModelReward,
+    ExactMatchReward | RegexReward | LengthPenaltyReward | FunctionReward | ModelReward | CodeTestsReward,
     Field(discriminator="type"),
     BeforeValidator(_reward_entry),
 ]
@@ -215,9 +227,26 @@ class GRPOTrainerConfig(OnlineTrainerConfig):
     type: str = "grpo"
     """Trainer type."""
 
-    rewards: list[Reward] = Field(min_length=1)
+    rewards: list[Reward] = Field(default_factory=list)
     """The reward functions, each with a ``weight``: built-ins (``{type: exact_match, column: answer}``,
-    ``{type: regex, pattern: ...}``, ``{type: length_penalty}``) or user functions (``path/file.py:fn``)."""
+    ``{type: regex, pattern: ...}``, ``{type: length_penalty}``, ``{type: code_tests}``) or user functions
+    (``path/file.py:fn``). May be empty when an environment scores the rollouts (``get_reward``)."""
+
+    reward_timeout: HumanFloat | None = Field(default=None, gt=0.0)
+    """Seconds a reward function may take for one call (a rank's completions of a batch); past it the call is
+    stopped and counts as failed (``reward_errors``). Null: no limit. In the training process the limit is a
+    ``SIGALRM`` timer (it stops Python code and sleeps, not a C call that ignores signals); in reward workers
+    the worker is killed and replaced."""
+
+    reward_num_workers: HumanInt = Field(default=0, ge=0)
+    """Score in this many worker processes (the rewards' calls in parallel; a worker that dies or times out is
+    replaced). 0: in the training process. Environment rewards always run in the training process."""
+
+    reward_errors: Literal["raise", "unscorable"] = "raise"
+    """What a reward that raises or times out does. raise: stop the run naming the function, its file and
+    line, and the rows. unscorable: find the completions it fails on (scored one by one) and leave them
+    unscorable (advantage 0, out of their group's statistics); counted in ``rewards/<name>/timeouts`` and
+    ``rewards/<name>/errors``."""
 
     num_generations: HumanInt = 8
     """Completions sampled per prompt (the group). The global batch counts completions, so it must be a
@@ -297,6 +326,11 @@ class GRPOTrainerConfig(OnlineTrainerConfig):
 
     def problems(self) -> Iterator[Problem]:
         yield from super().problems()
+        if not self.rewards and not self._environment_scores():
+            yield Problem(
+                "rewards",
+                "empty: name at least one reward function (or an environment_factory whose class has get_reward)",
+            )
         if self.num_generations < 2:
             yield Problem(
                 "num_generations",
@@ -336,9 +370,17 @@ class GRPOTrainerConfig(OnlineTrainerConfig):
     def _reward_columns(self) -> GRPOTrainerConfig:
         """The columns the built-in rewards read must be in every row: checked when the data is built."""
         if isinstance(self.data, GRPODataConfig):
-            wanted = [r.column for r in self.rewards if isinstance(r, ExactMatchReward)]
+            wanted = [r.column for r in self.rewards if isinstance(r, ExactMatchReward | CodeTestsReward)]
             self.data.reward_columns = list(dict.fromkeys([*self.data.reward_columns, *wanted]))
         return self
+
+    def _environment_scores(self) -> bool:
+        from posttrain.rollout.rewards import environment_rewards
+
+        try:
+            return bool(environment_rewards(self))
+        except ValueError:
+            return False  # the environment's own error is reported
 
     @property
     def clip_high(self) -> float:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from posttrain.config.base import ModeKeys, Problem
 from posttrain.config.human import HumanFloat, HumanInt
@@ -31,6 +31,11 @@ class OnlineTrainerConfig(TrainerConfig):
             "use_vllm: true with vllm_mode: server",
         ),
         ModeKeys(("completions_log_interval",), lambda c, root: c.log_completions, "log_completions: true"),
+        ModeKeys(
+            ("max_tool_calling_iterations", "tool_timeout", "tool_call_format"),
+            lambda c, root: c.agentic,
+            "tools or environment_factory",
+        ),
     )
 
     max_completion_length: HumanInt = Field(default=256, gt=0)
@@ -92,8 +97,91 @@ class OnlineTrainerConfig(TrainerConfig):
     completions_log_interval: HumanInt = Field(default=10, ge=1)
     """Every this many generations (all of that generation's completions on rank 0)."""
 
+    tools: list[str] = Field(default_factory=list)
+    """TRL's ``tools``: functions the model may call while it generates, ``path/file.py:function`` (typed
+    arguments, a Google-style docstring; sync or async), or the built-in ``python`` (code run in the sandbox).
+    Rendered into the prompt by the model's chat template; their results are fed back as tool messages and
+    left out of the loss."""
+
+    environment_factory: str | dict[str, str] | None = None
+    """TRL's ``environment_factory``: ``path/file.py:Class``, one instance per rollout, ``reset(**row)`` before
+    it generates (a string it returns is appended to the last user message), its public methods the rollout's
+    tools, an optional ``get_reward()`` one more reward named after the class; or a mapping name ->
+    ``path/file.py:Class``, each row's ``environment`` column choosing."""
+
+    max_tool_calling_iterations: HumanInt | None = Field(default=None, ge=0)
+    """TRL's name: the most tool-calling turns of a rollout (null: until a turn calls no tool or the
+    completion reaches ``max_completion_length`` tokens, tool results included)."""
+
+    tool_timeout: HumanFloat = Field(default=60.0, gt=0.0)
+    """Seconds a tool call may take; past it the model reads a timeout error as the tool's answer."""
+
+    tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    """How tool calls are read from the model's text. auto: transformers' response parsing where the
+    tokenizer has a response template, else the format its chat template writes (Hermes/Qwen
+    ``<tool_call>`` JSON, Llama 3.1 JSON, Mistral ``[TOOL_CALLS]``), Hermes when it names none."""
+
+    rollout_func: str | None = None
+    """TRL's ``rollout_func``, ``path/file.py:function``: a hand-written rollout, called as
+    ``rollout_func(prompts, trainer)`` with one prompt per completion; it returns ``prompt_ids``,
+    ``completion_ids`` and ``logprobs`` (or None), optionally ``env_mask`` (1 for the model's tokens) and more
+    columns for the reward functions. ``trainer.generate(prompt_ids)`` samples with the run's engine."""
+
+    @field_validator("tools")
+    @classmethod
+    def _tools_typed(cls, value: list[str]) -> list[str]:
+        from posttrain.rollout.tools import load_tool, schema_of
+
+        problems = []
+        for entry in value:
+            try:
+                schema_of(load_tool(entry))
+            except ValueError as exc:
+                problems.append(f"{entry}: {exc}")
+        if len(set(value)) < len(value):
+            problems.append("a tool is named twice")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    @field_validator("environment_factory")
+    @classmethod
+    def _environment_class(cls, value: str | dict[str, str] | None) -> str | dict[str, str] | None:
+        from posttrain.config.user_code import import_named
+        from posttrain.rollout.tools import environment_problems
+
+        entries = value if isinstance(value, dict) else {"": value} if value else {}
+        problems = []
+        for name, entry in entries.items():
+            try:
+                problems += environment_problems(import_named(entry, "class"))  # type: ignore[arg-type]
+            except ValueError as exc:
+                problems.append(f"{name + ': ' if name else ''}{exc}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    @field_validator("rollout_func")
+    @classmethod
+    def _rollout_function(cls, value: str | None) -> str | None:
+        from posttrain.config.user_code import import_named
+
+        if value is not None:
+            import_named(value)
+        return value
+
+    @property
+    def agentic(self) -> bool:
+        """Whether the model calls tools (``tools`` or an environment)."""
+        return bool(self.tools or self.environment_factory)
+
     def problems(self) -> Iterator[Problem]:
         yield from super().problems()
+        if self.rollout_func and self.agentic:
+            yield Problem(
+                "rollout_func",
+                "set with tools or environment_factory: a hand-written rollout runs its own tools; drop one",
+            )
         if self.use_vllm and (self.model.quantization_config or {}).get("load_in_8bit"):
             yield Problem(
                 "model.quantization_config",

@@ -64,3 +64,25 @@ def import_user_module(path: Path) -> ModuleType:
         del sys.modules[module_name]
         raise
     return module
+
+
+def import_named(value: str, kind: str = "function") -> object:
+    """The object a ``path/to/file.py:name`` entry names (a reward function, a tool, an environment class),
+    imported once per process; ValueError with what is wrong (the pydantic message of the key)."""
+    file, _, name = value.rpartition(":")
+    if not file.endswith(".py") or not name.isidentifier():
+        raise ValueError(f"name a {kind} as path/to/file.py:{'Class' if kind == 'class' else 'function'}")
+    path = Path(file).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"no such file {path} (paths are relative to where posttrain runs)")
+    try:
+        module = import_user_module(path)
+    except Exception as exc:
+        raise ValueError(f"importing {path} failed: {_where_in(exc, path)}") from None
+    found = getattr(module, name, None)
+    wanted = isinstance(found, type) if kind == "class" else callable(found)
+    if not wanted:
+        test = (lambda v: isinstance(v, type)) if kind == "class" else callable
+        names = sorted(n for n, v in vars(module).items() if test(v) and not n.startswith("_"))
+        raise ValueError(f"{path.name} has no {kind} {name!r} (it has: {', '.join(names) or 'none'})")
+    return found

@@ -6,6 +6,7 @@ they count and check the same way."""
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -148,7 +149,25 @@ def _checked_message(index: int, message: Any) -> dict[str, Any]:
     train = message.get("train", True)
     if not isinstance(train, bool) or (role != "assistant" and not train):
         raise RowError(f"messages[{index}].train must be true or false, on an assistant message")
-    return {"role": role, "content": content} if train else {"role": role, "content": content, "train": False}
+    out: dict[str, Any] = {"role": role, "content": content}
+    calls = message.get("tool_calls")
+    if calls is not None:  # an assistant turn calling tools, in transformers' layout
+        if role != "assistant" or not isinstance(calls, list) or not all(_is_call(c) for c in calls):
+            raise RowError(
+                f"messages[{index}].tool_calls must be a list of {{type: function, function: {{name, arguments}}}} "
+                "on an assistant message"
+            )
+        out["tool_calls"] = calls
+    if role == "tool" and isinstance(message.get("name"), str):
+        out["name"] = message["name"]
+    if not train:
+        out["train"] = False
+    return out
+
+
+def _is_call(call: Any) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    return isinstance(function, dict) and isinstance(function.get("name"), str)
 
 
 def keep_prompt_tokens(ids: list[int], limit: int, truncation: str) -> list[int]:
@@ -165,26 +184,46 @@ def has_generation_markers(tokenizer: Any) -> bool:
 
 
 def render_ids(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = False
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The token ids of ``messages`` rendered with the tokenizer's chat template."""
+    """The token ids of ``messages`` rendered with the tokenizer's chat template (and the tools' schemas, for
+    a template that renders them)."""
     return list(
         tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
+            messages,
+            tokenize=True,
+            add_generation_prompt=add_generation_prompt,
+            return_dict=True,
+            tools=tools or None,  # None, not []: some templates write their tool preamble for an empty list
         )["input_ids"]
     )
 
 
 def render_with_spans(
-    tokenizer: Any, conversations: list[list[dict[str, str]]]
+    tokenizer: Any, conversations: list[list[dict[str, Any]]], tools: list[Any] | None = None
 ) -> tuple[list[str], list[Any]]:
     """Render conversations with the tokenizer's template through transformers' own renderer, with the
-    character spans of every ``{% generation %}`` block."""
+    character spans of every ``{% generation %}`` block; ``tools``: each conversation's tool schemas (TRL's
+    ``tools`` column; None or an empty list: none), rendered by the template."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    return render_jinja_template(
-        conversations=conversations,
-        chat_template=tokenizer.get_chat_template(),
-        return_assistant_tokens_mask=True,
-        **tokenizer.special_tokens_map,
-    )
+    tools = tools or [None] * len(conversations)
+    texts: list[str] = [""] * len(conversations)
+    spans: list[Any] = [None] * len(conversations)
+    groups: dict[str, list[int]] = {}
+    for index, schemas in enumerate(tools):  # one renderer call per distinct tool list
+        groups.setdefault(json.dumps(schemas or None, sort_keys=True), []).append(index)
+    for key, members in groups.items():
+        rendered, found = render_jinja_template(
+            conversations=[conversations[i] for i in members],
+            tools=json.loads(key),
+            chat_template=tokenizer.get_chat_template(),
+            return_assistant_tokens_mask=True,
+            **tokenizer.special_tokens_map,
+        )
+        for i, text, span in zip(members, rendered, found, strict=True):
+            texts[i], spans[i] = text, span
+    return texts, spans

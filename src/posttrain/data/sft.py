@@ -8,6 +8,7 @@ end-of-turn token that closes each assistant turn is trained, so the model learn
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -120,6 +121,27 @@ def _labels(ids: np.ndarray, mask: np.ndarray, mask_inputs: bool) -> np.ndarray:
     return np.where(mask, ids, IGNORE_INDEX) if mask_inputs else ids.copy()
 
 
+def row_tools(row: dict[str, Any], markers: bool) -> list[Any] | None:
+    """A row's ``tools`` column (TRL's: the JSON schemas of the tools its conversation may call), rendered by
+    the chat template into the conversation."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise RowError("'tools' is text that is not JSON; give a list of tool schemas") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise RowError("'tools' must be a list of JSON tool schemas ({type: function, function: {...}})")
+    if not markers:
+        raise RowError(
+            "'tools' needs a chat template that marks assistant turns with {% generation %} (tokenizer.chat_template: "
+            "hermes renders tools)"
+        )
+    return tools
+
+
 def format_sft_batch(
     rows: list[dict[str, Any]], tokenizer: Any, mask_inputs: bool = True, check_end_of_turn: bool = True
 ) -> list[dict[str, np.ndarray] | RowError]:
@@ -129,16 +151,19 @@ def format_sft_batch(
     labelled by looking up the tokens that hold each span's first and last character (the same tokens and mask as ``apply_chat_template``).
     Other templates go row by row through token-exact prefix rendering."""
     out: list[Any] = [None] * len(rows)
-    conversations, where = [], []
+    conversations, where, tools = [], [], []
+    markers = has_generation_markers(tokenizer)
     for index, row in enumerate(rows):
         try:
             conversations.append(check_messages(chat_messages(row)))
+            tools.append(row_tools(row, markers))
             where.append(index)
         except RowError as exc:
             out[index] = exc
+            del conversations[len(tools) :]
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if conversations and backend is not None and has_generation_markers(tokenizer):
-        texts, spans = render_with_spans(tokenizer, conversations)
+    if conversations and backend is not None and markers:
+        texts, spans = render_with_spans(tokenizer, conversations, tools)
         encodings = backend.encode_batch(texts, add_special_tokens=False)
         pieces = [
             (np.fromiter(e.ids, dtype=np.int64, count=len(e)), _span_mask(e, s))

@@ -277,7 +277,10 @@ class DistillRollout:
     def after_generation(self, feed: OnlineSteps, rollout: Rollout) -> dict[str, torch.Tensor]:
         completions = rollout.completions
         mine = torch.tensor(
-            [[len(c), float(cut)] for c, cut in zip(completions.ids, completions.truncated, strict=True)],
+            [
+                [n, float(cut)]
+                for n, cut in zip(completions.model_lengths(), completions.truncated, strict=True)
+            ],
             dtype=torch.float64,
         )
         everyone = all_gather_rows(mine, self.ctx.dist)
@@ -368,7 +371,7 @@ class DistillLoss:
         mask = batch["prompt_mask"].bool()
         prompts = [ids[keep].tolist() for ids, keep in zip(batch["prompt_ids"], mask, strict=True)]
         module = getattr(model, "module", model)
-        completions = feed.backend.generate(module, prompts, feed.sampling, None)
+        completions = feed.complete(module, batch["rows"], prompts, feed.sampling, None)
         device = batch["prompt_ids"].device
         total, metrics, tokens = torch.zeros((), device=device), {}, torch.zeros((), device=device)
         for micro in feed.micro_batches(prompts, completions, {}):  # prompt + completion rows, as in training

@@ -212,6 +212,9 @@ class OnlineSteps:
         self.backend: Any = build_backend(
             config, engine.module, self.stops, self.pad_id, plan.data, self.mine, ctx.dist
         )
+        from posttrain.rollout.agent import rollouts
+
+        self.turns = rollouts(config, tokenizer, self.stops)  # multi-turn rollouts: tools, rollout_func
         self.counters: dict[str, float] = {}  # the loop state's (steps() takes them from it)
         self.trainer_state = self._trainer_state(None, 0, 0, 1)  # before the first generation
         _RUN_FEEDS[id(config)] = self
@@ -221,6 +224,8 @@ class OnlineSteps:
             ctx.output_dir / "completions.jsonl", config.log_completions and ctx.dist.is_main
         )
         self.metrics.closing.append(self.close)
+        if hasattr(method, "close"):
+            self.metrics.closing.append(method.close)
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -294,16 +299,36 @@ class OnlineSteps:
         given = getattr(self.method, "completions_for", None)
         completions = given(self, epoch, batch, slot_rows, prompt_ids, keys) if given is not None else None
         if completions is None:  # the policy's own samples
-            completions = self.backend.generate(
-                self.engine.module, prompt_ids, self.sampling, keys, self.logprobs()
+            completions = self.complete(
+                self.engine.module, slot_rows, prompt_ids, self.sampling, keys, self.logprobs()
             )
+        prompt_ids = completions.prompt_ids or prompt_ids
         self.metrics.generation_time = time.perf_counter() - started
         rollout = Rollout(epoch, batch, first, slots, slot_rows, prompt_ids, completions)
         values = self.method.after_generation(self, rollout)
+        if self.turns is not None:
+            self.metrics.latest.update(tool_records(completions, self.ctx.dist))
         micro_batches = self.micro_batches(prompt_ids, completions, values)
         self.method.finish_batches(self, rollout, micro_batches)
         self._log(rollout)
         return micro_batches
+
+    def complete(
+        self,
+        module: torch.nn.Module,
+        rows: list[dict[str, Any]],
+        prompt_ids: list[list[int]],
+        sampling: Sampling,
+        keys: list[int] | None,
+        logprobs: bool = False,
+    ) -> Completions:
+        """Completions of the rows' prompts with the run's backend: multi-turn (tools, environments, a
+        ``rollout_func``: ``rollout.agent``), or one turn each; ``keys`` None: greedy (evaluation)."""
+        if self.turns is not None:
+            return self.turns.generate(
+                self.backend, module, rows, sampling, keys, logprobs, trainer_state=self.trainer_state
+            )
+        return self.backend.generate(module, prompt_ids, sampling, keys, logprobs)
 
     def logprobs(self) -> bool:
         """Whether the engine returns its sampled tokens' log-probabilities (a method that corrects for the
@@ -315,12 +340,17 @@ class OnlineSteps:
     ) -> list[dict[str, Any]]:
         """Prompt + completion rows in micro-batches, completion tokens in the loss (``completion_mask``; those
         cut at the limit left out with ``mask_truncated_completions``), each per-completion value sliced in, and
-        the engine's log-probabilities laid out as the trainer's (``sampling_logps``) when it gave them."""
+        the engine's log-probabilities laid out as the trainer's (``sampling_logps``) when it gave them. The
+        tokens tools added (``Completions.tool_mask`` 0) are not in the loss."""
+        prompt_ids = completions.prompt_ids or prompt_ids
         out = []
         for start in range(0, len(prompt_ids), self.micro):
             part = range(start, min(start + self.micro, len(prompt_ids)))
             rows = [
-                (prompt_ids[i] + completions.ids[i], [IGNORE_INDEX] * len(prompt_ids[i]) + completions.ids[i])
+                (
+                    prompt_ids[i] + completions.ids[i],
+                    [IGNORE_INDEX] * len(prompt_ids[i]) + model_labels(completions, i),
+                )
                 for i in part
             ]
             input_ids, labels, attention = pad_rows(rows, self.pad_id)
@@ -364,6 +394,7 @@ class OnlineSteps:
                 "prompt": prompt_of(row),
                 "completion": text,
                 "truncated": rollout.completions.truncated[index],
+                **({"messages": rollout.completions.messages[index]} if rollout.completions.messages else {}),
                 **self.method.log_fields(self, rollout, index),
                 "origin": row.get(ORIGIN_KEY),
             }
@@ -371,7 +402,31 @@ class OnlineSteps:
 
     def close(self) -> None:
         self.backend.close()
+        if self.turns is not None:
+            self.turns.close()
         self.log.close()
+
+
+def model_labels(completions: Completions, index: int) -> list[int]:
+    """A completion's labels: its tokens, the tools' (``tool_mask`` 0) ignored."""
+    ids, mask = completions.ids[index], completions.tool_mask
+    if mask is None:
+        return list(ids)
+    return [token if keep else IGNORE_INDEX for token, keep in zip(ids, mask[index], strict=True)]
+
+
+def tool_records(completions: Completions, dist: Any) -> dict[str, float]:
+    """TRL's tool records over every rank's completions of a batch: ``tools/call_frequency`` (calls per
+    completion) and ``tools/failure_frequency`` (failed calls per call, 0 without calls)."""
+    from posttrain.dist import all_reduce_sum
+
+    calls, failures, count = all_reduce_sum(
+        [float(completions.tool_calls), float(completions.tool_failures), float(len(completions.ids))], dist
+    )
+    return {
+        "tools/call_frequency": calls / count,
+        "tools/failure_frequency": failures / calls if calls else 0.0,
+    }
 
 
 def completion_records(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:

@@ -98,6 +98,25 @@ class Completions:
     ids: list[list[int]]
     truncated: list[bool]
     logps: list[list[float]] | None = None
+    #: multi-turn rollouts (tools, environments, a ``rollout_func``): 1 for the model's tokens, 0 for what the
+    #: tools and the chat template added between its turns (left out of the loss)
+    tool_mask: list[list[int]] | None = None
+    #: the prompts as the rollout rendered them (with the tools' schemas, an environment's observation)
+    prompt_ids: list[list[int]] | None = None
+    #: each completion as messages (assistant turns with their tool calls, tool results)
+    messages: list[list[dict[str, Any]]] | None = None
+    #: each rollout's environment instance (``environment_factory``), for the rewards
+    environments: list[Any] | None = None
+    #: columns a ``rollout_func`` returned besides the ids, for the rewards (one value per completion)
+    columns: dict[str, list[Any]] | None = None
+    tool_calls: int = 0
+    tool_failures: int = 0
+
+    def model_lengths(self) -> list[int]:
+        """Each completion's tokens the model wrote (tool results not counted), as TRL counts lengths."""
+        if self.tool_mask is None:
+            return [len(ids) for ids in self.ids]
+        return [sum(mask) for mask in self.tool_mask]
 
 
 def split_completions(sequences: torch.Tensor, stop_ids: Sequence[int], pad_id: int) -> Completions:

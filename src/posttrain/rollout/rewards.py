@@ -16,13 +16,13 @@ import asyncio
 import inspect
 import math
 import re
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from posttrain.config.grpo import (
+    CodeTestsReward,
     ExactMatchReward,
     FunctionReward,
     LengthPenaltyReward,
@@ -31,6 +31,7 @@ from posttrain.config.grpo import (
     RewardConfig,
 )
 from posttrain.errors import UserError
+from posttrain.rollout.reward_guard import Outcome, RewardWorkers, bounded, call_here, one_by_one, user_frame
 
 RewardFunction = Callable[..., list[float | None]]
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -80,10 +81,12 @@ class RewardContext:
 
 
 def text_of(completion: Any) -> str:
-    """A completion's text: itself, or the content of its messages."""
+    """A completion's text: itself, or the content of its last assistant message (its answer, after any
+    tool calls and results)."""
     if isinstance(completion, str):
         return completion
-    return "".join(str(message.get("content", "")) for message in completion)
+    said = [m for m in completion if m.get("role", "assistant") == "assistant"]
+    return str(said[-1].get("content", "")) if said else ""
 
 
 def last_number(text: str) -> str | None:
@@ -180,6 +183,35 @@ def length_penalty(config: LengthPenaltyReward, max_completion_length: int) -> R
     return reward
 
 
+def code_tests(config: CodeTestsReward) -> RewardFunction:
+    """The share of the row's tests each completion's last Python block passes, in the sandbox."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from posttrain.rollout.sandbox import Limits, last_code_block, tests_passed
+
+    limits = Limits(
+        wall=config.timeout,
+        cpu=max(1, math.ceil(config.timeout)),
+        memory=config.memory,
+        processes=config.processes,
+    )
+
+    def reward(completions: Sequence[Any], **columns: Any) -> list[float | None]:
+        if config.column not in columns:
+            raise RewardError(
+                f"code_tests reads the column {config.column!r}, which the rows do not have; set rewards[].column"
+            )
+        tests = [[t] if isinstance(t, str) else list(t or []) for t in columns[config.column]]
+        codes = [last_code_block(text_of(c)) for c in completions]
+        with ThreadPoolExecutor(max_workers=config.parallel) as pool:
+            return list(
+                pool.map(lambda pair: tests_passed(pair[0], pair[1], limits), zip(codes, tests, strict=True))
+            )
+
+    reward.__name__ = "code_tests"
+    return reward
+
+
 def user_function(config: FunctionReward) -> RewardFunction:
     from posttrain.config.user_code import import_user_module
 
@@ -195,6 +227,7 @@ class Reward:
     name: str
     weight: float
     function: RewardFunction
+    local: bool = False  # runs in the training process (an environment's reward), not in a reward worker
 
     def where(self) -> str:
         """The function's file and line."""
@@ -269,6 +302,8 @@ def build_rewards(configs: Sequence[RewardConfig], max_completion_length: int) -
             function = user_function(config)
         elif isinstance(config, ModelReward):
             function = reward_model(config)
+        elif isinstance(config, CodeTestsReward):
+            function = code_tests(config)
         else:
             function = config.build(max_completion_length)  # a reward defined elsewhere (a reward model)
         rewards.append(Reward(config.name or _name(config, function), float(config.weight), function))
@@ -279,8 +314,89 @@ def build_rewards(configs: Sequence[RewardConfig], max_completion_length: int) -
     return rewards
 
 
+def environment_rewards(config: Any) -> list[Reward]:
+    """TRL's environment rewards: each environment class with a ``get_reward()`` scores the rollouts it ran
+    (None for the others), weight 1, named after the class."""
+    from posttrain.config.user_code import import_named
+
+    factory = getattr(config, "environment_factory", None)
+    entries = factory.values() if isinstance(factory, dict) else [factory] if factory else []
+    classes = list(dict.fromkeys(import_named(entry, "class") for entry in entries))
+    out = []
+    for cls in classes:
+        if callable(getattr(cls, "get_reward", None)):
+
+            def get_reward(environments: list[Any], _cls: Any = cls, **_: Any) -> list[float | None]:
+                return [e.get_reward() if type(e) is _cls else None for e in environments]
+
+            out.append(Reward(cls.__name__, 1.0, get_reward, local=True))
+    return out
+
+
 def _name(config: RewardConfig, function: Callable[..., Any]) -> str:
     return getattr(function, "__name__", None) or str(getattr(config, "type", "reward"))
+
+
+class RewardGuard:
+    """How reward functions are called (``reward_guard``): the time limit, the worker processes, what a
+    failure does, the failures counted per reward and the completions the last call left unscorable."""
+
+    def __init__(
+        self,
+        timeout: float | None = None,
+        errors: str = "raise",
+        workers: RewardWorkers | None = None,
+    ) -> None:
+        self.timeout, self.errors, self.workers = timeout, errors, workers
+        self.counts: dict[str, dict[str, int]] = {}
+        self.unscorable: set[int] = set()
+
+    def call(self, rewards: Sequence[Reward], calls: list[tuple[int, dict[str, Any]]]) -> list[Outcome]:
+        """The outcome of each ``(reward index, arguments)`` call: in the workers (but for rewards that must run
+        here), else here, ``async`` ones awaited together as TRL gathers them."""
+        outcomes: list[Outcome | None] = [None] * len(calls)
+        remote = [i for i, (r, _) in enumerate(calls) if self.workers is not None and not rewards[r].local]
+        if remote:
+            assert self.workers is not None
+            for i, outcome in zip(remote, self.workers.run([calls[i] for i in remote]), strict=True):
+                outcomes[i] = outcome
+        pending: list[tuple[int, Any]] = []
+        for i, (r, arguments) in enumerate(calls):
+            if outcomes[i] is None:
+                outcomes[i] = call_here(rewards[r].function, arguments, self.timeout, defer=True)
+                if inspect.isawaitable(outcomes[i].values):  # type: ignore[union-attr]
+                    pending.append((i, outcomes[i].values))  # type: ignore[union-attr]
+        if pending:
+
+            async def gather() -> list[Any]:
+                limited = [bounded(value, self.timeout) for _, value in pending]
+                return await asyncio.gather(*limited, return_exceptions=True)
+
+            for (i, _), value in zip(pending, asyncio.run(gather()), strict=True):
+                outcomes[i] = _awaited_outcome(value, self.timeout)
+        return [o for o in outcomes if o is not None]
+
+    def count(self, name: str, kind: str) -> None:
+        found = self.counts.setdefault(name, {"timeouts": 0, "errors": 0})
+        found["timeouts" if kind == "timeout" else "errors"] += 1
+
+    def take_counts(self) -> dict[str, dict[str, int]]:
+        counts, self.counts = self.counts, {}
+        return counts
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+
+
+def guard_of(config: Any) -> RewardGuard:
+    """The run's reward guard from its config (``reward_timeout``, ``reward_num_workers``, ``reward_errors``)."""
+    timeout = getattr(config, "reward_timeout", None)
+    count = getattr(config, "reward_num_workers", 0)
+    workers = (
+        RewardWorkers(count, list(config.rewards), config.max_completion_length, timeout) if count else None
+    )
+    return RewardGuard(timeout, getattr(config, "reward_errors", "raise"), workers)
 
 
 def score_all(
@@ -291,47 +407,73 @@ def score_all(
     columns: dict[str, list[Any]],
     origins: list[str],
     context: RewardContext | None = None,
+    guard: RewardGuard | None = None,
 ) -> list[list[float]]:
-    """Every reward's values for the completions: plain functions in turn, ``async def`` ones (or any that
-    return an awaitable) awaited together, as TRL gathers its async reward functions. Each is called with
-    TRL's arguments: the prompts, completions and their ids, every other column of the rows, and the
-    ``context`` (``trainer_state``, ``log_extra``, ``log_metric``)."""
+    """Every reward's values for the completions, each function called with TRL's arguments: the prompts,
+    completions and their ids, every other column of the rows, and the ``context`` (``trainer_state``,
+    ``log_extra``, ``log_metric``). ``guard`` (default: no time limit, in this process, failures raise) says
+    how; under ``reward_errors: unscorable`` a failed call is made again per completion, and the completions
+    that fail alone are left in ``guard.unscorable`` (their values NaN here)."""
+    guard = guard or RewardGuard()
+    context = context or RewardContext()
     arguments = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
-    arguments.update((context or RewardContext()).arguments())
-    results: list[Any] = [_call(reward, arguments, origins) for reward in rewards]
-    pending = [i for i, value in enumerate(results) if inspect.isawaitable(value)]
-    if pending:
+    arguments.update(context.arguments())
+    guard.unscorable = set()
+    outcomes = guard.call(rewards, [(i, arguments) for i in range(len(rewards))])
+    results = []
+    for index, (reward, outcome) in enumerate(zip(rewards, outcomes, strict=True)):
+        _merge_logs(context, outcome)
+        if outcome.failure is None:
+            results.append(_checked(reward, outcome.values, completions, origins))
+            continue
+        if guard.errors == "raise":
+            raise _failed(reward, outcome, origins)
+        count = len(completions)
+        alone = guard.call(rewards, [(index, single) for single in one_by_one(arguments, count)])
+        values = []
+        for position, single in enumerate(alone):
+            _merge_logs(context, single)
+            if single.failure is not None:
+                guard.count(reward.name, single.failure)
+                guard.unscorable.add(position)
+                values.append(math.nan)
+            else:
+                values.append(
+                    _checked(reward, single.values, [completions[position]], [origins[position]])[0]
+                )
+        results.append(values)
+    return results
 
-        async def gather() -> list[Any]:
-            return await asyncio.gather(*(results[i] for i in pending), return_exceptions=True)
 
-        for index, value in zip(pending, asyncio.run(gather()), strict=True):
-            if isinstance(value, BaseException):
-                raise _raised(rewards[index], value, origins) from None
-            results[index] = value
-    return [
-        _checked(reward, values, completions, origins)
-        for reward, values in zip(rewards, results, strict=True)
-    ]
+def _merge_logs(context: RewardContext, outcome: Outcome) -> None:
+    """What a worker's call logged (``log_extra``, ``log_metric``), into this process's context."""
+    for column, values in (outcome.extra or {}).items():
+        context.log_extra(column, values)
+    for name, values in (outcome.logged or {}).items():
+        for value in values:
+            context.log_metric(name, value)
 
 
-def _call(reward: Reward, arguments: dict[str, Any], origins: list[str]) -> Any:
-    try:
-        return reward.function(**arguments)
-    except RewardError:
-        raise
-    except Exception as exc:
-        raise _raised(reward, exc, origins) from None
+def _awaited_outcome(value: Any, timeout: float | None) -> Outcome:
+    if isinstance(value, TimeoutError):
+        return Outcome(failure="timeout", text=f"took more than {timeout:g} s (reward_timeout)")
+    if isinstance(value, RewardError):
+        raise value
+    if isinstance(value, BaseException):
+        return Outcome(failure="error", text=f"{type(value).__name__}: {value}", at=user_frame(value))
+    return Outcome(values=value)
 
 
-def _raised(reward: Reward, exc: BaseException, origins: list[str]) -> RewardError:
-    if isinstance(exc, RewardError):
-        return exc
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
-    at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+def _failed(reward: Reward, outcome: Outcome, origins: list[str]) -> RewardError:
+    if outcome.failure == "timeout":
+        return RewardError(
+            f"reward {reward.name!r} ({reward.where()}) {outcome.text} scoring the completions of {_rows(origins)}; "
+            "raise reward_timeout, or set reward_errors: unscorable to leave such completions out"
+        )
+    at = f" at {outcome.at}" if outcome.at else ""
     return RewardError(
-        f"reward {reward.name!r} ({reward.where()}) raised {type(exc).__name__}: {exc}{at}, scoring the "
-        f"completions of {_rows(origins)}"
+        f"reward {reward.name!r} ({reward.where()}) raised {outcome.text}{at}, scoring the completions of "
+        f"{_rows(origins)}"
     )
 
 
@@ -383,6 +525,8 @@ class Scorer:
         import torch
 
         self.rewards: list[Reward] = build_rewards(config.rewards, config.max_completion_length)
+        self.rewards += environment_rewards(config)
+        self.guard = guard_of(config)  # reward_timeout, reward_num_workers, reward_errors
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
         self.tokenizer = tokenizer
         self.context = RewardContext()  # trainer_state, log_extra, log_metric: TRL's extra arguments
@@ -400,9 +544,36 @@ class Scorer:
             for key, value in reward_columns(row).items():
                 columns.setdefault(key, [None] * len(rows))[index] = value
         origins = [str(row.get(ORIGIN_KEY, "a row")) for row in rows]
-        shown = [completions_as_prompted(p, t) for p, t in zip(prompts, texts, strict=True)]
-        values = score_all(self.rewards, prompts, shown, completions.ids, columns, origins, self.context)
-        return torch.tensor(values, dtype=torch.float64).T.reshape(len(rows), len(self.rewards))
+        shown = completions.messages or [
+            completions_as_prompted(p, t) for p, t in zip(prompts, texts, strict=True)
+        ]
+        columns.update(completions.columns or {})  # what a rollout_func returned for the rewards
+        if completions.environments is not None:
+            columns["environments"] = completions.environments
+        values = score_all(
+            self.rewards, prompts, shown, completions.ids, columns, origins, self.context, self.guard
+        )
+        out = torch.tensor(values, dtype=torch.float64).T.reshape(len(rows), len(self.rewards))
+        for index in self.guard.unscorable:  # no reward counts for it: advantage 0, out of its group
+            out[index] = math.nan
+        return out
+
+    def failure_records(self, dist: Any) -> dict[str, float]:
+        """Each reward's timed-out and failed completions since the last call, summed over the ranks
+        (``reward_errors: unscorable``; under ``raise`` the first failure stops the run)."""
+        from posttrain.dist import all_reduce_sum
+
+        counts = self.guard.take_counts()
+        if self.guard.errors != "unscorable":
+            return {}
+        names = [r.name for r in self.rewards]
+        local = [float(counts.get(n, {}).get(kind, 0)) for n in names for kind in ("timeouts", "errors")]
+        totals = all_reduce_sum(local, dist)
+        return {
+            f"rewards/{name}/{kind}": totals[2 * i + k]
+            for i, name in enumerate(names)
+            for k, kind in enumerate(("timeouts", "errors"))
+        }
 
     def total(self, values: Any) -> Any:
         """The weighted sum of each completion's rewards (a None counts as 0, TRL's ``nansum``); NaN for a

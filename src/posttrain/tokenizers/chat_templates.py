@@ -32,6 +32,30 @@ _CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# ChatML with tools, Hermes / Qwen style, compact for small models: each tool as one line, its name, argument
+# names and description, in a system turn (after the conversation's own system message); an assistant's tool
+# calls as <tool_call>{"name": ..., "arguments": ...}</tool_call> inside its trained turn; a tool's result as a
+# turn of role tool.
+_HERMES = (
+    "{% set ns = namespace(start=0) %}"
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n' }}{% set ns.start = 1 %}{% endif %}"
+    "{% for tool in tools %}{% set f = tool['function'] if 'function' in tool else tool %}"
+    "{{ 'tool ' + f['name'] + '(' + (f.get('parameters', {}).get('properties', {}) | list | join(', ')) + '): ' + f.get('description', '') + '\\n' }}"
+    '{% endfor %}{{ \'call tools as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\\n\' }}'
+    "{% endif %}"
+    "{% for message in messages[ns.start:] %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{{ '<tool_call>' + {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson + '</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 _LLAMA3 = (
     "{{ '<|begin_of_text|>' }}"
     "{% for message in messages %}"
@@ -69,6 +93,7 @@ _LLAMA3_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>
 
 PRESETS: dict[str, Preset] = {
     "chatml": Preset(_CHATML, ("<|im_start|>", "<|im_end|>"), "<|im_end|>"),
+    "hermes": Preset(_HERMES, ("<|im_start|>", "<|im_end|>"), "<|im_end|>"),
     "llama3": Preset(_LLAMA3, _LLAMA3_TOKENS, "<|eot_id|>"),
     # Llama 3.1's turn format without its date header and tool calls: the same rendering as llama3.
     "simplified-llama31": Preset(_LLAMA3, _LLAMA3_TOKENS, "<|eot_id|>"),

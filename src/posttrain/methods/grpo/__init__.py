@@ -22,6 +22,7 @@ from posttrain.methods.grpo.losses import loss_sum, sequence_shares, token_losse
 from posttrain.methods.grpo.rollout import STATE_KEY, GRPORollout, policy_loss
 from posttrain.models.token_logps import token_logps
 from posttrain.plan import BatchSizes
+from posttrain.rollout.agent import rollouts
 from posttrain.rollout.feed import OnlineSteps, run_feed, sampling_of, stop_ids
 from posttrain.rollout.generation import Completions, TransformersBackend
 from posttrain.rollout.rewards import Scorer
@@ -157,6 +158,7 @@ class GRPOLoss:
         self.scorer = Scorer(config, tokenizer)
         pad = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
         self.greedy = TransformersBackend(stop_ids(tokenizer), pad)
+        self.turns = rollouts(config, tokenizer, stop_ids(tokenizer))
 
     def __call__(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if "prompt_ids" in batch:
@@ -200,16 +202,23 @@ class GRPOLoss:
         prompts = [ids[keep].tolist() for ids, keep in zip(batch["prompt_ids"], mask, strict=True)]
         module = getattr(model, "module", model)
         run = run_feed(self.config)  # the run's generation backend (vLLM too) and its last trainer state
-        backend = run.backend if run is not None else self.greedy
-        completions: Completions = backend.generate(module, prompts, sampling_of(self.config), None)
-        self.scorer.context.trainer_state = run.trainer_state if run is not None else None
-        values = self.scorer(batch["rows"], completions)
-        self.scorer.context.take()  # what rewards log during evaluation is not recorded
+        sampling = sampling_of(self.config)
+        if run is not None:
+            completions: Completions = run.complete(module, batch["rows"], prompts, sampling, None)
+        elif self.turns is not None:  # an evaluation-only run with tools
+            completions = self.turns.generate(self.greedy, module, batch["rows"], sampling, None)
+        else:
+            completions = self.greedy.generate(module, prompts, sampling, None)
+        scorer = run.method.scorer if run is not None else self.scorer  # the run's reward workers
+        scorer.context.trainer_state = run.trainer_state if run is not None else None
+        values = scorer(batch["rows"], completions)
+        scorer.context.take()  # what rewards log during evaluation is not recorded
+        scorer.guard.take_counts()
         weight = batch["prompt_weight"].double().cpu()
-        totals = self.scorer.total(values)
+        totals = scorer.total(values)
         scored = (~torch.isnan(totals)).double() * weight  # a completion no reward scored is left out
         metrics = {"reward": (torch.nan_to_num(totals) * scored).sum(), "reward" + COUNT: scored.sum()}
-        for index, reward in enumerate(self.scorer.rewards):
+        for index, reward in enumerate(scorer.rewards):
             column = values[:, index]
             seen = (~torch.isnan(column)).double() * weight
             metrics[f"rewards/{reward.name}"] = (torch.nan_to_num(column) * seen).sum()

@@ -84,6 +84,9 @@ class GRPORollout:
         self.totals = torch.zeros(0)
         self.advantage = torch.zeros(0)
 
+    def close(self) -> None:
+        self.scorer.guard.close()
+
     def describe(self) -> str:
         names = ", ".join(f"{r.name} x {r.weight:g}" for r in self.scorer.rewards)
         return f"grpo: rewards {names}"
@@ -95,7 +98,7 @@ class GRPORollout:
         self.scorer.context.trainer_state = feed.trainer_state
         values = self.scorer(rollout.rows, completions)
         self.extra, logged = self.scorer.context.take()
-        lengths = torch.tensor([len(c) for c in completions.ids], dtype=torch.float64)
+        lengths = torch.tensor(completions.model_lengths(), dtype=torch.float64)
         truncated = torch.tensor(completions.truncated, dtype=torch.float64)
         prompted = torch.tensor([len(p) for p in rollout.prompt_ids], dtype=torch.float64)
         mine = torch.cat([values, prompted[:, None], lengths[:, None], truncated[:, None]], dim=1)
@@ -107,6 +110,7 @@ class GRPORollout:
         every_length, every_cut, scale = everyone[:, -2], everyone[:, -1], self.config.scale_rewards
         latest = rollout_records(rewards, totals, every_length, every_cut, names, group, scale)
         latest.update(self._logged_metrics(logged))
+        latest.update(self.scorer.failure_records(dist))
         # TRL's num_tokens: prompt and completion tokens of every generated batch so far, all ranks
         seen = feed.counters.get("num_tokens", 0.0) + float(everyone[:, -3].sum() + everyone[:, -2].sum())
         feed.counters["num_tokens"] = seen

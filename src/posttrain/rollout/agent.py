@@ -1,0 +1,336 @@
+"""Multi-turn rollouts: the model calls tools, reads their results and goes on (TRL's ``tools`` and
+``environment_factory``), or a hand-written rollout (``rollout_func``). Both generation backends, every online
+method: the feed asks ``Agent.generate`` where it would ask the backend.
+
+A rollout: each prompt is rendered with its tools' schemas by the model's chat template (an environment's
+``reset(**row)`` observation appended to the last user message first); the model generates a turn; the tool
+calls in it (read in the model's format, ``tools.parse_calls``) run (``tools.ToolRunner``: rollouts in
+parallel, ``tool_timeout``); their results are appended as tool messages through the chat template (the
+template's own tokens between an assistant turn and the next, found from a two-turn conversation as TRL
+does), and the model goes on, until a turn calls no tool, ``max_tool_calling_iterations`` turns have called
+tools, or the completion (tool tokens included) reaches ``max_completion_length``: a tool result that would
+pass it is dropped and the rollout ends, as in TRL.
+
+The model's tokens are kept as generated (never decoded and re-encoded); the tools' tokens have mask 0
+(``Completions.tool_mask``): no loss, no log-probability, no ratio on them. Turn t of a completion draws from
+its key mixed with t (turn 0 from the key itself, so a rollout without tool calls is the single-turn one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from posttrain.data.grpo import ORIGIN_KEY, prompt_of
+from posttrain.data.samples import keep_prompt_tokens, render_ids
+from posttrain.errors import UserError
+from posttrain.rollout.generation import Completions, Sampling, completion_key
+from posttrain.rollout.tools import (
+    ToolCall,
+    ToolRunner,
+    environment_tools,
+    load_tool,
+    parse_calls,
+    schema_of,
+    tool_format,
+)
+
+_HERMES_BLOCK = "<tool_call>"
+
+
+class Agent:
+    """An online run's multi-turn rollouts (see the module docstring). Built from the run's config and
+    tokenizer; ``stops``: the ids a turn ends at."""
+
+    def __init__(self, config: Any, tokenizer: Any, stops: list[int]) -> None:
+        from posttrain.config.user_code import import_named
+
+        self.config, self.tokenizer, self.stops = config, tokenizer, set(stops)
+        self.limit = config.max_completion_length
+        iterations = config.max_tool_calling_iterations
+        self.iterations = sys.maxsize if iterations is None else iterations
+        self.functions = {f.__name__: f for f in (load_tool(entry) for entry in config.tools)}
+        factory = config.environment_factory
+        self.multi = isinstance(factory, dict)
+        entries = factory if isinstance(factory, dict) else {None: factory} if factory else {}
+        self.factories: dict[str | None, type] = {k: import_named(v, "class") for k, v in entries.items()}  # type: ignore[misc]
+        self.form = tool_format(tokenizer, config.tool_call_format)
+        self.runner = ToolRunner(config.tool_timeout)
+        self._suffixes: dict[tuple[str, ...], list[int]] = {}
+
+    # ------------------------------------------------------------------------------------- the prompts
+
+    def environment_of(self, row: dict[str, Any]) -> Any:
+        """A fresh instance of the row's environment (None without ``environment_factory``)."""
+        if not self.factories:
+            return None
+        if not self.multi:
+            return self.factories[None]()
+        name = row.get("environment")
+        if name not in self.factories:
+            raise UserError(
+                f"{row.get(ORIGIN_KEY, 'a row')}: environment {name!r} is not one of environment_factory's "
+                f"({', '.join(map(str, self.factories))}); every row names its environment in an 'environment' column"
+            )
+        return self.factories[name]()
+
+    def tables(self, environment: Any) -> dict[str, Callable[..., Any]]:
+        """The rollout's tools by name: the functions, then its environment's methods bound to it."""
+        table = dict(self.functions)
+        if environment is not None:
+            table.update({name: getattr(environment, name) for name in environment_tools(type(environment))})
+        return table
+
+    def render(
+        self, row: dict[str, Any], environment: Any
+    ) -> tuple[list[dict[str, Any]], list[int], list[dict]]:
+        """The rollout's prompt messages (the environment reset, its observation appended to the last user
+        message), their token ids with the tools' schemas, and the schemas."""
+        prompt = prompt_of(row)
+        if isinstance(prompt, str):
+            raise UserError(
+                f"{row.get(ORIGIN_KEY, 'a row')}: a text prompt; tools need chat prompts (a list of messages) that "
+                "the chat template renders with the tools' schemas"
+            )
+        messages = [dict(m) for m in prompt]
+        if environment is not None:
+            arguments = {
+                k: v for k, v in row.items() if k != ORIGIN_KEY and not (self.multi and k == "environment")
+            }
+            observation = environment.reset(**arguments)
+            if observation is not None:
+                messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
+        schemas = [schema_of(f) for f in self.tables(environment).values()]
+        data = self.config.data
+        ids = render_ids(self.tokenizer, messages, add_generation_prompt=True, tools=schemas)
+        ids = keep_prompt_tokens(ids, data.max_prompt_length, data.prompt_truncation)
+        return messages, ids, schemas
+
+    def suffix_ids(self, tool_messages: list[dict[str, Any]]) -> list[int]:
+        """The template's tokens after an assistant turn that called tools: the tool messages and the next
+        assistant header (TRL's two-turn conversation, cut after the assistant turn's end-of-turn token)."""
+        calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
+        dummy = [
+            {"role": "user", "content": "dummy"},
+            {"role": "assistant", "content": "", "tool_calls": calls},
+        ]
+        prefix = render_ids(self.tokenizer, dummy)
+        full = render_ids(self.tokenizer, dummy + tool_messages, add_generation_prompt=True)
+        ends = [i for i, token in enumerate(prefix) if token in self.stops]
+        if ends:
+            prefix = prefix[: ends[-1] + 1]
+        if full[: len(prefix)] != prefix:
+            raise UserError(
+                "the chat template does not render a tool result after an assistant turn as a continuation of it "
+                "(the two-turn conversation's tokens are not a prefix of the three-turn one); tools need a "
+                "template that renders user -> assistant with tool_calls -> tool"
+            )
+        return full[len(prefix) :]
+
+    # ------------------------------------------------------------------------------------------ a rollout
+
+    def generate(
+        self,
+        backend: Any,
+        module: Any,
+        rows: list[dict[str, Any]],
+        sampling: Sampling,
+        keys: list[int] | None,
+        logprobs: bool = False,
+        trainer_state: Any = None,
+    ) -> Completions:
+        """Multi-turn completions of the rows (one per row); ``keys`` None: greedy (evaluation)."""
+        environments = [self.environment_of(row) for row in rows]
+        rendered = [self.render(row, env) for row, env in zip(rows, environments, strict=True)]
+        tables = [self.tables(env) for env in environments]
+        prompts = [ids for _, ids, _ in rendered]
+        n = len(rows)
+        ids: list[list[int]] = [[] for _ in range(n)]
+        mask: list[list[int]] = [[] for _ in range(n)]
+        logps: list[list[float]] | None = [[] for _ in range(n)] if logprobs else None
+        messages: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        truncated = [False] * n
+        calls = failures = 0
+        active, turn = list(range(n)), 0
+        while active:
+            budget = [self.limit - len(ids[i]) for i in active]
+            turn_sampling = dataclasses.replace(sampling, max_new_tokens=max(budget))
+            turn_keys = (
+                None if keys is None else [completion_key(keys[i], turn) if turn else keys[i] for i in active]
+            )
+            out = backend.generate(
+                module, [prompts[i] + ids[i] for i in active], turn_sampling, turn_keys, logprobs
+            )
+            wanting: list[int] = []
+            wanted: list[list[ToolCall]] = []
+            for j, i in enumerate(active):
+                new = out.ids[j][: budget[j]]
+                cut = out.truncated[j] or len(out.ids[j]) > budget[j]
+                prefix = prompts[i] + ids[i]
+                ids[i] += new
+                mask[i] += [1] * len(new)
+                if logps is not None and out.logps is not None:
+                    logps[i] += list(out.logps[j][: len(new)])
+                text = self._text(new)
+                found = parse_calls(self.tokenizer, self.form, text, new, prefix, rendered[i][2])
+                messages[i].append(self._assistant(text, found))
+                truncated[i] = cut
+                if found and not cut and turn < self.iterations:
+                    wanting.append(i)
+                    wanted.append(found)
+            results = self.runner.run(wanted, [tables[i] for i in wanting]) if wanting else []
+            active = []
+            for i, answers in zip(wanting, results, strict=True):
+                calls += len(answers)
+                failures += sum(failed for _, _, failed in answers)
+                tool_messages = [{"role": "tool", "name": name, "content": text} for name, text, _ in answers]
+                suffix = self.suffix_ids(tool_messages)
+                if len(ids[i]) + len(suffix) >= self.limit:
+                    continue  # no room for the results and an answer: the rollout ends here, as in TRL
+                messages[i] += tool_messages
+                ids[i] += suffix
+                mask[i] += [0] * len(suffix)
+                if logps is not None:
+                    logps[i] += [0.0] * len(suffix)
+                active.append(i)
+            turn += 1
+        return Completions(
+            ids,
+            truncated,
+            logps,
+            tool_mask=mask,
+            prompt_ids=prompts,
+            messages=messages,
+            environments=environments if self.factories else None,
+            tool_calls=calls,
+            tool_failures=failures,
+        )
+
+    def _text(self, ids: list[int]) -> str:
+        """A turn's text, its closing end-of-turn token left out (special tokens kept: some formats' tool
+        calls are special tokens)."""
+        kept = ids[:-1] if ids and ids[-1] in self.stops else ids
+        return self.tokenizer.decode(kept, skip_special_tokens=False)
+
+    def _assistant(self, text: str, calls: list[ToolCall]) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            if self.form == "hermes" and _HERMES_BLOCK in text:
+                message["content"] = text[: text.index(_HERMES_BLOCK)].rstrip()
+            message["tool_calls"] = [call.as_message() for call in calls]
+        return message
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+class HandWritten:
+    """TRL's ``rollout_func``: ``function(prompts, trainer)``, one prompt (as the row holds it) per completion,
+    returning ``prompt_ids``, ``completion_ids`` and ``logprobs`` (None when it has none), optionally
+    ``env_mask`` (1 for the model's tokens; the rest is left out of the loss) and more columns, handed to the
+    reward functions. ``trainer`` is a :class:`RolloutTrainer`."""
+
+    def __init__(self, config: Any, tokenizer: Any, stops: list[int]) -> None:
+        from posttrain.config.user_code import import_named
+
+        self.function = import_named(config.rollout_func)
+        self.name = config.rollout_func
+        self.tokenizer, self.stops, self.limit = tokenizer, set(stops), config.max_completion_length
+
+    def generate(
+        self,
+        backend: Any,
+        module: Any,
+        rows: list[dict[str, Any]],
+        sampling: Sampling,
+        keys: list[int] | None,
+        logprobs: bool = False,
+        trainer_state: Any = None,
+    ) -> Completions:
+        trainer = RolloutTrainer(backend, module, sampling, keys, logprobs, self.tokenizer, trainer_state)
+        out = self.function([prompt_of(row) for row in rows], trainer)  # type: ignore[operator]
+        missing = {"prompt_ids", "completion_ids", "logprobs"} - set(out if isinstance(out, dict) else {})
+        if missing:
+            raise UserError(
+                f"rollout_func {self.name} returned {'no dict' if not isinstance(out, dict) else 'no ' + ', '.join(sorted(missing))}; "
+                "return {'prompt_ids': [...], 'completion_ids': [...], 'logprobs': [...] or None}, one entry per prompt"
+            )
+        extra = {
+            k: list(v)
+            for k, v in out.items()
+            if k not in ("prompt_ids", "completion_ids", "logprobs", "env_mask")
+        }
+        ids = [list(map(int, c))[: self.limit] for c in out["completion_ids"]]
+        for name, column in {"prompt_ids": out["prompt_ids"], "completion_ids": ids, **extra}.items():
+            if len(column) != len(rows):
+                raise UserError(
+                    f"rollout_func {self.name} returned {len(column)} {name} for {len(rows)} prompts; one per prompt"
+                )
+        mask = out.get("env_mask")
+        given = out["logprobs"]
+        return Completions(
+            ids,
+            [
+                not c or c[-1] not in self.stops for c in ids
+            ],  # TRL: truncated when it does not end at a stop id
+            [list(map(float, lp))[: len(c)] for lp, c in zip(given, ids, strict=True)]
+            if given is not None
+            else None,
+            tool_mask=[list(map(int, m))[: len(c)] for m, c in zip(mask, ids, strict=True)]
+            if mask is not None
+            else None,
+            prompt_ids=[list(map(int, p)) for p in out["prompt_ids"]],
+            columns=extra or None,
+        )
+
+    def close(self) -> None:
+        pass
+
+
+class RolloutTrainer:
+    """What a ``rollout_func`` gets as ``trainer``: the run's engine (``generate``), its ``tokenizer`` and
+    ``trainer_state``, the batch's ``sampling``."""
+
+    def __init__(
+        self,
+        backend: Any,
+        module: Any,
+        sampling: Sampling,
+        keys: list[int] | None,
+        logprobs: bool,
+        tokenizer: Any,
+        state: Any,
+    ) -> None:
+        self.backend, self.module, self.sampling, self.keys = backend, module, sampling, keys
+        self.logprobs, self.tokenizer, self.trainer_state = logprobs, tokenizer, state
+        self.calls = 0
+
+    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int | None = None) -> dict[str, Any]:
+        """Completions of ``prompt_ids`` (one per prompt, in the batch's order) with the run's engine and
+        sampling, drawn from the batch's completion keys mixed with the call's number (so a second call draws
+        afresh, and a resumed run the same): ``{"completion_ids", "logprobs", "truncated"}``."""
+        keys = self.keys
+        if keys is not None:
+            if len(prompt_ids) != len(keys):
+                keys = [completion_key(keys[i % len(keys)], i // len(keys)) for i in range(len(prompt_ids))]
+            keys = [completion_key(k, self.calls) if self.calls else k for k in keys]
+        sampling = (
+            self.sampling
+            if max_new_tokens is None
+            else dataclasses.replace(self.sampling, max_new_tokens=max_new_tokens)
+        )
+        self.calls += 1
+        out = self.backend.generate(self.module, prompt_ids, sampling, keys, self.logprobs)
+        return {"completion_ids": out.ids, "logprobs": out.logps, "truncated": out.truncated}
+
+
+def rollouts(config: Any, tokenizer: Any, stops: list[int]) -> Agent | HandWritten | None:
+    """The run's multi-turn rollouts: an ``Agent`` (tools, environments), a ``rollout_func``, or None (the
+    backend's single-turn completions)."""
+    if getattr(config, "rollout_func", None):
+        return HandWritten(config, tokenizer, stops)
+    if getattr(config, "agentic", False):
+        return Agent(config, tokenizer, stops)
+    return None

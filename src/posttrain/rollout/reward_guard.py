@@ -1,0 +1,230 @@
+"""Rewards that cannot stall or kill a run: a time limit per reward call (``reward_timeout``), scoring in worker
+processes (``reward_num_workers``; a worker that dies or runs past its time is killed and replaced), and what a
+failure does (``reward_errors``): ``raise`` stops the run naming the function, its file and line and the rows;
+``unscorable`` scores the call's completions one by one to find those that fail, and marks them unscorable
+(every reward NaN: advantage 0, out of their group's statistics, as TRL treats a completion no reward scored).
+Failures are counted per reward (``rewards/<name>/timeouts``, ``rewards/<name>/errors``: completions).
+
+The time limit in this process is a ``SIGALRM`` timer, which stops Python code (a loop, a ``sleep``) but not a
+C call that ignores signals; a worker process is stopped whatever it runs. An ``async`` reward is given the
+same time with ``asyncio.wait_for``. Environment rewards (``get_reward``) run in this process, where the
+environments are; so does every reward when ``reward_num_workers`` is 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import multiprocessing
+import signal
+import threading
+import traceback
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any
+
+#: the arguments a worker cannot receive (callables of this process, environment instances)
+LOCAL_ARGUMENTS = ("log_extra", "log_metric", "environments")
+
+
+class RewardTimeout(Exception):
+    pass
+
+
+@dataclass
+class Outcome:
+    """One reward call's result: ``values``, or ``failure`` (``timeout`` / ``error``) with its text and the
+    place in the user's code (``file:line``)."""
+
+    values: Any = None
+    failure: str | None = None
+    text: str = ""
+    at: str = ""
+    extra: dict[str, list[Any]] | None = None
+    logged: dict[str, list[float]] | None = None
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`RewardTimeout` in this (main) thread after ``seconds``; nothing elsewhere or unlimited."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum: int, frame: Any) -> None:
+        raise RewardTimeout()
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def user_frame(exc: BaseException) -> str:
+    """``file:line`` of the deepest frame outside posttrain's reward calling and asyncio."""
+    import os
+
+    ours = (os.path.dirname(__file__), os.path.dirname(asyncio.__file__))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(ours)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def call_here(
+    function: Any, arguments: dict[str, Any], timeout: float | None, defer: bool = False
+) -> Outcome:
+    """Call a reward in this process within ``timeout`` seconds; an ``async`` one is awaited (``defer``: its
+    awaitable is the outcome's values, for the caller to gather with others)."""
+    try:
+        with time_limit(timeout):
+            result = function(**arguments)
+            if inspect.isawaitable(result) and not defer:
+                result = asyncio.run(bounded(result, timeout))
+        return Outcome(values=result)
+    except (RewardTimeout, TimeoutError):
+        return Outcome(failure="timeout", text=f"took more than {timeout:g} s (reward_timeout)")
+    except Exception as exc:
+        from posttrain.rollout.rewards import RewardError
+
+        if isinstance(exc, RewardError):
+            raise
+        return Outcome(failure="error", text=f"{type(exc).__name__}: {exc}", at=user_frame(exc))
+
+
+async def bounded(awaitable: Any, timeout: float | None) -> Any:
+    return await asyncio.wait_for(awaitable, timeout) if timeout else await awaitable
+
+
+# --------------------------------------------------------------------------------------------- workers
+
+
+def _serve(connection: Any, configs: list[Any], max_completion_length: int) -> None:
+    """A worker: build the rewards, then call them as asked until the pipe closes."""
+    from posttrain.rollout.rewards import RewardContext, build_rewards
+
+    rewards = build_rewards(configs, max_completion_length)
+    while True:
+        try:
+            index, arguments = connection.recv()
+        except EOFError:
+            return
+        context = RewardContext(trainer_state=arguments.get("trainer_state"))
+        arguments.update(log_extra=context.log_extra, log_metric=context.log_metric)
+        outcome = call_here(rewards[index].function, arguments, None)  # the parent keeps the time
+        if outcome.values is not None:
+            outcome.values = (
+                [_plain(v) for v in outcome.values] if _listlike(outcome.values) else outcome.values
+            )
+        outcome.extra, outcome.logged = context.take()
+        try:
+            connection.send(outcome)
+        except Exception as exc:  # a value that does not pickle
+            connection.send(Outcome(failure="error", text=f"its values could not be sent back: {exc}"))
+
+
+def _listlike(values: Any) -> bool:
+    return (
+        hasattr(values, "__len__")
+        and hasattr(values, "__getitem__")
+        and not isinstance(values, str | bytes | dict)
+    )
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "ndim") and getattr(value, "ndim", 1) == 0 and hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+class RewardWorkers:
+    """``count`` worker processes (spawned: no CUDA or thread state inherited) that hold the run's reward
+    functions (``configs``, built in each worker) and score calls in parallel; one that runs past
+    ``timeout`` or dies is killed and replaced."""
+
+    def __init__(
+        self, count: int, configs: list[Any], max_completion_length: int, timeout: float | None
+    ) -> None:
+        self.count, self.configs, self.limit, self.timeout = count, configs, max_completion_length, timeout
+        self.context = multiprocessing.get_context("spawn")
+        self.workers: list[tuple[Any, Any]] = []
+        self.replaced = 0
+
+    def _start(self) -> tuple[Any, Any]:
+        ours, theirs = self.context.Pipe()
+        process = self.context.Process(
+            target=_serve, args=(theirs, self.configs, self.limit), daemon=True, name="posttrain-reward"
+        )
+        process.start()
+        theirs.close()
+        return process, ours
+
+    def run(self, tasks: Sequence[tuple[int, dict[str, Any]]]) -> list[Outcome]:
+        """The outcome of every ``(reward index, arguments)`` call, in order."""
+        import time
+
+        while len(self.workers) < self.count:
+            self.workers.append(self._start())
+        outcomes: list[Outcome | None] = [None] * len(tasks)
+        queue = list(range(len(tasks)))[::-1]
+        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (task, deadline)
+        while queue or busy:
+            for slot in range(self.count):
+                if slot not in busy and queue:
+                    task = queue.pop()
+                    index, arguments = tasks[task]
+                    sent = {k: v for k, v in arguments.items() if k not in LOCAL_ARGUMENTS}
+                    self.workers[slot][1].send((index, sent))
+                    busy[slot] = (task, time.monotonic() + (self.timeout or float("inf")))
+            pipes = {self.workers[s][1]: s for s in busy}
+            nearest = min(deadline for _, deadline in busy.values())
+            ready = wait(list(pipes), timeout=max(0.0, min(nearest - time.monotonic(), 3600.0)))
+            for pipe in ready:
+                slot = pipes[pipe]  # type: ignore[index]
+                task, _ = busy.pop(slot)
+                try:
+                    outcomes[task] = pipe.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    code = self.workers[slot][0].exitcode
+                    outcomes[task] = Outcome(
+                        failure="error", text=f"its worker process died (exit code {code})"
+                    )
+                    self._replace(slot)
+            now = time.monotonic()
+            for slot, (task, deadline) in list(busy.items()):
+                if now >= deadline:
+                    busy.pop(slot)
+                    outcomes[task] = Outcome(
+                        failure="timeout", text=f"took more than {self.timeout:g} s (reward_timeout)"
+                    )
+                    self._replace(slot)
+        return [o for o in outcomes if o is not None]
+
+    def _replace(self, slot: int) -> None:
+        process, pipe = self.workers[slot]
+        process.kill()
+        process.join(5)
+        pipe.close()
+        self.workers[slot] = self._start()
+        self.replaced += 1
+
+    def close(self) -> None:
+        for process, pipe in self.workers:
+            pipe.close()
+            process.kill()
+            process.join(5)
+        self.workers = []
+
+
+def one_by_one(arguments: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """The arguments of each completion alone: every per-completion list cut to its item."""
+    out = []
+    for index in range(count):
+        single = {}
+        for key, value in arguments.items():
+            single[key] = [value[index]] if isinstance(value, list) and len(value) == count else value
+        out.append(single)
+    return out
