@@ -106,7 +106,10 @@ def _serve(connection: Any, configs: list[Any], max_completion_length: int) -> N
     """A worker: build the rewards, then call them as asked until the pipe closes."""
     from posttrain.rollout.rewards import RewardContext, build_rewards
 
+    import transformers.trainer_callback  # noqa: F401  (the calls' trainer_state unpickles without an import)
+
     rewards = build_rewards(configs, max_completion_length)
+    connection.send("ready")  # the time limit starts with the first call, not with the imports
     while True:
         try:
             index, arguments = connection.recv()
@@ -160,6 +163,8 @@ class RewardWorkers:
         )
         process.start()
         theirs.close()
+        if not ours.poll(300) or ours.recv() != "ready":
+            raise RuntimeError(f"a reward worker did not start (exit code {process.exitcode})")
         return process, ours
 
     def run(self, tasks: Sequence[tuple[int, dict[str, Any]]]) -> list[Outcome]:

@@ -1,0 +1,219 @@
+"""Agents on the tiny model taught to call a tool: multi-turn grpo with tools (the tools run, their tokens
+out of the loss), exact after SIGKILL + auto_resume and on two processes, environments with their reward,
+a hand-written rollout, distill with tools, and a reward that hangs on one row not stalling the run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.agent_helpers import agent_config, teach_tool_calls, tool_prompts
+from tests.integration.helpers import metrics, train
+from tests.resume_helpers import assert_same_continuation, cli, kill_and_resume, last_metrics
+
+pytestmark = pytest.mark.integration
+
+ENVIRONMENT = '''
+class Calculator:
+    """Multiplies; scores the rollout by whether the last product it gave is the row's answer."""
+
+    def __init__(self):
+        self.last = None
+        self.answer = None
+
+    def reset(self, answer, **row):
+        self.answer = answer  # nothing appended to the prompt (None)
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: first factor
+            b: second factor
+        """
+        self.last = int(a) * int(b)
+        return self.last
+
+    def get_reward(self) -> float:
+        return float(str(self.last) == self.answer)
+'''
+
+ROLLOUT = """
+def rollout(prompts, trainer):
+    tokenizer = trainer.tokenizer
+    ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, return_dict=True)["input_ids"] for p in prompts]
+    out = trainer.generate(ids)
+    return {
+        "prompt_ids": ids,
+        "completion_ids": out["completion_ids"],
+        "logprobs": None,
+        "env_mask": [[1] * len(c) for c in out["completion_ids"]],
+        "turns": [1] * len(ids),
+    }
+
+def saw_turns(completions, turns, **kwargs):
+    return [float(t) for t in turns]
+"""
+
+HANG = """
+import time
+from pathlib import Path
+
+def hangs_on_one(completions, answer, **kwargs):
+    marker = Path(__file__).with_suffix(".row")  # the first row it sees is the one it hangs on
+    if not marker.exists():
+        marker.write_text(answer[0])
+    if marker.read_text() in answer:
+        time.sleep(120)
+    return [0.0] * len(completions)
+"""
+
+
+@pytest.fixture(scope="module")
+def tool_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("agents")
+    return {
+        "model": teach_tool_calls(tiny_model_dir, root),
+        "train": tool_prompts(root, 64, seed=1),
+        "eval": tool_prompts(root, 8, seed=2),
+    }
+
+
+def _lines(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+
+
+def test_grpo_with_a_tool_runs_it_and_trains_only_the_model_tokens(
+    tool_model: dict[str, Path], tmp_path: Path
+) -> None:
+    config = agent_config(
+        tool_model["model"],
+        tool_model["train"],
+        tmp_path / "run",
+        train_iters=3,
+        data={"eval_sources": [str(tool_model["eval"])]},
+        eval_interval=3,
+    )
+    train(config)
+    records = [r for r in metrics(config) if "reward" in r]
+    assert len(records) == 3
+    assert all(r["tools/call_frequency"] > 0 for r in records), records
+    assert all(r["tools/failure_frequency"] == 0 for r in records)
+    assert "eval_reward" in metrics(config)[-1]
+    lines = _lines(tmp_path / "run")
+    called = [line for line in lines if any(m["role"] == "tool" for m in line["messages"])]
+    assert called, lines[:2]
+    first = called[0]["messages"]
+    call = first[0]["tool_calls"][0]["function"]
+    assert first[1]["content"] == str(call["arguments"]["a"] * call["arguments"]["b"])  # the tool ran
+    # the logged length counts the model's tokens only: below the tokens of the whole exchange
+    assert records[0]["completions/mean_length"] < config["max_completion_length"]
+
+
+def test_tool_rollouts_resume_exactly_after_a_kill(tool_model: dict[str, Path], tmp_path: Path) -> None:
+    base = agent_config(tool_model["model"], tool_model["train"], tmp_path / "unused")
+    results = kill_and_resume(base, tmp_path, nproc=1, kill_at=2, total=4)
+    assert_same_continuation(results, 2, 4)
+    reference, resumed = results["reference_metrics"], results["resumed_metrics"]
+    for step in (3, 4):
+        assert reference[step]["reward"] == resumed[step]["reward"]
+        assert reference[step]["tools/call_frequency"] == resumed[step]["tools/call_frequency"]
+
+
+@pytest.mark.distributed
+def test_one_and_two_processes_draw_the_same_trajectories(
+    tool_model: dict[str, Path], tmp_path: Path
+) -> None:
+    runs = {}
+    for nproc, accumulation in ((1, 2), (2, 1)):
+        out = tmp_path / f"p{nproc}"
+        config = agent_config(
+            tool_model["model"],
+            tool_model["train"],
+            out,
+            train_iters=3,
+            gradient_accumulation_steps=accumulation,
+        )
+        done = cli(config, tmp_path / f"p{nproc}.yaml", nproc=nproc, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[nproc] = last_metrics(out)
+    for step in (1, 2, 3):
+        one, two = runs[1][step], runs[2][step]
+        assert one["tools/call_frequency"] == two["tools/call_frequency"], step
+        assert one["completions/mean_length"] == two["completions/mean_length"], step
+        assert one["reward"] == two["reward"], step
+        assert abs(one["loss"] - two["loss"]) <= 1e-6, step
+
+
+def test_an_environment_gives_tools_and_the_reward(tool_model: dict[str, Path], tmp_path: Path) -> None:
+    code = tmp_path / "calculator.py"
+    code.write_text(ENVIRONMENT)
+    config = agent_config(
+        tool_model["model"],
+        tool_model["train"],
+        tmp_path / "run",
+        train_iters=2,
+        tools=[],
+        rewards=[],
+        environment_factory=f"{code}:Calculator",
+    )
+    train(config)
+    records = [r for r in metrics(config) if "reward" in r]
+    assert all("rewards/Calculator/mean" in r for r in records), records[0]
+    assert any(r["tools/call_frequency"] > 0 for r in records)
+    lines = _lines(tmp_path / "run")
+    tool_answers = [m for line in lines for m in line["messages"] if m["role"] == "tool"]
+    assert tool_answers  # the environment's method ran as the tool
+
+
+def test_a_hand_written_rollout(tool_model: dict[str, Path], tmp_path: Path) -> None:
+    code = tmp_path / "rollout.py"
+    code.write_text(ROLLOUT)
+    config = agent_config(
+        tool_model["model"],
+        tool_model["train"],
+        tmp_path / "run",
+        train_iters=2,
+        tools=[],
+        rollout_func=f"{code}:rollout",
+        rewards=[f"{code}:saw_turns"],
+    )
+    train(config)
+    records = [r for r in metrics(config) if "reward" in r]
+    assert [r["reward"] for r in records] == [1.0, 1.0]  # the rollout's extra column reached the reward
+
+
+def test_distill_with_tools(tool_model: dict[str, Path], tmp_path: Path) -> None:
+    config = agent_config(tool_model["model"], tool_model["train"], tmp_path / "run", train_iters=2)
+    for key in ("rewards", "num_generations"):
+        config.pop(key)
+    config.update(type="distill", teacher_model_name_or_path=str(tool_model["model"]), micro_batch_size=4)
+    train(config)
+    records = [r for r in metrics(config) if "loss" in r and "iter" in r]
+    assert records and all("tools/call_frequency" in r for r in records)
+    assert any(r["tools/call_frequency"] > 0 for r in records)
+
+
+def test_a_reward_that_hangs_on_one_row_does_not_stall_the_run(
+    tool_model: dict[str, Path], tmp_path: Path
+) -> None:
+    code = tmp_path / "hang.py"
+    code.write_text(HANG)
+    config = agent_config(
+        tool_model["model"],
+        tool_model["train"],
+        tmp_path / "run",
+        train_iters=2,
+        tools=[],
+        rewards=[{"type": "exact_match"}, f"{code}:hangs_on_one"],
+        reward_timeout=1.0,
+        reward_num_workers=1,
+        reward_errors="unscorable",
+        max_completion_length=8,
+    )
+    train(config)
+    records = [r for r in metrics(config) if "reward" in r]
+    assert sum(r["rewards/hangs_on_one/timeouts"] for r in records) == 4, [(r["rewards/hangs_on_one/timeouts"], r["reward"]) for r in records]
+    assert all(r["rewards/exact_match/errors"] == 0 for r in records)

@@ -1,0 +1,208 @@
+"""The agent parts on their own: tool-call formats, tool and environment checks at validation, tools that
+raise or hang, the sandbox against what model-written code tries, the code reward, and rewards that hang or
+raise under each ``reward_errors``."""
+
+from __future__ import annotations
+
+import math
+import socket
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import load_config
+from posttrain.config.errors import ConfigError
+from posttrain.config.grpo import CodeTestsReward, FunctionReward
+from posttrain.rollout.generation import Completions
+from posttrain.rollout.reward_guard import RewardWorkers
+from posttrain.rollout.rewards import RewardError, RewardGuard, build_rewards, score_all
+from posttrain.rollout.sandbox import Limits, enforced, run_python
+from posttrain.rollout.tools import ToolCall, ToolRunner, parse_hermes, parse_llama3_json, parse_mistral
+from posttrain.testing import tool_task
+
+
+def test_tool_calls_are_read_in_each_format() -> None:
+    call = ToolCall("multiply", {"a": 2, "b": 3})
+    assert parse_hermes('x <tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>') == [
+        call
+    ]
+    assert (
+        parse_hermes('<tool_call>{"name": "multiply", "arguments": {"a": 2,</tool_call>') == []
+    )  # malformed
+    assert parse_llama3_json('<|python_tag|>{"name": "multiply", "parameters": {"a": 2, "b": 3}}') == [call]
+    assert parse_llama3_json("the answer is 6") == []
+    assert parse_mistral('[TOOL_CALLS] [{"name": "multiply", "arguments": {"a": 2, "b": 3}}]') == [call]
+    assert parse_mistral('[TOOL_CALLS]multiply[ARGS]{"a": 2, "b": 3}') == [call]
+
+
+def test_tools_that_raise_hang_or_are_unknown_answer_with_their_error() -> None:
+    def slow(x: int) -> int:
+        import time
+
+        time.sleep(5)
+        return x
+
+    def broken(x: int) -> int:
+        raise ValueError("no such thing")
+
+    runner = ToolRunner(timeout=0.5)
+    table = {"slow": slow, "broken": broken, "multiply": tool_task.multiply}
+    calls = [
+        [ToolCall("multiply", {"a": 2, "b": 3}), ToolCall("broken", {"x": 1})],
+        [ToolCall("slow", {"x": 1})],
+        [ToolCall("nope", {})],
+    ]
+    results = runner.run(calls, [table] * 3)
+    assert results[0] == [("multiply", "6", False), ("broken", "{'error': 'no such thing'}", True)]
+    assert results[1] == [("slow", "{'error': 'timed out after 0.5 s'}", True)]
+    assert results[2] == [("nope", "{'error': 'Tool nope not found.'}", True)]
+    runner.close()
+
+
+def _grpo(tmp_path: Path, **changes: object) -> dict:
+    data = tool_task.write_rows(tmp_path / "p.jsonl", [tool_task.prompt_row(2, 3)])
+    return {
+        "type": "grpo",
+        "model": {"name_or_path": "m"},
+        "data": {"sources": [str(data)]},
+        "rewards": [{"type": "exact_match"}],
+        **changes,
+    }
+
+
+def test_bad_tools_and_environments_are_config_errors(tmp_path: Path) -> None:
+    code = tmp_path / "agents.py"
+    code.write_text(
+        "def untyped(x):\n    '''Do.\n\n    Args:\n        x: it\n    '''\n    return x\n"
+        "class NoReset:\n    def step(self, move: str) -> str:\n        '''Move.\n\n        Args:\n            move: where\n        '''\n        return move\n"
+    )
+    config = _grpo(
+        tmp_path,
+        tools=[f"{code}:untyped", f"{code}:missing"],
+        environment_factory=f"{code}:NoReset",
+        rollout_func=f"{code}:absent",
+    )
+    with pytest.raises(ConfigError) as found:
+        load_config(data=config)
+    text = str(found.value)
+    assert "untyped" in text and "type hint" in text.lower()
+    assert "has no function 'missing'" in text
+    assert "NoReset has no reset method" in text
+    assert "has no function 'absent'" in text
+
+
+def test_the_sandbox_holds_against_what_model_code_tries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An infinite loop, a memory hog, a fork bomb, a write outside its directory, a socket to 127.0.0.1
+    (where a server of this process listens) and a read of a secret variable (the parent's environment and
+    its /proc entry)."""
+    monkeypatch.setenv("POSTTRAIN_TEST_SECRET", "hunter2")
+    what = enforced()
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    outside = tmp_path / "escaped.txt"
+    limits = Limits(wall=4, cpu=2, memory=256 * 2**20, processes=16)
+    loop = run_python("while True:\n    pass\n", limits)
+    assert not loop.ok and loop.seconds < 4.5
+    hog = run_python("x = bytearray(2 * 1024**3)\nprint('allocated')", limits)
+    assert "MemoryError" in hog.stderr and "allocated" not in hog.stdout
+    bomb = run_python(
+        "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(30)\n"
+        "            os._exit(0)\n        n += 1\nexcept OSError:\n    print('stopped after', n)\n",
+        limits,
+    )
+    if "process count" in what:
+        assert bomb.stdout.startswith("stopped after") and int(bomb.stdout.split()[-1]) < 16, bomb
+    write = run_python(f"open({str(outside)!r}, 'w').write('x')\nprint('wrote')", limits)
+    if "writes only in its directory" in what:
+        assert not outside.exists() and "wrote" not in write.stdout
+    inside = run_python("open('mine.txt', 'w').write('x')\nprint(open('mine.txt').read())", limits)
+    assert inside.ok and inside.stdout.strip() == "x"
+    net = run_python(
+        f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')",
+        limits,
+    )
+    if "network namespace" in what or "no TCP" in what:
+        assert "connected" not in net.stdout and not net.ok
+    secret = run_python(
+        "import os\nprint(os.environ.get('POSTTRAIN_TEST_SECRET'))\n"
+        "try:\n    print(open(f'/proc/{os.getppid()}/environ', 'rb').read())\nexcept OSError as e:\n    print('denied')\n",
+        limits,
+    )
+    assert "hunter2" not in secret.stdout and secret.stdout.startswith("None"), secret
+    server.close()
+    assert not list(tmp_path.glob("posttrain-sandbox-*"))
+
+
+def test_the_code_reward_runs_the_last_block_against_the_tests() -> None:
+    [reward] = build_rewards([CodeTestsReward(timeout=5)], 100)
+    good = "Here:\n```python\ndef square(x):\n    return x * x\n```"
+    half = "```python\ndef square(x):\n    return x * 2\n```"
+    hang = "```python\ndef square(x):\n    while True:\n        pass\n```"
+    tests = ["assert square(2) == 4", "assert square(3) == 9"]
+    values = reward.function(completions=[good, half, hang, "no code"], tests=[tests] * 4)
+    assert values == [1.0, 0.5, 0.0, 0.0]
+
+
+HANGS = """
+import time
+def hangs(completions, answer, **kwargs):
+    out = []
+    for a in answer:
+        if a == "6":
+            time.sleep(120)
+        out.append(1.0)
+    return out
+def raises(completions, answer, **kwargs):
+    return [1 / 0 if a == "12" else 0.5 for a in answer]
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_rewards_that_hang_or_raise_do_not_stall_the_run(tmp_path: Path, workers: int) -> None:
+    """One reward sleeps two minutes on one row, another raises on one: under ``unscorable`` their
+    completions (and only those) are left out and counted, in this process and in workers (a hung worker
+    is killed and replaced); under ``raise`` the run stops naming the function, its line and the row."""
+    code = tmp_path / "guarded.py"
+    code.write_text(HANGS)
+    configs = [FunctionReward(function=f"{code}:hangs"), FunctionReward(function=f"{code}:raises")]
+    rewards = build_rewards(configs, 10)
+    answers = ["6", "6", "12", "20"]
+    origins = [f"data.jsonl row {i}" for i in (1, 1, 2, 3)]
+    pool = RewardWorkers(workers, configs, 10, 1.0) if workers else None
+    guard = RewardGuard(timeout=1.0, errors="unscorable", workers=pool)
+    import time
+
+    started = time.perf_counter()
+    values = score_all(rewards, ["q"] * 4, ["a"] * 4, [[1]] * 4, {"answer": answers}, origins, guard=guard)
+    assert time.perf_counter() - started < 30
+    assert guard.unscorable == {0, 1, 2}
+    assert math.isnan(values[0][0]) and math.isnan(values[0][1]) and values[0][3] == 1.0
+    assert math.isnan(values[1][2]) and values[1][3] == 0.5
+    assert guard.take_counts() == {
+        "hangs": {"timeouts": 2, "errors": 0},
+        "raises": {"timeouts": 0, "errors": 1},
+    }
+    if pool is not None:
+        assert pool.replaced >= 1  # the hung workers were killed and replaced
+        pool.close()
+    strict = RewardGuard(timeout=1.0, errors="raise")
+    with pytest.raises(
+        RewardError, match=rf"reward 'hangs' \({code}:3\) took more than 1 s .*data.jsonl row 1"
+    ):
+        score_all(rewards[:1], ["q"] * 4, ["a"] * 4, [[1]] * 4, {"answer": answers}, origins, guard=strict)
+    with pytest.raises(
+        RewardError, match=rf"reward 'raises' .* raised ZeroDivisionError: division by zero at {code}:11"
+    ):
+        score_all(rewards[1:], ["q"] * 4, ["a"] * 4, [[1]] * 4, {"answer": answers}, origins, guard=strict)
+
+
+def test_tool_tokens_are_not_trained() -> None:
+    from posttrain.rollout.feed import model_labels
+
+    completions = Completions([[5, 6, 7, 8, 9]], [False], tool_mask=[[1, 1, 0, 0, 1]])
+    assert model_labels(completions, 0) == [5, 6, -100, -100, 9]
+    assert completions.model_lengths() == [3]
