@@ -215,5 +215,29 @@ def test_a_reward_that_hangs_on_one_row_does_not_stall_the_run(
     )
     train(config)
     records = [r for r in metrics(config) if "reward" in r]
-    assert sum(r["rewards/hangs_on_one/timeouts"] for r in records) == 4, [(r["rewards/hangs_on_one/timeouts"], r["reward"]) for r in records]
+    assert sum(r["rewards/hangs_on_one/timeouts"] for r in records) == 4, [
+        (r["rewards/hangs_on_one/timeouts"], r["reward"]) for r in records
+    ]
     assert all(r["rewards/exact_match/errors"] == 0 for r in records)
+
+
+def test_tool_and_environment_from_the_page(tool_model: dict[str, Path], tmp_path: Path, monkeypatch) -> None:
+    import yaml
+
+    from tests.integration.test_extending import examples
+
+    files = examples()
+    (tmp_path / "agent_tools.py").write_text(files["agent_tools.py"])
+    monkeypatch.chdir(tmp_path)  # the page's paths are relative to where posttrain runs
+    page = yaml.safe_load(files["agent.yaml"])
+    runs = {}
+    for name, changes in {
+        "tool": {},
+        "environment": {"tools": [], "rewards": [], "environment_factory": "agent_tools.py:Calculator"},
+    }.items():
+        config = agent_config(tool_model["model"], tool_model["train"], tmp_path / name, train_iters=2)
+        config.update({**page, **changes})
+        train(config)
+        runs[name] = [r for r in metrics(config) if "reward" in r]
+    assert any(r["tools/call_frequency"] > 0 for r in runs["tool"])
+    assert all("rewards/Calculator/mean" in r for r in runs["environment"])

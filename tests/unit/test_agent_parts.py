@@ -172,7 +172,7 @@ def test_rewards_that_hang_or_raise_do_not_stall_the_run(tmp_path: Path, workers
     rewards = build_rewards(configs, 10)
     answers = ["6", "6", "12", "20"]
     origins = [f"data.jsonl row {i}" for i in (1, 1, 2, 3)]
-    pool = RewardWorkers(workers, configs, 10, 1.0) if workers else None
+    pool = RewardWorkers(workers, configs, 10, 1.0, build_rewards) if workers else None
     guard = RewardGuard(timeout=1.0, errors="unscorable", workers=pool)
     import time
 

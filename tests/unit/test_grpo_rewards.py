@@ -177,7 +177,7 @@ def _grpo(tmp_path: Path, **extra) -> dict:
             "rewards[0].pattern",
             "is not a regular expression",
         ),
-        ({"rewards": []}, "rewards", "at least 1"),
+        ({"rewards": []}, "rewards", "name at least one reward function"),
         (
             {"use_vllm": True, "vllm_importance_sampling_clip_max": None},
             "vllm_importance_sampling_clip_max",

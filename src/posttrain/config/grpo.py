@@ -375,10 +375,13 @@ class GRPOTrainerConfig(OnlineTrainerConfig):
         return self
 
     def _environment_scores(self) -> bool:
-        from posttrain.rollout.rewards import environment_rewards
+        from posttrain.config.agents import environment_classes
 
         try:
-            return bool(environment_rewards(self))
+            return any(
+                callable(getattr(c, "get_reward", None))
+                for c in environment_classes(self.environment_factory)
+            )
         except ValueError:
             return False  # the environment's own error is reported
 

@@ -130,16 +130,9 @@ class OnlineTrainerConfig(TrainerConfig):
     @field_validator("tools")
     @classmethod
     def _tools_typed(cls, value: list[str]) -> list[str]:
-        from posttrain.rollout.tools import load_tool, schema_of
+        from posttrain.config.agents import tool_problems
 
-        problems = []
-        for entry in value:
-            try:
-                schema_of(load_tool(entry))
-            except ValueError as exc:
-                problems.append(f"{entry}: {exc}")
-        if len(set(value)) < len(value):
-            problems.append("a tool is named twice")
+        problems = tool_problems(value)
         if problems:
             raise ValueError("; ".join(problems))
         return value
@@ -147,8 +140,8 @@ class OnlineTrainerConfig(TrainerConfig):
     @field_validator("environment_factory")
     @classmethod
     def _environment_class(cls, value: str | dict[str, str] | None) -> str | dict[str, str] | None:
+        from posttrain.config.agents import environment_problems
         from posttrain.config.user_code import import_named
-        from posttrain.rollout.tools import environment_problems
 
         entries = value if isinstance(value, dict) else {"": value} if value else {}
         problems = []

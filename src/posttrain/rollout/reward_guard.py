@@ -21,9 +21,11 @@ import signal
 import threading
 import traceback
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
+
+from posttrain.errors import UserError
 
 #: the arguments a worker cannot receive (callables of this process, environment instances)
 LOCAL_ARGUMENTS = ("log_extra", "log_metric", "environments")
@@ -31,6 +33,42 @@ LOCAL_ARGUMENTS = ("log_extra", "log_metric", "environments")
 
 class RewardTimeout(Exception):
     pass
+
+
+class RewardError(UserError):
+    """A reward function failed on real data: which function, where, on which row."""
+
+
+@dataclass
+class RewardContext:
+    """What a reward function gets besides the data, as TRL gives it: ``trainer_state`` (a transformers
+    ``TrainerState``: ``global_step``, ``max_steps``, ``epoch``... for rewards shaped by progress),
+    ``log_extra(column, values)`` (a column of the completions log, one value per completion of the call) and
+    ``log_metric(name, value)`` (a scalar, averaged over the batch's calls on every rank into the step's
+    record)."""
+
+    trainer_state: Any = None
+    extra: dict[str, list[Any]] = field(default_factory=dict)
+    logged: dict[str, list[float]] = field(default_factory=dict)
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        self.extra.setdefault(str(column), []).extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.logged.setdefault(str(name), []).append(float(value))
+
+    def arguments(self) -> dict[str, Any]:
+        return {
+            "trainer_state": self.trainer_state,
+            "log_extra": self.log_extra,
+            "log_metric": self.log_metric,
+        }
+
+    def take(self) -> tuple[dict[str, list[Any]], dict[str, list[float]]]:
+        """What the functions logged since the last call, and forget it."""
+        extra, logged = self.extra, self.logged
+        self.extra, self.logged = {}, {}
+        return extra, logged
 
 
 @dataclass
@@ -88,8 +126,6 @@ def call_here(
     except (RewardTimeout, TimeoutError):
         return Outcome(failure="timeout", text=f"took more than {timeout:g} s (reward_timeout)")
     except Exception as exc:
-        from posttrain.rollout.rewards import RewardError
-
         if isinstance(exc, RewardError):
             raise
         return Outcome(failure="error", text=f"{type(exc).__name__}: {exc}", at=user_frame(exc))
@@ -102,13 +138,12 @@ async def bounded(awaitable: Any, timeout: float | None) -> Any:
 # --------------------------------------------------------------------------------------------- workers
 
 
-def _serve(connection: Any, configs: list[Any], max_completion_length: int) -> None:
-    """A worker: build the rewards, then call them as asked until the pipe closes."""
-    from posttrain.rollout.rewards import RewardContext, build_rewards
-
+def _serve(connection: Any, configs: list[Any], max_completion_length: int, build: Any) -> None:
+    """A worker: build the rewards (``build``: ``rewards.build_rewards``), then call them as asked until the
+    pipe closes."""
     import transformers.trainer_callback  # noqa: F401  (the calls' trainer_state unpickles without an import)
 
-    rewards = build_rewards(configs, max_completion_length)
+    rewards = build(configs, max_completion_length)
     connection.send("ready")  # the time limit starts with the first call, not with the imports
     while True:
         try:
@@ -149,9 +184,10 @@ class RewardWorkers:
     ``timeout`` or dies is killed and replaced."""
 
     def __init__(
-        self, count: int, configs: list[Any], max_completion_length: int, timeout: float | None
+        self, count: int, configs: list[Any], max_completion_length: int, timeout: float | None, build: Any
     ) -> None:
         self.count, self.configs, self.limit, self.timeout = count, configs, max_completion_length, timeout
+        self.build = build
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[tuple[Any, Any]] = []
         self.replaced = 0
@@ -159,7 +195,10 @@ class RewardWorkers:
     def _start(self) -> tuple[Any, Any]:
         ours, theirs = self.context.Pipe()
         process = self.context.Process(
-            target=_serve, args=(theirs, self.configs, self.limit), daemon=True, name="posttrain-reward"
+            target=_serve,
+            args=(theirs, self.configs, self.limit, self.build),
+            daemon=True,
+            name="posttrain-reward",
         )
         process.start()
         theirs.close()

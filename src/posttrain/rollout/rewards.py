@@ -17,7 +17,7 @@ import inspect
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,51 +30,23 @@ from posttrain.config.grpo import (
     RegexReward,
     RewardConfig,
 )
-from posttrain.errors import UserError
-from posttrain.rollout.reward_guard import Outcome, RewardWorkers, bounded, call_here, one_by_one, user_frame
+from posttrain.rollout.reward_guard import (
+    Outcome,
+    RewardContext,
+    RewardError,
+    RewardWorkers,
+    bounded,
+    call_here,
+    one_by_one,
+    user_frame,
+)
 
 RewardFunction = Callable[..., list[float | None]]
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
-class RewardError(UserError):
-    """A reward function failed on real data: which function, where, on which row."""
-
-
 #: what TRL hands a reward function besides the data, by its names
 CONTEXT_KEYS = ("trainer_state", "log_extra", "log_metric")
-
-
-@dataclass
-class RewardContext:
-    """What a reward function gets besides the data, as TRL gives it: ``trainer_state`` (a transformers
-    ``TrainerState``: ``global_step``, ``max_steps``, ``epoch``... for rewards shaped by progress),
-    ``log_extra(column, values)`` (a column of the completions log, one value per completion of the call) and
-    ``log_metric(name, value)`` (a scalar, averaged over the batch's calls on every rank into the step's
-    record)."""
-
-    trainer_state: Any = None
-    extra: dict[str, list[Any]] = field(default_factory=dict)
-    logged: dict[str, list[float]] = field(default_factory=dict)
-
-    def log_extra(self, column: str, values: Sequence[Any]) -> None:
-        self.extra.setdefault(str(column), []).extend(values)
-
-    def log_metric(self, name: str, value: float) -> None:
-        self.logged.setdefault(str(name), []).append(float(value))
-
-    def arguments(self) -> dict[str, Any]:
-        return {
-            "trainer_state": self.trainer_state,
-            "log_extra": self.log_extra,
-            "log_metric": self.log_metric,
-        }
-
-    def take(self) -> tuple[dict[str, list[Any]], dict[str, list[float]]]:
-        """What the functions logged since the last call, and forget it."""
-        extra, logged = self.extra, self.logged
-        self.extra, self.logged = {}, {}
-        return extra, logged
 
 
 # ------------------------------------------------------------------------------------------------ built-ins
@@ -317,11 +289,9 @@ def build_rewards(configs: Sequence[RewardConfig], max_completion_length: int) -
 def environment_rewards(config: Any) -> list[Reward]:
     """TRL's environment rewards: each environment class with a ``get_reward()`` scores the rollouts it ran
     (None for the others), weight 1, named after the class."""
-    from posttrain.config.user_code import import_named
+    from posttrain.config.agents import environment_classes
 
-    factory = getattr(config, "environment_factory", None)
-    entries = factory.values() if isinstance(factory, dict) else [factory] if factory else []
-    classes = list(dict.fromkeys(import_named(entry, "class") for entry in entries))
+    classes = environment_classes(getattr(config, "environment_factory", None))
     out = []
     for cls in classes:
         if callable(getattr(cls, "get_reward", None)):

@@ -26,11 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-#: the built-in tools by their name in ``tools:``
-BUILTIN_TOOLS = ("python",)
-#: an environment's methods that are not tools
-ENVIRONMENT_HOOKS = ("reset", "get_reward")
-FORMATS = ("auto", "hermes", "llama3_json", "mistral")
+from posttrain.config.agents import environment_tools, schema_of  # noqa: F401  (the tools' checks)
 
 
 def load_tool(entry: str) -> Callable[..., Any]:
@@ -42,45 +38,6 @@ def load_tool(entry: str) -> Callable[..., Any]:
     from posttrain.config.user_code import import_named
 
     return import_named(entry)  # type: ignore[return-value]
-
-
-def schema_of(function: Callable[..., Any]) -> dict[str, Any]:
-    """The tool's JSON schema as chat templates take it; ValueError naming what is missing (an untyped or
-    undescribed argument, no docstring)."""
-    from transformers.utils import get_json_schema
-
-    try:
-        return get_json_schema(function)
-    except Exception as exc:  # transformers' TypeHintParsingException / DocstringParsingException
-        name = getattr(function, "__name__", repr(function))
-        raise ValueError(
-            f"tool {name!r}: {exc}; a tool is a function with type hints on every argument and a Google-style "
-            "docstring describing it (Args: name: what it is)"
-        ) from None
-
-
-def environment_tools(cls: type) -> list[str]:
-    """The names of an environment class's tools: its public functions other than ``reset`` and
-    ``get_reward`` (read on the class, so that properties are not evaluated)."""
-    return [
-        name
-        for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
-        if not name.startswith("_") and name not in ENVIRONMENT_HOOKS
-    ]
-
-
-def environment_problems(cls: type) -> list[str]:
-    """What is wrong with an environment class: no ``reset``, a tool method without a schema."""
-    problems = []
-    if not callable(getattr(cls, "reset", None)):
-        problems.append(f"{cls.__name__} has no reset method (reset(**row) starts each rollout)")
-    probe = object.__new__(cls)  # bound methods for their signatures; __init__ is not run
-    for name in environment_tools(cls):
-        try:
-            schema_of(getattr(probe, name))
-        except ValueError as exc:
-            problems.append(f"{cls.__name__}.{exc}")
-    return problems
 
 
 # ------------------------------------------------------------------------------------------- tool calls
