@@ -129,6 +129,7 @@ TRAINER_SPECS = (
             steps="posttrain.methods.distill:distill_steps",
             schedule="posttrain.methods.distill:distill_schedule",
             memory="posttrain.methods.distill:distill_memory",
+            report="posttrain.rollout.agent:agent_report",
         ),
         DistillTrainerConfig,
     ),

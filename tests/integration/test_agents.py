@@ -241,3 +241,28 @@ def test_tool_and_environment_from_the_page(tool_model: dict[str, Path], tmp_pat
         runs[name] = [r for r in metrics(config) if "reward" in r]
     assert any(r["tools/call_frequency"] > 0 for r in runs["tool"])
     assert all("rewards/Calculator/mean" in r for r in runs["environment"])
+
+
+def test_the_preflight_report_shows_a_prompt_with_its_tools(
+    tool_model: dict[str, Path], tmp_path: Path, capsys
+) -> None:
+    import yaml
+
+    from posttrain.cli import main
+
+    config = agent_config(
+        tool_model["model"], tool_model["train"], tmp_path / "run", tools=[tool_task_entry(), "python"]
+    )
+    path = tmp_path / "agent.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["preprocess", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "tools: multiply, python" in out and "calls read as hermes" in out
+    assert "sandbox: CPU time, memory" in out
+    assert "  | tool multiply(a, b): Multiply two integers." in out  # the rendered prompt, its tools included
+
+
+def tool_task_entry() -> str:
+    from posttrain.testing import tool_task
+
+    return tool_task.tool_entry()

@@ -206,3 +206,12 @@ def test_tool_tokens_are_not_trained() -> None:
     completions = Completions([[5, 6, 7, 8, 9]], [False], tool_mask=[[1, 1, 0, 0, 1]])
     assert model_labels(completions, 0) == [5, 6, -100, -100, 9]
     assert completions.model_lengths() == [3]
+
+
+def test_the_python_tool_runs_code_and_its_schema_is_the_configs() -> None:
+    from posttrain.config.agents import BUILTIN_SCHEMAS, schema_of
+    from posttrain.rollout.sandbox import python
+
+    assert schema_of(python) == BUILTIN_SCHEMAS["python"]
+    assert python("print(6 * 7)") == "42"
+    assert "ZeroDivisionError" in python("1 / 0")

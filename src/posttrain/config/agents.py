@@ -10,6 +10,22 @@ from typing import Any
 
 #: the built-in tools by their name in ``tools:`` (``rollout.tools.load_tool``)
 BUILTIN_TOOLS = ("python",)
+#: the built-in tools' JSON schemas (``rollout.sandbox.python``'s, checked equal by a test)
+BUILTIN_SCHEMAS: dict[str, dict[str, Any]] = {
+    "python": {
+        "type": "function",
+        "function": {
+            "name": "python",
+            "description": "Run Python code in a sandbox and return what it prints.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string", "description": "the Python program to run"}},
+                "required": ["code"],
+            },
+            "return": {"type": "string"},
+        },
+    }
+}
 #: an environment's methods that are not tools
 ENVIRONMENT_HOOKS = ("reset", "get_reward")
 
@@ -76,3 +92,21 @@ def tool_problems(entries: list[str]) -> list[str]:
     if len(set(entries)) < len(entries):
         problems.append("a tool is named twice")
     return problems
+
+
+def tool_schemas(tools: list[str], factory: str | dict[str, str] | None) -> dict[str, list[dict[str, Any]]]:
+    """The schemas a prompt is rendered with: the functions', then its environment's methods'; by environment
+    name (``""`` when one environment, or none, serves every row)."""
+    from posttrain.config.user_code import import_named
+
+    functions = [BUILTIN_SCHEMAS[t] if t in BUILTIN_TOOLS else schema_of(import_named(t)) for t in tools]  # type: ignore[arg-type]
+    entries = factory if isinstance(factory, dict) else {"": factory} if factory else {"": None}
+    out = {}
+    for name, entry in entries.items():
+        schemas = list(functions)
+        if entry:
+            cls = import_named(entry, "class")
+            probe = object.__new__(cls)  # type: ignore[call-overload]
+            schemas += [schema_of(getattr(probe, method)) for method in environment_tools(cls)]  # type: ignore[arg-type]
+        out[name] = schemas
+    return out

@@ -29,6 +29,10 @@ class GRPODataConfig(PromptDataConfig):
     """Columns every row must hold (a row without one is a bad row, reported with its file and row when the
     data is built); the columns the built-in rewards read are added to it."""
 
+    tool_schemas: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
+    """Filled from ``tools`` and ``environment_factory`` (not set by hand): the tools' JSON schemas each prompt
+    is rendered with, by environment name (``""``: every row; otherwise the row's ``environment``)."""
+
     unsupported: ClassVar[dict[str, str]] = {
         "pack_samples": "prompts are generated from one by one; completions are batched per group",
         "padding_free": "completions are batched as padded rows",

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from posttrain.config.base import ModeKeys, Problem
 from posttrain.config.human import HumanFloat, HumanInt
@@ -162,6 +162,16 @@ class OnlineTrainerConfig(TrainerConfig):
         if value is not None:
             import_named(value)
         return value
+
+    @model_validator(mode="after")
+    def _prompts_with_tools(self) -> OnlineTrainerConfig:
+        """The prompts are rendered with the tools' schemas when the data is built (``data.tool_schemas``), so
+        their lengths (``max_length``, the memory plan, the engine's context) are those the model sees."""
+        if self.agentic and hasattr(self.data, "tool_schemas"):
+            from posttrain.config.agents import tool_schemas
+
+            self.data.tool_schemas = tool_schemas(self.tools, self.environment_factory)
+        return self
 
     @property
     def agentic(self) -> bool:

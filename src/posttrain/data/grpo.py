@@ -55,19 +55,38 @@ def prompt_of(row: dict[str, Any]) -> list[dict[str, Any]] | str:
     return messages
 
 
-def prompt_ids(tokenizer: Any, prompt: list[dict[str, Any]] | str) -> list[int]:
-    """Messages through the chat template with its generation prompt; text with the tokenizer's special
-    tokens (its BOS, for tokenizers that add one), as TRL tokenizes a text prompt."""
+def prompt_ids(
+    tokenizer: Any, prompt: list[dict[str, Any]] | str, tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """Messages through the chat template with its generation prompt (and the tools' schemas); text with the
+    tokenizer's special tokens (its BOS, for tokenizers that add one), as TRL tokenizes a text prompt."""
     if isinstance(prompt, str):
+        if tools:
+            raise RowError("a text prompt with tools: tools need chat prompts (a list of messages)")
         return list(tokenizer(prompt)["input_ids"])
-    return render_ids(tokenizer, prompt, add_generation_prompt=True)
+    return render_ids(tokenizer, prompt, add_generation_prompt=True, tools=tools)
+
+
+def row_tools(row: dict[str, Any], schemas: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]] | None:
+    """The tools' schemas a row's prompt is rendered with (its ``environment``'s, when several)."""
+    if not schemas:
+        return None
+    if "" in schemas:
+        return schemas[""]
+    name = row.get("environment")
+    if name not in schemas:
+        raise RowError(
+            f"environment {name!r} is not one of environment_factory's ({', '.join(schemas)}); every row names "
+            "its environment in an 'environment' column"
+        )
+    return schemas[name]
 
 
 def format_grpo_rows(rows: list[dict[str, Any]], tokenizer: Any, config: GRPODataConfig) -> list[Any]:
     out: list[Any] = []
     for row in rows:
         try:
-            ids = prompt_ids(tokenizer, prompt_of(row))
+            ids = prompt_ids(tokenizer, prompt_of(row), row_tools(row, config.tool_schemas))
             missing = [c for c in config.reward_columns if c not in row]
             if missing:
                 present = ", ".join(k for k in row if k != ORIGIN_KEY)

@@ -334,3 +334,35 @@ def rollouts(config: Any, tokenizer: Any, stops: list[int]) -> Agent | HandWritt
     if getattr(config, "agentic", False):
         return Agent(config, tokenizer, stops)
     return None
+
+
+def agent_report(flight: Any) -> list[str]:
+    """The pre-flight report's lines for a run with tools: the tools, the limits, the call format, what the
+    sandbox enforces here (when code runs in it), and the first training prompt as the model sees it."""
+    config = flight.config
+    if not getattr(config, "agentic", False):
+        return []
+    import numpy as np
+
+    from posttrain.rollout.tools import tool_format
+
+    names = [str(s["function"]["name"]) for schemas in config.data.tool_schemas.values() for s in schemas]
+    turns = config.max_tool_calling_iterations
+    lines = [
+        f"tools: {', '.join(dict.fromkeys(names))}; {'no limit on' if turns is None else f'at most {turns}'} "
+        f"tool-calling turns, tool_timeout {config.tool_timeout:g} s; calls read as "
+        f"{tool_format(flight.tokenizer, config.tool_call_format)}",
+    ]
+    sandboxed = "python" in config.tools or any(
+        getattr(r, "type", "") == "code_tests" for r in getattr(config, "rewards", [])
+    )
+    if sandboxed:
+        from posttrain.rollout.sandbox import enforced
+
+        lines.append(f"sandbox: {enforced()}")
+    if len(flight.data.train):
+        ids = np.asarray(flight.data.train[0]["input_ids"]).tolist()
+        text = flight.tokenizer.decode(ids, skip_special_tokens=False)
+        lines.append(f"the first training prompt as the model sees it ({len(ids)} tokens, with its tools):")
+        lines += ["  | " + line for line in text.splitlines()]
+    return lines

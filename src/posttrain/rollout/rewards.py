@@ -363,9 +363,8 @@ def guard_of(config: Any) -> RewardGuard:
     """The run's reward guard from its config (``reward_timeout``, ``reward_num_workers``, ``reward_errors``)."""
     timeout = getattr(config, "reward_timeout", None)
     count = getattr(config, "reward_num_workers", 0)
-    workers = (
-        RewardWorkers(count, list(config.rewards), config.max_completion_length, timeout) if count else None
-    )
+    limit = config.max_completion_length
+    workers = RewardWorkers(count, list(config.rewards), limit, timeout, build_rewards) if count else None
     return RewardGuard(timeout, getattr(config, "reward_errors", "raise"), workers)
 
 

@@ -22,7 +22,7 @@ from posttrain.methods.grpo.losses import loss_sum, sequence_shares, token_losse
 from posttrain.methods.grpo.rollout import STATE_KEY, GRPORollout, policy_loss
 from posttrain.models.token_logps import token_logps
 from posttrain.plan import BatchSizes
-from posttrain.rollout.agent import rollouts
+from posttrain.rollout.agent import agent_report, rollouts
 from posttrain.rollout.feed import OnlineSteps, run_feed, sampling_of, stop_ids
 from posttrain.rollout.generation import Completions, TransformersBackend
 from posttrain.rollout.rewards import Scorer
@@ -118,6 +118,7 @@ def grpo_report(flight: DataPlan) -> list[str]:
         f"prompts: {len(lengths)}, {int(lengths.min())} to {int(lengths.max())} tokens (mean {lengths.mean():.1f})"
         + (limit if config.data.max_prompt_length else "")
         + cut,
+        *agent_report(flight),
     ]
 
 
