@@ -290,3 +290,23 @@ def test_distillation_samples_through_the_engine(runs: dict[str, Any], tmp_path:
         record = records[step]
         assert 0 < record["loss"] < 10 and record["teacher_entropy"] > 0, record
         assert record["completions/mean_length"] > 0 and record["time_generation"] > 0, record
+
+
+def test_tool_rollouts_through_the_engine(tmp_path: Path) -> None:
+    """Multi-turn rollouts with a tool generate every turn through the colocated engine: the tool runs, its
+    tokens stay out of the loss and of TRL's correction (the engine's and the trainer's log-probabilities of
+    the model's tokens agree)."""
+    from posttrain.tiny_model import write_tiny_model
+    from tests.agent_helpers import agent_config, teach_tool_calls, tool_prompts
+
+    base = write_tiny_model(tmp_path / "model", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2)
+    model = teach_tool_calls(base, tmp_path)
+    config = agent_config(model, tool_prompts(tmp_path), tmp_path / "run", train_iters=3, use_vllm=True)
+    done = cli(config, tmp_path / "tools.yaml")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = last_metrics(tmp_path / "run")
+    assert any(records[step]["tools/call_frequency"] > 0 for step in (1, 2, 3)), records
+    for step in (1, 2, 3):
+        assert records[step]["sampling/sampling_logp_difference/max"] < 1e-4, records[step]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert any(m["role"] == "tool" for line in lines for m in line["messages"])
