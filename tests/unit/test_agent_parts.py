@@ -215,3 +215,34 @@ def test_the_python_tool_runs_code_and_its_schema_is_the_configs() -> None:
     assert schema_of(python) == BUILTIN_SCHEMAS["python"]
     assert python("print(6 * 7)") == "42"
     assert "ZeroDivisionError" in python("1 / 0")
+
+
+def test_a_reward_worker_that_dies_is_replaced(tmp_path: Path) -> None:
+    code = tmp_path / "dies.py"
+    code.write_text(
+        "import os\ndef dies(completions, answer, **kw):\n    if '6' in answer:\n        os._exit(3)\n    return [1.0] * len(completions)\n"
+    )
+    configs = [FunctionReward(function=f"{code}:dies")]
+    pool = RewardWorkers(1, configs, 10, 30.0, build_rewards)
+    guard = RewardGuard(timeout=30.0, errors="unscorable", workers=pool)
+    rewards = build_rewards(configs, 10)
+    values = score_all(
+        rewards,
+        ["q"] * 3,
+        ["a"] * 3,
+        [[1]] * 3,
+        {"answer": ["6", "7", "8"]},
+        ["r 1", "r 2", "r 3"],
+        guard=guard,
+    )
+    assert math.isnan(values[0][0]) and values[0][1:] == [1.0, 1.0]
+    assert (
+        guard.take_counts() == {"dies": {"timeouts": 0, "errors": 1}} and pool.replaced == 2
+    )  # the batch call, then its row
+    strict = RewardGuard(timeout=30.0, errors="raise", workers=pool)
+    with pytest.raises(
+        RewardError,
+        match=r"reward 'dies' \(.*dies.py:2\): its worker process died \(exit code 3\), scoring the completions of r 1",
+    ):
+        score_all(rewards, ["q"], ["a"], [[1]], {"answer": ["6"]}, ["r 1"], guard=strict)
+    pool.close()

@@ -73,8 +73,8 @@ class RewardContext:
 
 @dataclass
 class Outcome:
-    """One reward call's result: ``values``, or ``failure`` (``timeout`` / ``error``) with its text and the
-    place in the user's code (``file:line``)."""
+    """One reward call's result: ``values``, or ``failure`` (``timeout``, ``error``, ``died``: its worker
+    process ended) with its text and the place in the user's code (``file:line``)."""
 
     values: Any = None
     failure: str | None = None
@@ -232,9 +232,10 @@ class RewardWorkers:
                 try:
                     outcomes[task] = pipe.recv()  # type: ignore[union-attr]
                 except (EOFError, OSError):
+                    self.workers[slot][0].join(5)
                     code = self.workers[slot][0].exitcode
                     outcomes[task] = Outcome(
-                        failure="error", text=f"its worker process died (exit code {code})"
+                        failure="died", text=f"its worker process died (exit code {code})"
                     )
                     self._replace(slot)
             now = time.monotonic()

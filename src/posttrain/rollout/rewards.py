@@ -439,6 +439,10 @@ def _failed(reward: Reward, outcome: Outcome, origins: list[str]) -> RewardError
             f"reward {reward.name!r} ({reward.where()}) {outcome.text} scoring the completions of {_rows(origins)}; "
             "raise reward_timeout, or set reward_errors: unscorable to leave such completions out"
         )
+    if outcome.failure == "died":
+        return RewardError(
+            f"reward {reward.name!r} ({reward.where()}): {outcome.text}, scoring the completions of {_rows(origins)}"
+        )
     at = f" at {outcome.at}" if outcome.at else ""
     return RewardError(
         f"reward {reward.name!r} ({reward.where()}) raised {outcome.text}{at}, scoring the completions of "
