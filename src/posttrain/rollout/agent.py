@@ -337,8 +337,9 @@ def rollouts(config: Any, tokenizer: Any, stops: list[int]) -> Agent | HandWritt
 
 
 def agent_report(flight: Any) -> list[str]:
-    """The pre-flight report's lines for a run with tools: the tools, the limits, the call format, what the
-    sandbox enforces here (when code runs in it), and the first training prompt as the model sees it."""
+    """distill's ``report`` hook (``registry.ReportHook``), and part of grpo's: the pre-flight report's lines
+    for a run with tools (the tools, the limits, the call format, what the sandbox enforces here when code runs
+    in it, and the first training prompt as the model sees it); none without tools."""
     config = flight.config
     if not getattr(config, "agentic", False):
         return []
