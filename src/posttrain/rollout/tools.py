@@ -147,9 +147,10 @@ def parse_calls(
     answer, as TRL reads a malformed call)."""
     if form != "transformers":
         return PARSERS[form](text)
+    schema = getattr(tokenizer, "response_template", None) or getattr(tokenizer, "response_schema", None)
     try:
-        parsed = tokenizer.parse_response(ids, prefix=prefix, tools=tools or None)
-    except Exception:
+        parsed = tokenizer.parse_response(ids, schema=schema, prefix=prefix, tools=tools or None)
+    except Exception:  # a turn the parser cannot read is text, as TRL reads it
         return []
     calls = [_call((c or {}).get("function", c)) for c in parsed.get("tool_calls") or []]
     return [c for c in calls if c is not None]
