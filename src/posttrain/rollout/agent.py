@@ -23,19 +23,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from posttrain.config.agents import environment_tools, schema_of
 from posttrain.data.grpo import ORIGIN_KEY, prompt_of
 from posttrain.data.samples import keep_prompt_tokens, render_ids
 from posttrain.errors import UserError
 from posttrain.rollout.generation import Completions, Sampling, completion_key
-from posttrain.rollout.tools import (
-    ToolCall,
-    ToolRunner,
-    environment_tools,
-    load_tool,
-    parse_calls,
-    schema_of,
-    tool_format,
-)
+from posttrain.rollout.tools import ToolCall, ToolRunner, load_tool, parse_calls, tool_format
 
 _HERMES_BLOCK = "<tool_call>"
 

@@ -1,6 +1,6 @@
 """Tools an online method's model may call while it generates (TRL's ``tools`` and ``environment_factory``):
-loading and checking them, their JSON schemas for the chat template, reading tool calls out of generated text
-in the model's own format, and calling them with a time limit.
+loading them, reading tool calls out of generated text in the model's own format, and calling them with a time
+limit. Their checks and JSON schemas (when the config loads) are ``config/agents.py``'s.
 
 A tool is a typed function with a Google-style docstring (what ``transformers.utils.get_json_schema`` reads:
 every argument typed and described), sync or ``async``, named in the config as ``path/file.py:function``, or a
@@ -25,8 +25,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
-
-from posttrain.config.agents import environment_tools, schema_of  # noqa: F401  (the tools' checks)
 
 
 def load_tool(entry: str) -> Callable[..., Any]:
