@@ -77,6 +77,11 @@ def environment_classes(factory: str | dict[str, str] | None) -> list[type]:
     return list(dict.fromkeys(import_named(entry, "class") for entry in entries))  # type: ignore[misc]
 
 
+def scoring_environments(factory: str | dict[str, str] | None) -> list[type]:
+    """The environment classes that score their rollouts (a ``get_reward`` method)."""
+    return [cls for cls in environment_classes(factory) if callable(getattr(cls, "get_reward", None))]
+
+
 def tool_problems(entries: list[str]) -> list[str]:
     """What is wrong with the ``tools`` entries: not importable, no schema, named twice."""
     from posttrain.config.user_code import import_named

@@ -379,13 +379,10 @@ class GRPOTrainerConfig(OnlineTrainerConfig):
         return self
 
     def _environment_scores(self) -> bool:
-        from posttrain.config.agents import environment_classes
+        from posttrain.config.agents import scoring_environments
 
         try:
-            return any(
-                callable(getattr(c, "get_reward", None))
-                for c in environment_classes(self.environment_factory)
-            )
+            return bool(scoring_environments(self.environment_factory))
         except ValueError:
             return False  # the environment's own error is reported
 

@@ -61,7 +61,7 @@ def prompt_ids(
     """Messages through the chat template with its generation prompt (and the tools' schemas); text with the
     tokenizer's special tokens (its BOS, for tokenizers that add one), as TRL tokenizes a text prompt."""
     if isinstance(prompt, str):
-        if tools:
+        if tools is not None:  # a run with tools or environments
             raise RowError("a text prompt with tools: tools need chat prompts (a list of messages)")
         return list(tokenizer(prompt)["input_ids"])
     return render_ids(tokenizer, prompt, add_generation_prompt=True, tools=tools)

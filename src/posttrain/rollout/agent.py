@@ -23,8 +23,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from posttrain.config.agents import environment_tools, schema_of
-from posttrain.data.grpo import ORIGIN_KEY, prompt_of
+from posttrain.config.agents import environment_tools
+from posttrain.data.grpo import ORIGIN_KEY, prompt_of, row_tools
+from posttrain.data.grpo import prompt_ids as rendered_prompt
 from posttrain.data.samples import keep_prompt_tokens, render_ids
 from posttrain.errors import UserError
 from posttrain.rollout.generation import Completions, Sampling, completion_key
@@ -51,23 +52,15 @@ class Agent:
         self.factories: dict[str | None, type] = {k: import_named(v, "class") for k, v in entries.items()}  # type: ignore[misc]
         self.form = tool_format(tokenizer, config.tool_call_format)
         self.runner = ToolRunner(config.tool_timeout)
-        self._suffixes: dict[tuple[str, ...], list[int]] = {}
 
     # ------------------------------------------------------------------------------------- the prompts
 
     def environment_of(self, row: dict[str, Any]) -> Any:
-        """A fresh instance of the row's environment (None without ``environment_factory``)."""
+        """A fresh instance of the row's environment (None without ``environment_factory``); the data stage
+        refused rows naming no known environment."""
         if not self.factories:
             return None
-        if not self.multi:
-            return self.factories[None]()
-        name = row.get("environment")
-        if name not in self.factories:
-            raise UserError(
-                f"{row.get(ORIGIN_KEY, 'a row')}: environment {name!r} is not one of environment_factory's "
-                f"({', '.join(map(str, self.factories))}); every row names its environment in an 'environment' column"
-            )
-        return self.factories[name]()
+        return self.factories[row["environment"] if self.multi else None]()
 
     def tables(self, environment: Any) -> dict[str, Callable[..., Any]]:
         """The rollout's tools by name: the functions, then its environment's methods bound to it."""
@@ -76,30 +69,23 @@ class Agent:
             table.update({name: getattr(environment, name) for name in environment_tools(type(environment))})
         return table
 
-    def render(
-        self, row: dict[str, Any], environment: Any
-    ) -> tuple[list[dict[str, Any]], list[int], list[dict]]:
-        """The rollout's prompt messages (the environment reset, its observation appended to the last user
-        message), their token ids with the tools' schemas, and the schemas."""
-        prompt = prompt_of(row)
-        if isinstance(prompt, str):
-            raise UserError(
-                f"{row.get(ORIGIN_KEY, 'a row')}: a text prompt; tools need chat prompts (a list of messages) that "
-                "the chat template renders with the tools' schemas"
-            )
-        messages = [dict(m) for m in prompt]
-        if environment is not None:
-            arguments = {
-                k: v for k, v in row.items() if k != ORIGIN_KEY and not (self.multi and k == "environment")
-            }
-            observation = environment.reset(**arguments)
-            if observation is not None:
-                messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
-        schemas = [schema_of(f) for f in self.tables(environment).values()]
+    def prompt(self, row: dict[str, Any], environment: Any, rendered: list[int]) -> list[int]:
+        """The rollout's prompt: as the data stage rendered it with the tools' schemas (``rendered``), or, when
+        the environment's ``reset(**row)`` returns an observation, rendered again with the observation appended
+        to the last user message (as TRL)."""
+        if environment is None:
+            return rendered
+        arguments = {
+            k: v for k, v in row.items() if k != ORIGIN_KEY and not (self.multi and k == "environment")
+        }
+        observation = environment.reset(**arguments)
+        if observation is None:
+            return rendered
+        messages = [dict(m) for m in prompt_of(row)]
+        messages[-1] = {**messages[-1], "content": messages[-1]["content"] + str(observation)}
         data = self.config.data
-        ids = render_ids(self.tokenizer, messages, add_generation_prompt=True, tools=schemas)
-        ids = keep_prompt_tokens(ids, data.max_prompt_length, data.prompt_truncation)
-        return messages, ids, schemas
+        ids = rendered_prompt(self.tokenizer, messages, row_tools(row, data.tool_schemas))
+        return keep_prompt_tokens(ids, data.max_prompt_length, data.prompt_truncation)
 
     def suffix_ids(self, tool_messages: list[dict[str, Any]]) -> list[int]:
         """The template's tokens after an assistant turn that called tools: the tool messages and the next
@@ -129,16 +115,18 @@ class Agent:
         backend: Any,
         module: Any,
         rows: list[dict[str, Any]],
+        prompt_ids: list[list[int]],
         sampling: Sampling,
         keys: list[int] | None,
         logprobs: bool = False,
         trainer_state: Any = None,
     ) -> Completions:
-        """Multi-turn completions of the rows (one per row); ``keys`` None: greedy (evaluation)."""
+        """Multi-turn completions of the rows (one per row; ``prompt_ids``: their prompts as the data stage
+        rendered them, tools included); ``keys`` None: greedy (evaluation)."""
         environments = [self.environment_of(row) for row in rows]
-        rendered = [self.render(row, env) for row, env in zip(rows, environments, strict=True)]
+        prompts = [self.prompt(*args) for args in zip(rows, environments, prompt_ids, strict=True)]
         tables = [self.tables(env) for env in environments]
-        prompts = [ids for _, ids, _ in rendered]
+        schemas = [row_tools(row, self.config.data.tool_schemas) or [] for row in rows]
         n = len(rows)
         ids: list[list[int]] = [[] for _ in range(n)]
         mask: list[list[int]] = [[] for _ in range(n)]
@@ -167,7 +155,7 @@ class Agent:
                 if logps is not None and out.logps is not None:
                     logps[i] += list(out.logps[j][: len(new)])
                 text = self._text(new)
-                found = parse_calls(self.tokenizer, self.form, text, new, prefix, rendered[i][2])
+                found = parse_calls(self.tokenizer, self.form, text, new, prefix, schemas[i])
                 messages[i].append(self._assistant(text, found))
                 truncated[i] = cut
                 if found and not cut and turn < self.iterations:
@@ -237,11 +225,13 @@ class HandWritten:
         backend: Any,
         module: Any,
         rows: list[dict[str, Any]],
+        prompt_ids: list[list[int]],
         sampling: Sampling,
         keys: list[int] | None,
         logprobs: bool = False,
         trainer_state: Any = None,
     ) -> Completions:
+        """The function's rollout of the rows' prompts (as the rows hold them: it renders them itself)."""
         trainer = RolloutTrainer(backend, module, sampling, keys, logprobs, self.tokenizer, trainer_state)
         out = self.function([prompt_of(row) for row in rows], trainer)  # type: ignore[operator]
         missing = {"prompt_ids", "completion_ids", "logprobs"} - set(out if isinstance(out, dict) else {})

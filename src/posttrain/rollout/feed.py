@@ -326,7 +326,14 @@ class OnlineSteps:
         ``rollout_func``: ``rollout.agent``), or one turn each; ``keys`` None: greedy (evaluation)."""
         if self.turns is not None:
             return self.turns.generate(
-                self.backend, module, rows, sampling, keys, logprobs, trainer_state=self.trainer_state
+                self.backend,
+                module,
+                rows,
+                prompt_ids,
+                sampling,
+                keys,
+                logprobs,
+                trainer_state=self.trainer_state,
             )
         return self.backend.generate(module, prompt_ids, sampling, keys, logprobs)
 

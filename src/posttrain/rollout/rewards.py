@@ -289,17 +289,15 @@ def build_rewards(configs: Sequence[RewardConfig], max_completion_length: int) -
 def environment_rewards(config: Any) -> list[Reward]:
     """TRL's environment rewards: each environment class with a ``get_reward()`` scores the rollouts it ran
     (None for the others), weight 1, named after the class."""
-    from posttrain.config.agents import environment_classes
+    from posttrain.config.agents import scoring_environments
 
-    classes = environment_classes(getattr(config, "environment_factory", None))
     out = []
-    for cls in classes:
-        if callable(getattr(cls, "get_reward", None)):
+    for cls in scoring_environments(getattr(config, "environment_factory", None)):
 
-            def get_reward(environments: list[Any], _cls: Any = cls, **_: Any) -> list[float | None]:
-                return [e.get_reward() if type(e) is _cls else None for e in environments]
+        def get_reward(environments: list[Any], _cls: Any = cls, **_: Any) -> list[float | None]:
+            return [e.get_reward() if type(e) is _cls else None for e in environments]
 
-            out.append(Reward(cls.__name__, 1.0, get_reward, local=True))
+        out.append(Reward(cls.__name__, 1.0, get_reward, local=True))
     return out
 
 

@@ -207,7 +207,7 @@ class GRPOLoss:
         if run is not None:
             completions: Completions = run.complete(module, batch["rows"], prompts, sampling, None)
         elif self.turns is not None:  # an evaluation-only run with tools
-            completions = self.turns.generate(self.greedy, module, batch["rows"], sampling, None)
+            completions = self.turns.generate(self.greedy, module, batch["rows"], prompts, sampling, None)
         else:
             completions = self.greedy.generate(module, prompts, sampling, None)
         scorer = run.method.scorer if run is not None else self.scorer  # the run's reward workers
