@@ -60,3 +60,27 @@ def import_deepspeed() -> ModuleType:
         if hide:
             del sys.modules["mlflow"]
     return deepspeed
+
+
+class _TorchaoImportNoise:
+    """Drops the lines torchao's import prints on machines where its compiled kernels cannot load (a CPU
+    build of torch, or another torch than the wheel was built for: ``Failed to load .../torchao/_C_*.so``)
+    and torch's note about the enums torchao registers for ``torch.compile``. Nothing else is dropped: the
+    float8 training posttrain uses is written in PyTorch and needs none of those kernels."""
+
+    def filter(self, record: object) -> bool:
+        message = record.getMessage()  # type: ignore[attr-defined]
+        if message.startswith("Failed to load ") and "torchao" in message:
+            return False
+        return "is an Enum subclass and is now natively supported by torch.compile" not in message
+
+
+def quiet_torchao_import() -> None:
+    """Install :class:`_TorchaoImportNoise` on the two loggers that print it, before anything imports torchao
+    (transformers imports it while loading model classes when it is installed). Costs no import."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _TorchaoImportNoise) for f in logger.filters):
+            logger.addFilter(_TorchaoImportNoise())
