@@ -178,12 +178,13 @@ COMPONENTS = (
 
 
 #: the model stage's transforms, in the order they apply (``stages.model.prepare_model``): checkpointing before
-#: adapters wrap the model; embeddings grown once adapters exist; kernels swapped on the final modules;
-#: experts sharded and attention routed before compiling, which captures the blocks as they will run
+#: adapters wrap the model; embeddings grown once adapters exist; linear layers to float8 beside the adapters;
+#: kernels swapped on the final modules; experts sharded and attention routed before compiling, which captures the blocks as they will run
 MODEL_TRANSFORMS_IN_ORDER = (
     ("activation-checkpointing", "posttrain.models.memory:checkpointing_transform"),
     ("peft", "posttrain.models.peft:peft_transform"),
     ("fit-embeddings", "posttrain.models.embeddings:fit_embeddings_transform"),
+    ("fp8", "posttrain.models.fp8:fp8_transform"),
     ("tiled-mlp", "posttrain.models.memory:tiled_mlp_transform"),
     ("document-attention", "posttrain.models.document_attention:document_attention_transform"),
     ("expert-parallel", "posttrain.models.expert_parallel:expert_parallel_transform"),

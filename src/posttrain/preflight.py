@@ -24,7 +24,8 @@ from posttrain.dist import DistInfo
 from posttrain.memory.check import memory_plan
 from posttrain.memory.machine import Machine
 from posttrain.memory.report import plan_as_data, plan_text
-from posttrain.memory.shape import ShapeUnavailable
+from posttrain.memory.shape import ShapeUnavailable, model_shape
+from posttrain.models.fp8 import emulation_reason, run_device
 from posttrain.plan import BatchSizes, lr_explanation, resolve
 from posttrain.registry import DATA_FACTORIES, TOKENIZER_FACTORIES, TRAINERS, load_component
 from posttrain.stages.data import DataPlan, model_facts, plan_data
@@ -139,6 +140,8 @@ def report_text(flight: DataPlan, original: TrainerConfig, color: bool = False) 
     out.append(f"  {lr_explanation(original, sizes, flight.lr)}")
     limit = f" (train_iters={config.train_iters})" if config.train_iters else ""
     out.append(f"  steps: {flight.steps_per_epoch} per epoch, {flight.total_steps} in total{limit}")
+    if config.model.fp8 is not None:
+        out += ["", "precision", f"  {fp8_line(config)}"]
     spec = TRAINERS.get(config.type).obj
     if spec.report:
         out += [f"  {line}" for line in load_component(spec.report)(flight)]
@@ -160,6 +163,21 @@ def report_text(flight: DataPlan, original: TrainerConfig, color: bool = False) 
             out.append(f"--- {factory.parts.get(prefix, name)} ({len(ids)} tokens)")
             out.append(text)
     return "\n".join(out)
+
+
+def fp8_line(config: TrainerConfig) -> str:
+    """What ``model.fp8`` converts (the layers chosen on the model built on the meta device, as the run will
+    choose them) and whether this machine runs it on FP8 matrix units or emulates it."""
+    recipe = config.model.fp8
+    try:
+        shape = model_shape(config.model)
+    except ShapeUnavailable as error:
+        return f"fp8 {recipe}: the layers are known once the model loads ({error})"
+    assert shape.fp8 is not None
+    dtype = shape.dtype if config.model.dtype == "auto" else config.model.dtype
+    why = emulation_reason(recipe, run_device())
+    where = f"emulated here ({why})" if why else "on this machine's FP8 matrix units"
+    return f"{shape.fp8.summary(recipe, dtype)}; {where}"
 
 
 def longest_row(flight: DataPlan) -> int:

@@ -1,5 +1,5 @@
-"""DPO (every ZeRO stage, a weighted list of losses with a step token mean), KTO, reward models, GRPO, causal
-and LoRA runs with two CPU processes, in one torchrun launch: each method's one-process run with the same
+"""DPO (every ZeRO stage, a weighted list of losses with a step token mean), KTO, reward models, GRPO, causal,
+LoRA and FP8 runs with two CPU processes, in one torchrun launch: each method's one-process run with the same
 global batch gives the same weights and metrics."""
 
 from __future__ import annotations
@@ -70,9 +70,24 @@ def test_dpo_grpo_causal_lora_with_two_processes(base_config: dict, tmp_path: Pa
     for name, config in (("kto", kto), ("reward", reward)):
         train(with_out(config, f"{name}-one", micro_batch_size=4))
         configs[f"{name}-two"] = with_out(config, f"{name}-two", micro_batch_size=2)
+    # fp8 (torchao's emulation here): a micro-batch of one row, so each rank casts with the scales the one
+    # process computes for that row (tensorwise scales are per micro-batch); ZeRO 2 across the two
+    fp8 = merge(
+        base_config,
+        model={"fp8": "tensorwise"},
+        train_iters=3,
+        micro_batch_size=1,
+        deepspeed={"zero_optimization": {"stage": 2}},
+    )
+    train(with_out(fp8, "fp8-one", gradient_accumulation_steps=2))
+    configs["fp8-two"] = with_out(fp8, "fp8-two", gradient_accumulation_steps=1)
     train_in_two_processes(configs, tmp_path)
     _same_completions_and_rewards(tmp_path / "grpo-one", tmp_path / "grpo-two")
-    for name, keys in (("kto", ("loss", "kl", "rewards/chosen")), ("reward", ("loss", "accuracy", "margin"))):
+    for name, keys in (
+        ("kto", ("loss", "kl", "rewards/chosen")),
+        ("reward", ("loss", "accuracy", "margin")),
+        ("fp8", ("loss", "grad_norm")),
+    ):
         _same_run(tmp_path / f"{name}-one", tmp_path / f"{name}-two", keys)
 
     expected = load_file(tmp_path / "dpo-one" / "export" / "final" / "model.safetensors")

@@ -16,6 +16,7 @@ from pydantic import BeforeValidator, Field, field_validator, model_validator
 
 from posttrain.config.base import BaseConfig, ModeKeys, Problem
 from posttrain.config.data import PromptDataConfig
+from posttrain.config.fp8 import frozen_model_problems
 from posttrain.config.human import HumanFloat, HumanInt
 from posttrain.config.model import ModelConfig
 from posttrain.config.online import OnlineTrainerConfig
@@ -356,6 +357,7 @@ class GRPOTrainerConfig(OnlineTrainerConfig):
             )
         if self.ref_model is not None and self.ref_model.peft_config is not None:
             yield Problem("ref_model.peft_config", "the reference model is frozen; adapters belong on model")
+        yield from frozen_model_problems(self.ref_model, "ref_model")
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         if self.use_vllm and self.vllm_importance_sampling_correction:
             if low is None and high is None:

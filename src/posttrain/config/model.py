@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from posttrain.config.base import BaseConfig, Problem
+from posttrain.config.base import BaseConfig, ModeKeys, Problem
+from posttrain.config.fp8 import fp8_problems, recipe_value
 
 DTYPE_ALIASES: dict[str, str] = {
     "float32": "float32",
@@ -35,6 +36,9 @@ def canonical_dtype(value: str) -> str:
 
 
 class ModelConfig(BaseConfig):
+    mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
+        ModeKeys(("fp8_filter_fqns",), lambda c, root: c.fp8 is not None, "fp8: a recipe"),
+    )
     type: str = ""
     """Model factory type. Defaults to the trainer's first accepted model factory (``huggingface``)."""
 
@@ -78,6 +82,23 @@ class ModelConfig(BaseConfig):
     Works with ZeRO 0-3, LoRA, packing and activation checkpointing; not with ``sequence_parallel_size`` > 1.
     Needs a C++ compiler on CPU."""
 
+    fp8: str | None = None
+    """Run the linear layers' matrix products in float8 with torchao's float8 training (PyTorch's own library:
+    ``pip install 'posttrain[fp8]'``), one of its recipes: ``tensorwise`` (one scale per tensor, the
+    fastest), ``rowwise`` (one scale per row, closer to bf16), ``rowwise_with_gw_hp`` (rowwise, with the
+    weight gradients in high precision). Weights, gradients, optimizer states, checkpoints and exports stay
+    in ``dtype``; each layer casts its input and weight to float8 for the product. The LM head, LoRA
+    adapters and layers whose sizes are not multiples of 16 stay in high precision (listed in one line at
+    start). Pays on GPUs with FP8 matrix units (H100 and later) for models from a few billion parameters,
+    best with ``compile``; elsewhere (every CPU) torchao's emulation runs the same numerics, slower. Null:
+    off."""
+
+    fp8_filter_fqns: list[str] = []
+    """Linear layers to leave in high precision under ``fp8``: a layer whose module name contains one of
+    these strings is not converted (torchtitan's ``filter_fqns``). The entry ``auto_filter_small_kn`` also
+    leaves out layers too small to gain from FP8 (torchao's size thresholds for the recipe, measured on
+    H100s)."""
+
     experts_implementation: Literal["eager", "grouped_mm", "batched_mm"] | None = None
     """Mixture-of-experts models: transformers' kernel for the experts (``eager``: a loop over the experts;
     ``grouped_mm``: one grouped matrix product, transformers 5's default; ``batched_mm``). Null: transformers'
@@ -110,6 +131,11 @@ class ModelConfig(BaseConfig):
     @classmethod
     def _dtype(cls, value: Any) -> Any:
         return canonical_dtype(value) if isinstance(value, str) else value
+
+    @field_validator("fp8", mode="before")
+    @classmethod
+    def _fp8(cls, value: Any) -> Any:
+        return recipe_value(value)
 
     @field_validator("attn_implementation")
     @classmethod
@@ -174,6 +200,7 @@ class ModelConfig(BaseConfig):
             yield Problem(
                 "peft_pretrained", "set peft_config (new adapters) or peft_pretrained (a saved one), not both"
             )
+        yield from fp8_problems(self)
         if self.quantization_config is not None and self.peft_config is None and self.peft_pretrained is None:
             yield Problem(
                 "quantization_config",

@@ -12,6 +12,7 @@ from posttrain.config.base import BaseConfig, ModeKeys, Problem
 from posttrain.config.checkpoint import CheckpointConfig
 from posttrain.config.data import DataConfig
 from posttrain.config.deepspeed_block import deepspeed_problems
+from posttrain.config.fp8 import frozen_model_problems
 from posttrain.config.human import HumanFloat, HumanInt, StepInterval, coerce_tree
 from posttrain.config.logger import LoggerConfig
 from posttrain.config.model import ModelConfig
@@ -385,6 +386,7 @@ class ReferenceTrainerConfig(TrainerConfig):
         yield from super().problems()
         if self.ref_model is not None and self.ref_model.peft_config is not None:
             yield Problem("ref_model.peft_config", "the reference model is frozen; adapters belong on model")
+        yield from frozen_model_problems(self.ref_model, "ref_model")
         if self.ref_model is not None and self.ref_model.save_name is not None:
             yield Problem("ref_model.save_name", "the reference model is never saved; remove it")
         if self.sequence_parallel_size > 1:

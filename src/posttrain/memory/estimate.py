@@ -152,6 +152,7 @@ def plan(settings: Settings, shape: ModelShape) -> MemoryPlan:
     _deepspeed_buffers(out)
     _activations(out)
     _loss(out)
+    _fp8(out)
     _generation(out)
     device, host = RUNTIME_OVERHEAD["cuda" if settings.device == "cuda" else "cpu"]
     out.add("runtime", "device", "states", device, "CUDA context, cuBLAS/cuDNN workspaces (stated constant)")
@@ -336,6 +337,22 @@ def _activations(out: MemoryPlan) -> None:
         2 * tokens * shape.hidden * b,
         f"{tokens:,} tokens",
     )
+
+
+def _fp8(out: MemoryPlan) -> None:
+    """``model.fp8``: the weights stay in high precision (counted above); each converted layer casts its input
+    and weight to float8 in forward, and its output gradient (twice: one layout per product), weight and input
+    in backward, one byte an element, freed after the layer (torchao's emulation on a CPU also makes float32
+    copies of the casts it multiplies)."""
+    s, layers = out.settings, out.shape.fp8
+    if layers is None or not layers.converted:
+        return
+    casts = 3 * s.tokens * layers.widest + 2 * layers.largest
+    detail = f"one layer's float8 input, weight and output gradient ({len(layers.converted)} layers in FP8)"
+    if s.device != "cuda":
+        casts += 4 * (s.tokens * layers.widest + layers.largest)
+        detail += "; emulated: float32 copies"
+    out.add("fp8 casts", "device", "forward+backward", casts, detail)
 
 
 def _loss(out: MemoryPlan) -> None:

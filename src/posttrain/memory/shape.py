@@ -3,14 +3,18 @@ from the checkpoint's ``config.json`` on the meta device (no weight is read, any
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from posttrain.config.model import ModelConfig
 from posttrain.models.dimensions import read_dimensions
 from posttrain.utils.hub import not_found
+
+if TYPE_CHECKING:
+    from posttrain.models.fp8 import Fp8Layers
 
 
 class ShapeUnavailable(Exception):
@@ -47,6 +51,7 @@ class ModelShape:
     adapter_inputs: int = 0  # per token and layer: the inputs of adapted modules (copied by LoRA dropout)
     gated: bool = True
     dtype: str = "float32"  # the checkpoint's weight dtype (what ``model.dtype: auto`` loads)
+    fp8: Fp8Layers | None = None  # the linear layers ``model.fp8`` converts (None: no FP8)
 
     @property
     def dense(self) -> int:
@@ -55,7 +60,8 @@ class ModelShape:
 
 
 def model_shape(model: ModelConfig) -> ModelShape:
-    """Build the configured model on the meta device and count it (adapters applied as the run will)."""
+    """Build the configured model on the meta device and count it (adapters applied as the run will, the
+    linear layers FP8 converts chosen as the run will)."""
     from transformers import AutoModelForCausalLM
 
     from posttrain.models.huggingface import hf_config as read_config
@@ -71,9 +77,14 @@ def model_shape(model: ModelConfig) -> ModelShape:
                 from posttrain.models.peft import apply_peft
 
                 built = apply_peft(built, model.peft_config, None)
-        return shape_of(built, hf_config)
+        shape = shape_of(built, hf_config)
     except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as error:
         raise ShapeUnavailable(f"{type(error).__name__}: {error}") from error
+    if model.fp8 is not None:
+        from posttrain.models.fp8 import choose_layers
+
+        shape = dataclasses.replace(shape, fp8=choose_layers(built, model.fp8, model.fp8_filter_fqns))
+    return shape
 
 
 @dataclass(frozen=True)
