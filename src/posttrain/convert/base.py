@@ -103,6 +103,11 @@ class Unsupported(Exception):
     """A value a rule cannot carry over; the message says why."""
 
 
+class NotNeeded(Exception):
+    """A value a rule has nothing to carry over for (here, or given the rest of the file); the message says
+    why."""
+
+
 @dataclass(frozen=True)
 class System:
     """A source system: its rules, its defaults that differ from posttrain's, and the hooks that prepare the
@@ -336,6 +341,9 @@ def _apply(conv: Conversion, rule: Rule, key: str, value: Any) -> None:
             detail = None
     except Unsupported as exc:
         conv.line(key, UNSUPPORTED, f"{shown}: {exc}")
+        return
+    except NotNeeded as exc:
+        conv.line(key, NOT_NEEDED, f"{shown}: {exc}")
         return
     where = detail or rule.target
     note = f" ({rule.note})" if rule.note and rule.verdict == APPROX else ""

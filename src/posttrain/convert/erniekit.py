@@ -25,6 +25,7 @@ from posttrain.convert.base import (
     resumable_engine,
     step_limit,
 )
+from posttrain.convert.fp8 import erniekit_fp8_on, erniekit_fp8_setting, erniekit_quantize
 
 _STAGES = {"SFT": "sft", "DPO": "dpo", "PT": "causal"}
 _SCHEDULES = {"linear": "linear", "cosine": "cosine", "polynomial": "polynomial", "constant": "constant"}
@@ -46,7 +47,8 @@ _PADDLE = "a PaddlePaddle performance or precision setting without a posttrain e
 
 
 def _unwrap(data: dict[str, Any], conv: Conversion) -> dict[str, Any]:
-    """The nested form groups the same keys under ``model_args``, ``trainer_args`` (and ``data_args``)."""
+    """The nested form groups the same keys under ``model_args``, ``trainer_args`` (and ``data_args``).
+    Whether the file trains in FP8 is read first: its FP8 settings' lines depend on it."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         if key in ("model_args", "trainer_args", "data_args", "finetuning_args") and isinstance(value, dict):
@@ -54,6 +56,7 @@ def _unwrap(data: dict[str, Any], conv: Conversion) -> dict[str, Any]:
             conv.wrapped.update(dict.fromkeys(value, key))
         else:
             out[key] = value
+    conv.scratch["fp8"] = erniekit_fp8_on(out)
     return out
 
 
@@ -162,10 +165,12 @@ def _sharding(conv: Conversion, key: str, value: Any) -> str:
 
 
 def _compute_type(conv: Conversion, key: str, value: Any) -> str:
-    kinds = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    kinds = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "bfloat16"}
     if value not in kinds:
-        raise Unsupported(f"{value}: FP8 and weight-only quantised training are not supported (use bf16)")
+        raise Unsupported(f"{value}: weight-only quantised training is not supported (use bf16)")
     conv.set("model.dtype", kinds[value], key)
+    if value == "fp8":  # bf16 weights, the products in FP8
+        return f"model.dtype: bfloat16; {erniekit_quantize(conv, key, 'fp8_linear')}"
     return "model.dtype"
 
 
@@ -588,12 +593,21 @@ RULES = (
     ),
     Rule(
         "weight_quantize_algo",
-        "",
-        UNSUPPORTED,
-        "weight-only quantised (wint4/8, FP8) training is not supported; QLoRA is model.quantization_config",
-        only_if=lambda v: not v,
+        "model.fp8",
+        APPROX,
+        "fp8_linear as torchao's tensorwise recipe; weight-only int4/int8 is not supported",
+        apply=erniekit_quantize,
     ),
-    Rule("apply_hadamard", "", NOT_NEEDED, "an FP8 setting"),
+    Rule(
+        "apply_hadamard",
+        "",
+        NOT_NEEDED,
+        "an FP8 setting; true with FP8 on is not supported (torchao casts without a Hadamard rotation)",
+        apply=erniekit_fp8_setting(
+            "no counterpart: torchao's float8 recipes cast without a Hadamard rotation (set it to false to "
+            "accept that)"
+        ),
+    ),
     Rule(
         "use_lowprecision_moment",
         "",
@@ -601,7 +615,15 @@ RULES = (
         "optimizer moments stay in float32",
         only_if=lambda v: not v,
     ),
-    Rule("apply_online_actscale_step", "", NOT_NEEDED, "an FP8 setting"),
+    Rule(
+        "apply_online_actscale_step",
+        "",
+        NOT_NEEDED,
+        "an FP8 setting: torchao scales each activation by its own amax at every step",
+        apply=erniekit_fp8_setting(
+            "", when_on="torchao scales each activation by its own amax at every step (current scaling)"
+        ),
+    ),
     Rule("optim_shard_num", "", NOT_NEEDED, "DeepSpeed writes one optimizer shard per process"),
     Rule("use_sp_callback", "", NOT_NEEDED, _PADDLE),
     # the nested pretraining form's own keys

@@ -24,6 +24,12 @@ from posttrain.convert.base import (
     resumable_engine,
     to,
 )
+from posttrain.convert.fp8 import (
+    megatron_layer_rules,
+    megatron_precision_recipe,
+    megatron_rules,
+    read_megatron,
+)
 
 _ARCHITECTURE = (
     "an architecture setting: posttrain reads it from the checkpoint's config.json (model.name_or_path)"
@@ -92,16 +98,14 @@ def _peft(name: str):
 
 
 def _mixed_precision(conv: Conversion, key: str, value: Any) -> str:
+    """A recipe name (or the perf scripts' compute type): the weights' dtype, and FP8 when it names it."""
     text = str(value)
-    if "bf16" in text:
-        conv.set("model.dtype", "bfloat16", key)
-    elif "fp16" in text:
-        conv.set("model.dtype", "float16", key)
-    elif "fp8" in text or "fp4" in text:
-        raise Unsupported("FP8/FP4 training is not supported; use bf16_mixed")
-    else:
-        conv.set("model.dtype", "float32", key)
-    return "model.dtype"
+    fp8 = megatron_precision_recipe(conv, key, text)
+    dtype = "float16" if text.startswith("fp16") else "float32" if text in ("fp32", "32") else "bfloat16"
+    if "bf16" not in text and "fp16" not in text and not fp8:
+        dtype = "float32"
+    conv.set("model.dtype", dtype, key)
+    return f"model.dtype: {dtype}" + (f"; {fp8}" if fp8 else "")
 
 
 def _schedule_key(conv: Conversion, key: str, value: Any) -> str:
@@ -125,6 +129,7 @@ def _unwrap(data: dict[str, Any], conv: Conversion) -> dict[str, Any]:
     checkpoint = data.get("checkpoint")
     if isinstance(checkpoint, dict):
         conv.scratch["save"] = checkpoint.get("save")
+    read_megatron(data, conv)
     return data
 
 
@@ -485,6 +490,8 @@ RULES = (
         "the Hugging Face tokenizer holds its own vocabulary and special tokens",
     ),
     Rule("mixed_precision", "model.dtype", SAME, apply=_mixed_precision),
+    *megatron_rules("mixed_precision"),
+    *megatron_layer_rules("mixed_precision"),
     Rule("mixed_precision.*", "", NOT_NEEDED, "DeepSpeed's bf16/fp16 follows model.dtype"),
     _one("tensor_model_parallel_size", "posttrain shards with ZeRO (deepspeed.zero_optimization.stage 3)"),
     _one("pipeline_model_parallel_size", "use ZeRO stage 3"),
@@ -500,7 +507,8 @@ RULES = (
         "Megatron's sequence parallelism belongs to tensor parallelism (size 1 here)",
     ),
     Rule("model.seq_length", "data.max_length", SAME),
-    Rule("model.fp8*", "", UNSUPPORTED, "FP8 training is not supported", only_if=lambda v: not v),
+    *megatron_rules("model"),
+    *megatron_layer_rules("model"),
     Rule("model.*", "", NOT_NEEDED, _ARCHITECTURE),
     Rule("ddp.*", "", NOT_NEEDED, "DeepSpeed does the data-parallel reduction"),
     Rule(
