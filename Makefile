@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install demo test test-vllm vllm-env lint format bench clean
+.PHONY: install demo test test-vllm vllm-env lint format bench gpu-wheels clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -67,6 +67,21 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/step_time.py
+
+# The wheels a lent GPU machine's image lacks (benchmarks/gpu_check.py lists them; their versions are this
+# venv's), for its Python 3.12 on x86_64, into .gpu/whl (ignored; carried there: bash benchmarks/gpu_check.sh).
+# DeepSpeed publishes no wheel: its pure-Python one is built here (its ops compile there on first use).
+GPU_WHEELS := .gpu/whl
+GPU_PLATFORM := --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
+	--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+	--platform manylinux2014_x86_64 --platform any
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(BIN)/python benchmarks/gpu_check.py --requirements | grep -v '^deepspeed==' > .gpu/requirements.txt
+	$(BIN)/python -m pip download -q --no-deps $(GPU_PLATFORM) -d $(GPU_WHEELS) -r .gpu/requirements.txt
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w $(GPU_WHEELS) \
+		"$$($(BIN)/python benchmarks/gpu_check.py --requirements | grep '^deepspeed==')"
+	du -sh $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) demo-out runs

@@ -12,11 +12,15 @@ fresh process. The runners:
 - ``bare-bf16``: bf16 parameters, torch's fused AdamW, every row one causal sequence (the speed limit);
 - ``bare-bf16-master``: bf16 parameters with float32 master weights and float32 gradient accumulation, the
   fused AdamW stepping the masters (posttrain's numerics: DeepSpeed's BF16_Optimizer on one process);
-- ``posttrain``: ``posttrain train`` on a config per mode (packed, padding-free, padded, compile: packed with
-  ``model.compile``), the same rows in the same order as the bare loops;
+- ``posttrain``: ``posttrain train`` on a config per mode (packed, padding-free, padded; compile: packed with
+  ``model.compile``; fp8 and fp8-compile: packed with ``model.fp8: tensorwise``, eager or compiled), the same
+  rows in the same order as the bare loops;
 - ``trl``: TRL's SFTTrainer with packing (skipped when TRL is not installed).
 
-Ratios are against ``bare-bf16`` measured in the same invocation. A runner that fails is printed with its error
+Ratios are against ``bare-bf16`` measured in the same invocation; each posttrain mode also gets its memory
+plan (``posttrain/memory``: the device peak less the runtime constant, for rows of ``--seq-len`` tokens)
+beside its measured peak (``torch.cuda.max_memory_allocated``; on a CPU the process's resident memory, which
+the plan does not estimate alone). A runner that fails is printed with its error
 and the script exits with status 1 after the others have run. ``--size tiny`` runs on the CPU in under a
 minute (a test runs it). On a GPU machine without network: see README, "GPU throughput benchmark".
 """
@@ -41,8 +45,16 @@ SIZES: dict[str, dict[str, int]] = {
     "1b": {"hidden_size": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "ffn": 8192, "vocab": 32768},
     "8b": {"hidden_size": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256},
 }
-MODES = ("packed", "padding-free", "padded", "compile")
-RUNNERS = ("bare", "posttrain", "trl")
+#: mode -> (packed rows, padding-free rows, model.compile, model.fp8)
+MODES: dict[str, tuple[bool, bool, bool, str | None]] = {
+    "packed": (True, False, False, None),
+    "padding-free": (False, True, False, None),
+    "padded": (False, False, False, None),
+    "compile": (True, False, True, None),
+    "fp8": (True, False, False, "tensorwise"),
+    "fp8-compile": (True, False, True, "tensorwise"),
+}
+RUNNERS = ("bare", "bare-bf16", "posttrain", "trl")  # bare: bare-bf16 and bare-bf16-master
 WARMUP = 2  # steps left out of the timing (allocation, compilation)
 
 
@@ -107,19 +119,21 @@ def posttrain_config(work: Path, model: Path, chats: Path, args: Any, mode: str)
     """The run of one mode: micro-batch 1 row of ``seq_len`` tokens (packed), or the same token budget as
     micro-batches of whole chats (padding-free, padded)."""
     cuda = torch.cuda.is_available()
-    micro = 1 if mode in ("packed", "compile") else max(1, args.seq_len // args.mean_tokens)
+    packed, padding_free, compile_, fp8 = MODES[mode]
+    micro = 1 if packed else max(1, args.seq_len // args.mean_tokens)
     return {
         "model": {
             "name_or_path": str(model),
             "dtype": "bfloat16" if cuda else "float32",
             "disable_activation_checkpoint": True,
-            "compile": mode == "compile",
+            "compile": compile_,
+            "fp8": fp8,
         },
         "data": {
             "sources": [str(chats)],
             "max_length": args.seq_len,
-            "pack_samples": mode in ("packed", "compile"),
-            "padding_free": mode == "padding-free",
+            "pack_samples": packed,
+            "padding_free": padding_free,
             "overlong_samples": "truncate",
             "dl_num_workers": 1,
             "cache_dir": str(work / "data-cache"),
@@ -359,7 +373,7 @@ def main() -> None:
         "--rows", type=int, default=None, help="chats to write (default: enough for the steps)"
     )
     parser.add_argument("--runners", default="bare,posttrain,trl")
-    parser.add_argument("--modes", default="packed,padding-free,padded,compile")
+    parser.add_argument("--modes", default="packed,padding-free,padded,compile,fp8-compile")
     parser.add_argument("--work", default="bench-out/gpu-throughput")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--peak-tflops", type=float, default=None, help="device peak (default: detected)")
@@ -400,8 +414,10 @@ def run_all(args: Any) -> None:
     attention = _attention_per_token(work, modes[0]) if modes else 0.0
     flops = flops_of(model)
     plan: list[tuple[str, str]] = []
+    if "bare" in runners or "bare-bf16" in runners:
+        plan.append(("bare-bf16", modes[0]))
     if "bare" in runners:
-        plan += [("bare-bf16", modes[0]), ("bare-bf16-master", modes[0])]
+        plan.append(("bare-bf16-master", modes[0]))
     if "posttrain" in runners:
         plan += [("posttrain", mode) for mode in modes]
     if "trl" in runners:
@@ -418,13 +434,29 @@ def run_all(args: Any) -> None:
             failed.append(f"{runner}/{mode}")
             continue
         result["mfu"] = mfu(flops, result, attention, peak)
+        if runner == "posttrain":
+            result["plan_gib"] = planned_gib(work / f"config-{mode}.json")
+            result["plan_error"] = result["plan_gib"] / result["peak_memory_gib"] - 1
         results["results"][f"{runner}/{mode}"] = result
+        results["failed"] = failed
+        if args.json:  # after every runner: a run stopped at a time limit keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=2))
     results["failed"] = failed
     _print(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if failed:  # each printed above with its error
         raise SystemExit(f"{len(failed)} runner(s) failed: {', '.join(failed)}")
+
+
+def planned_gib(config_path: Path) -> float:
+    """The memory plan's estimate for a mode's config, one process, rows of ``max_length`` tokens (what the
+    measured peak is compared with: the device's tensors on a GPU, every tensor on a CPU)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from memory_plan import estimate
+
+    tensors, _ = estimate(json.loads(config_path.read_text()), 1)
+    return tensors / 2**30
 
 
 def _attention_per_token(work: Path, mode: str) -> float:
@@ -459,12 +491,16 @@ def _print(results: dict[str, Any]) -> None:
     rows = results["results"]
     base = rows.get(next((k for k in rows if k.startswith("bare-bf16")), ""), {}).get("tokens_per_second")
     print(json.dumps(results["facts"]))
-    print(f"{'runner/mode':32} {'tokens/s':>12} {'x bare-bf16':>12} {'MFU':>8} {'peak GiB':>9}")
+    print(
+        f"{'runner/mode':32} {'tokens/s':>12} {'x bare-bf16':>12} {'MFU':>8} {'peak GiB':>9} {'plan GiB':>9}"
+    )
     for name, result in rows.items():
         ratio = result["tokens_per_second"] / base if base else float("nan")
         share = f"{result['mfu']:.1%}" if result.get("mfu") is not None else "-"
+        planned = f"{result['plan_gib']:9.2f}" if "plan_gib" in result else f"{'-':>9}"
         print(
-            f"{name:32} {result['tokens_per_second']:12,.0f} {ratio:12.2f} {share:>8} {result['peak_memory_gib']:9.2f}"
+            f"{name:32} {result['tokens_per_second']:12,.0f} {ratio:12.2f} {share:>8} "
+            f"{result['peak_memory_gib']:9.2f} {planned}"
         )
 
 
