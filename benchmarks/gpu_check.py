@@ -219,7 +219,7 @@ def environment(args: Any, step: Step) -> None:
 def throughput(args: Any, step: Step) -> None:
     results = args.out / "throughput.json"
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py"), "--json", str(results)]
-    command += ["--runners", "bare-bf16,posttrain", "--modes", "packed,compile,fp8-compile"]
+    command += ["--runners", "bare-bf16,posttrain", "--modes", args.modes]
     command += ["--work", str(args.work / "throughput")]
     if args.dry_run:  # the same modes on the tiny model; both compiled modes compile on the CPU
         command += ["--size", "tiny", "--steps", "4", "--peak-tflops", "1"]
@@ -247,7 +247,7 @@ def tests(args: Any, step: Step) -> None:
     earlier = json.loads(done_file.read_text()) if args.resume and done_file.is_file() else {}
     command = [sys.executable, "-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider", "-o", "addopts="]
     command += ["-m", "gpu", "--timeout", str(args.test_timeout)]
-    command += [f"tests/gpu/{name}" for name in ordered]
+    command += [f"tests/gpu/{name}" for name in ordered] if not args.tests else args.tests.split(",")
     command += [f"--deselect={name}" for name in earlier]
     code, text = run(command, args.env, args.time_left("tests"), args.out / "tests.log")
     outcomes: dict[str, str] = {}
@@ -349,6 +349,8 @@ def main() -> int:
     parser.add_argument("--test-timeout", type=int, default=150, help="seconds per GPU test")
     parser.add_argument("--requirements", action="store_true", help="print what make gpu-wheels fetches")
     parser.add_argument("--steps", default="install,environment,throughput,tests", help="the steps to run")
+    parser.add_argument("--modes", default="packed,compile,fp8-compile", help="throughput: posttrain's modes")
+    parser.add_argument("--tests", default="", help="tests: these node ids only (comma-separated)")
     parser.add_argument(
         "--resume", action="store_true", help="tests: leave out those an earlier call on this machine ran"
     )

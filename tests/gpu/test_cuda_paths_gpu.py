@@ -34,7 +34,9 @@ def varlen_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     @functools.wraps(real)  # posttrain reads its signature to call it
     def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(args[0].shape[0])
+        # a constant: appending a traced size would make the compiler specialise on it and recompile for
+        # every new row length (8 graphs over 7 steps on an H100, 2026-11-26)
+        calls.append(1)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(document_attention, "_varlen_attn", lambda: counting)
@@ -71,7 +73,12 @@ def test_packed_bf16_rows_train_through_the_loop(base_config: dict, varlen_calls
     assert "BF16_Optimizer" in log
 
 
-def test_compiled_bf16_packed_blocks_equal_eager(varlen_calls: list[int]) -> None:
+def test_compiled_bf16_packed_blocks_equal_eager(
+    varlen_calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the counting wrapper's append is a side effect inside checkpointed compiled blocks: allowed (it is not
+    # replayed by the recomputation), so the count does not itself break the graph
+    monkeypatch.setattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint", True)
     model = build_model(1024, hidden_size=256, heads=4, max_position_embeddings=4096, seed=2)
     eager, compiled = eager_and_compiled(model.cuda().bfloat16().train())
     for step in range(7):

@@ -91,7 +91,11 @@ def test_bf16_documents_equal_the_masked_row_on_gpu() -> None:
     reference.backward()
     loss.backward()
     for (name, a), (_, b) in zip(masked.named_parameters(), ours.named_parameters(), strict=True):
-        assert torch.allclose(a.grad.float(), b.grad.float(), rtol=0.1, atol=1e-2), name
+        # bf16 gradients of a summed loss over 8K tokens (the embedding's rows add many tokens' gradients in
+        # bf16, in another order per kernel): compared as a whole, not element by element
+        a, b = a.grad.float(), b.grad.float()
+        assert torch.isfinite(b).all(), name
+        assert (a - b).norm() <= 0.05 * a.norm(), (name, float((a - b).norm() / a.norm()))
 
 
 @pytest.mark.parametrize("family", ["exaone4", "gemma2", "gemma3", "qwen2", "mistral"])

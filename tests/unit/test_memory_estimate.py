@@ -188,3 +188,20 @@ def test_online_rl_adds_the_generation_the_reference_and_vllms_share(llama_dir: 
     assert items["reference model"].bytes == hand_count() * 2 and items["reference model"].phase == "states"
     assert items["vLLM engine"].bytes == pytest.approx(0.3 * 80 * GiB)
     assert "generation KV cache" not in {i.part for i in plan(settings(), shape).items}
+
+
+def test_sdpas_math_kernel_scores_on_cuda_in_float32_with_grouped_heads(llama_dir: Path) -> None:
+    """transformers' grouped-head sdpa runs the math kernel in float32 on CUDA: each layer keeps its
+    [heads, tokens, tokens] softmax and a layer's backward works on three more (measured on an H100,
+    2026-11-26: the plan within 20% of max_memory_allocated at 2K and 8K tokens); not in bf16, not on a CPU,
+    not for rows of documents (posttrain's per-document calls repeat the heads instead)."""
+    shape = model_shape(ModelConfig(name_or_path=str(llama_dir)))  # 8 heads, 2 KV heads: grouped
+    base = Settings(dtype="float32", world_size=1, stage=0, tokens_per_row=1024, checkpointing=False)
+    scores = 8 * 1024 * 1024 * 4
+    items = {i.part: i for i in plan(base, shape).items}
+    assert items["attention scores"].bytes == 3 * scores and items["attention scores"].phase == "forward+backward"
+    assert items["attention scores, backward"].bytes == 3 * scores
+    recomputed = {i.part: i for i in plan(replace(base, checkpointing=True), shape).items}
+    assert recomputed["attention scores"].bytes == 4 * scores and "attention scores, backward" not in recomputed
+    for other in (replace(base, dtype="bfloat16"), replace(base, device="cpu"), replace(base, documents=True)):
+        assert not [i for i in plan(other, shape).items if i.part.startswith("attention scores")]

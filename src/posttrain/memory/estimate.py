@@ -289,9 +289,10 @@ def layer_elements(shape: ModelShape, settings: Settings) -> tuple[float, float]
     """Per token, the elements one decoder layer saves for backward: (attention and norms, MLP)."""
     h, q, kv = shape.hidden, shape.q_dim, shape.kv_dim
     attention = 4 * h + 2 * q + kv + shape.adapter_inputs
-    if settings.documents and settings.device != "cuda":
-        # attention per document without varlen kernels (CPU): each call's copies of its slices of q, k, v,
-        # and the backward's recomputation; calibrated on CPU (benchmarks/memory_plan.py, packed cases)
+    if settings.documents and (settings.device != "cuda" or settings.dtype == "float32"):
+        # attention per document without varlen kernels (a CPU; float32 on CUDA, which the varlen kernel
+        # refuses): each call's copies of its slices of q, k, v, and the backward's recomputation; calibrated
+        # on CPU (benchmarks/memory_plan.py, packed cases)
         attention += 6 * (q + kv)
     if shape.num_experts:
         mlp = shape.top_k * (4 * shape.expert_intermediate + 2 * h) + 4 * shape.shared_intermediate
@@ -313,6 +314,7 @@ def _activations(out: MemoryPlan) -> None:
     if s.eager_attention:
         rows = s.micro_batch * s.rows_per_sample
         per_layer += 2 * rows * shape.heads * s.tokens_per_row * (tokens // rows) * b
+    _math_attention(out)
     if s.checkpointing:
         saved = shape.layers * tokens * shape.hidden * b
         place: Place = "host" if s.checkpoint_offload and s.device == "cuda" else "device"
@@ -353,6 +355,37 @@ def _fp8(out: MemoryPlan) -> None:
         casts += 4 * (s.tokens * layers.widest + layers.largest)
         detail += "; emulated: float32 copies"
     out.add("fp8 casts", "device", "forward+backward", casts, detail)
+
+
+def math_attention(settings: Settings, shape: ModelShape) -> bool:
+    """Whether ``sdpa`` runs its math kernel, which holds every row's ``[heads, tokens, tokens]`` scores: on
+    CUDA in float32 with grouped key/value heads, where transformers asks for grouped attention and only the
+    math kernel takes it (rows of several documents run posttrain's own per-document calls instead)."""
+    return (
+        settings.device == "cuda"
+        and settings.dtype == "float32"
+        and shape.kv_dim < shape.q_dim
+        and not settings.documents
+        and not settings.eager_attention
+    )
+
+
+def _math_attention(out: MemoryPlan) -> None:
+    """The math kernel's float32 scores, measured on an H100 (``benchmarks/memory_plan.py``, 2K and 8K rows):
+    each layer keeps its softmax for backward (one ``[heads, tokens, tokens]`` tensor), and a layer's backward
+    works on three more at once."""
+    s, shape = out.settings, out.shape
+    if not math_attention(s, shape):
+        return
+    rows = s.micro_batch * s.rows_per_sample
+    length = -(-s.tokens_per_row // s.sequence_parallel)
+    scores = rows * shape.heads * length * length * 4
+    detail = f"sdpa's math kernel (float32, grouped KV heads): {shape.heads} x {length:,}^2 per row"
+    if s.checkpointing:
+        out.add("attention scores", "device", "backward", 4 * scores, detail + ", the recomputed layer")
+    else:
+        out.add("attention scores", "device", "forward+backward", shape.layers * scores, detail + ", kept")
+        out.add("attention scores, backward", "device", "backward", 3 * scores, "one layer's gradients")
 
 
 def _loss(out: MemoryPlan) -> None:

@@ -130,6 +130,12 @@ def _document_sdpa(
     """Causal ``sdpa`` on one document ``[1, heads, length, dim]``; a banded mask only when the document is
     longer than the window."""
     gqa = key.shape[1] != query.shape[1]
+    if gqa and query.is_cuda and query.dtype == torch.float32:
+        # only sdpa's math kernel takes grouped heads in float32 on CUDA, and it holds the [heads, length,
+        # length] scores: the heads repeated instead keep the memory-efficient kernel
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        gqa = False
     length = query.shape[2]
     if not window or length <= window:
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)

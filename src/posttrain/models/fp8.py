@@ -166,7 +166,10 @@ def torchao_config(recipe: str, emulate: bool) -> Any:
         from torchao.float8 import Float8LinearConfig
     except ImportError as error:
         raise UserError(f"model.fp8: {recipe} needs torchao ({error}): {TORCHAO_INSTALL}") from None
-    config = Float8LinearConfig.from_recipe_name(recipe)
+    # pad_inner_dim: a product's inner size that is not a multiple of 16 (a row's token count, in the weight
+    # gradient) is padded for the FP8 kernel, which refuses it; under torch.compile with dynamic lengths it is
+    # what proves the size right to the compiler
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
     return dataclasses.replace(config, emulate=True) if emulate else config
 
 
