@@ -199,9 +199,18 @@ def test_sdpas_math_kernel_scores_on_cuda_in_float32_with_grouped_heads(llama_di
     base = Settings(dtype="float32", world_size=1, stage=0, tokens_per_row=1024, checkpointing=False)
     scores = 8 * 1024 * 1024 * 4
     items = {i.part: i for i in plan(base, shape).items}
-    assert items["attention scores"].bytes == 3 * scores and items["attention scores"].phase == "forward+backward"
+    assert (
+        items["attention scores"].bytes == 3 * scores
+        and items["attention scores"].phase == "forward+backward"
+    )
     assert items["attention scores, backward"].bytes == 3 * scores
     recomputed = {i.part: i for i in plan(replace(base, checkpointing=True), shape).items}
-    assert recomputed["attention scores"].bytes == 4 * scores and "attention scores, backward" not in recomputed
-    for other in (replace(base, dtype="bfloat16"), replace(base, device="cpu"), replace(base, documents=True)):
+    assert (
+        recomputed["attention scores"].bytes == 4 * scores and "attention scores, backward" not in recomputed
+    )
+    for other in (
+        replace(base, dtype="bfloat16"),
+        replace(base, device="cpu"),
+        replace(base, documents=True),
+    ):
         assert not [i for i in plan(other, shape).items if i.part.startswith("attention scores")]
