@@ -86,7 +86,7 @@ def test_dpo_grpo_causal_lora_with_two_processes(base_config: dict, tmp_path: Pa
     for name, keys in (
         ("kto", ("loss", "kl", "rewards/chosen")),
         ("reward", ("loss", "accuracy", "margin")),
-        ("fp8", ("loss", "grad_norm")),
+        ("fp8", ("loss",)),
     ):
         _same_run(tmp_path / f"{name}-one", tmp_path / f"{name}-two", keys)
 
