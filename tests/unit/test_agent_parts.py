@@ -5,7 +5,6 @@ raise under each ``reward_errors``."""
 from __future__ import annotations
 
 import math
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from posttrain.config.grpo import CodeTestsReward, FunctionReward
 from posttrain.rollout.generation import Completions
 from posttrain.rollout.reward_guard import RewardWorkers
 from posttrain.rollout.rewards import RewardError, RewardGuard, build_rewards, score_all
-from posttrain.rollout.sandbox import Limits, enforced, run_python
 from posttrain.rollout.tools import ToolCall, ToolRunner, parse_hermes, parse_llama3_json, parse_mistral
 from posttrain.testing import tool_task
 
@@ -89,52 +87,6 @@ def test_bad_tools_and_environments_are_config_errors(tmp_path: Path) -> None:
     assert "has no function 'missing'" in text
     assert "NoReset has no reset method" in text
     assert "has no function 'absent'" in text
-
-
-def test_the_sandbox_holds_against_what_model_code_tries(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An infinite loop, a memory hog, a fork bomb, a write outside its directory, a socket to 127.0.0.1
-    (where a server of this process listens) and a read of a secret variable (the parent's environment and
-    its /proc entry)."""
-    monkeypatch.setenv("POSTTRAIN_TEST_SECRET", "hunter2")
-    what = enforced()
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    port = server.getsockname()[1]
-    outside = tmp_path / "escaped.txt"
-    limits = Limits(wall=4, cpu=2, memory=256 * 2**20, processes=16)
-    loop = run_python("while True:\n    pass\n", limits)
-    assert not loop.ok and loop.seconds < 4.5
-    hog = run_python("x = bytearray(2 * 1024**3)\nprint('allocated')", limits)
-    assert "MemoryError" in hog.stderr and "allocated" not in hog.stdout
-    bomb = run_python(
-        "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(30)\n"
-        "            os._exit(0)\n        n += 1\nexcept OSError:\n    print('stopped after', n)\n",
-        limits,
-    )
-    if "process count" in what:
-        assert bomb.stdout.startswith("stopped after") and int(bomb.stdout.split()[-1]) < 16, bomb
-    write = run_python(f"open({str(outside)!r}, 'w').write('x')\nprint('wrote')", limits)
-    if "writes only in its directory" in what:
-        assert not outside.exists() and "wrote" not in write.stdout
-    inside = run_python("open('mine.txt', 'w').write('x')\nprint(open('mine.txt').read())", limits)
-    assert inside.ok and inside.stdout.strip() == "x"
-    net = run_python(
-        f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')",
-        limits,
-    )
-    if "network namespace" in what or "no TCP" in what:
-        assert "connected" not in net.stdout and not net.ok
-    secret = run_python(
-        "import os\nprint(os.environ.get('POSTTRAIN_TEST_SECRET'))\n"
-        "try:\n    print(open(f'/proc/{os.getppid()}/environ', 'rb').read())\nexcept OSError as e:\n    print('denied')\n",
-        limits,
-    )
-    assert "hunter2" not in secret.stdout and secret.stdout.startswith("None"), secret
-    server.close()
-    assert not list(tmp_path.glob("posttrain-sandbox-*"))
 
 
 def test_the_code_reward_runs_the_last_block_against_the_tests() -> None:

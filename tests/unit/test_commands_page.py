@@ -3,6 +3,7 @@ what the parsers take."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -40,7 +41,13 @@ def test_the_readme_table_names_every_command_with_flags_and_choices_that_exist(
     assert sorted(rows) == sorted(commands), "the README's command table and the parsers list other commands"
     for name, usage in rows.items():
         parser = command_parser(commands[name])
-        flags = {flag for action in parser._actions for flag in action.option_strings}
+        parsers = [parser] + [
+            sub
+            for a in parser._actions
+            if isinstance(a, argparse._SubParsersAction)
+            for sub in a.choices.values()
+        ]
+        flags = {flag for p in parsers for action in p._actions for flag in action.option_strings}
         written = set(re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", usage))
         assert written <= flags, (name, written - flags)
         for group in re.findall(r"\[?([\w-]+(?:\|[\w-]+)+)\]?", usage):  # a|b|c: every choice, none missing

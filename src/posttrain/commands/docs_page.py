@@ -44,20 +44,24 @@ def _default(action: argparse.Action) -> str:
     return f"`{' '.join(map(str, value)) if isinstance(value, list) else value}`"
 
 
+def _rows(parser: argparse.ArgumentParser) -> list[str]:
+    rows = []
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        if isinstance(action, argparse._SubParsersAction):  # one table per sub-command, after this one
+            continue
+        choices = f" (one of: {', '.join(map(str, action.choices))})" if action.choices else ""
+        rows.append(
+            f"| {_name(action)} | {_default(action)} | " + _cell((action.help or "") + choices) + " |"
+        )
+    return rows
+
+
 def _section(entry: Command) -> list[str]:
     parser = command_parser(entry)
     usage = " ".join(parser.format_usage().removeprefix("usage: ").split())
-    rows = [
-        f"| {_name(action)} | {_default(action)} | "
-        + _cell(
-            (action.help or "")
-            + (f" (one of: {', '.join(map(str, action.choices))})" if action.choices else "")
-        )
-        + " |"
-        for action in parser._actions
-        if not isinstance(action, argparse._HelpAction)
-    ]
-    return [
+    lines = [
         f"## posttrain {entry.name}",
         "",
         _cell(entry.description or entry.help),
@@ -66,11 +70,21 @@ def _section(entry: Command) -> list[str]:
         usage,
         "```",
         "",
-        "| argument | default | what it is |",
-        "|---|---|---|",
-        *rows,
-        "",
     ]
+    rows = _rows(parser)
+    if rows:
+        lines += ["| argument | default | what it is |", "|---|---|---|", *rows, ""]
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        helps = {choice.dest: choice.help for choice in action._choices_actions}
+        for name, sub in action.choices.items():
+            sub_usage = " ".join(sub.format_usage().removeprefix("usage: ").split())
+            lines += [f"`{sub_usage}`: {_cell(helps.get(name) or '')}", ""]
+            rows = _rows(sub)
+            if rows:
+                lines += ["| argument | default | what it is |", "|---|---|---|", *rows, ""]
+    return lines
 
 
 def commands_markdown() -> str:

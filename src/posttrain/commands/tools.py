@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from posttrain.commands import command
@@ -161,4 +162,81 @@ def cmd_schema(args: argparse.Namespace) -> int:
     from posttrain.config.schema import config_schema
 
     print(json.dumps(config_schema(), indent=2))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ the sandbox
+
+
+def _sandbox_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", required=True)
+    run = actions.add_parser("run", help="run FILE.py exactly as the python tool runs model code")
+    run.add_argument("file", type=Path, help="the Python program")
+    run.add_argument("--timeout", type=float, default=None, help="wall-clock seconds (default the tool's 10)")
+    run.add_argument("--json", action="store_true", help="print {returncode, stdout, stderr, timed_out}")
+    score = actions.add_parser("score", help="score FILE.py as code_tests scores a completion")
+    score.add_argument("file", type=Path, help="the code (a completion's last Python block)")
+    score.add_argument("--tests", type=Path, required=True, help="one test per line (assert f(2) == 4)")
+    score.add_argument(
+        "--timeout", type=float, default=None, help="wall-clock seconds (default code_tests' 10)"
+    )
+    score.add_argument("--json", action="store_true", help='print {"score": ...}')
+    actions.add_parser("check", help="what the sandbox holds on this machine, one line per confinement")
+
+
+@command(
+    "sandbox",
+    "run, score or check the sandbox that model-written code runs in",
+    _sandbox_arguments,
+    """The sandbox of the python tool and the code_tests reward, by hand. run FILE.py runs it as the tool runs
+    model code and prints what it printed (--json: returncode, stdout, stderr, timed_out); posttrain exits 0
+    whenever the program ran, whatever it did. score FILE.py --tests TESTS.py scores FILE as code_tests scores a
+    completion whose code is FILE and whose tests are TESTS's lines. check prints what holds on this machine,
+    one line per confinement, and exits 1 when a required one is missing.""",
+)
+def cmd_sandbox(args: argparse.Namespace) -> int:
+    from posttrain.rollout import sandbox
+
+    if args.action == "check":
+        found = sandbox.confinement()
+        for line in found.held:
+            print(f"holds: {line}")
+        for line in found.missing:
+            print(f"MISSING: {line}")
+        return 1 if found.missing else 0
+    try:
+        code = args.file.read_text(encoding="utf-8")
+    except OSError as error:
+        raise UserError(f"{args.file}: cannot read it ({error.strerror})") from None
+    limits = (
+        sandbox.Limits()
+        if args.timeout is None
+        else sandbox.Limits(wall=args.timeout, cpu=int(args.timeout) + 1)
+    )
+    missing = sandbox.confinement().missing
+    strict = not missing
+    if missing:
+        print(f"note: this machine's sandbox lacks {'; '.join(missing)}", file=sys.stderr)
+    if args.action == "run":
+        ran = sandbox.run_python(code, limits, strict=strict)
+        result = {
+            "returncode": ran.returncode,
+            "stdout": ran.stdout,
+            "stderr": ran.stderr,
+            "timed_out": ran.timed_out,
+        }
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(ran.stdout, end="")
+            print(ran.stderr, end="", file=sys.stderr)
+            print(f"(exit {ran.returncode}{', timed out' if ran.timed_out else ''})")
+        return 0
+    try:
+        lines = args.tests.read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise UserError(f"--tests {args.tests}: cannot read it ({error.strerror})") from None
+    tests = [line for line in lines if line.strip()]
+    score = sandbox.tests_passed(code, tests, limits, strict=strict)
+    print(json.dumps({"score": score}) if args.json else f"score {score:g} ({len(tests)} tests)")
     return 0

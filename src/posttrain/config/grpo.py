@@ -143,24 +143,30 @@ class ModelReward(RewardConfig):
 
 class CodeTestsReward(RewardConfig):
     """The share of the row's tests that the completion's last Python block passes, run in the sandbox
-    (``rollout.sandbox``: a child process with wall and CPU time, memory and process limits, its own temporary
-    directory, no network and no writes elsewhere where the machine allows, none of the parent's environment).
-    0 without a code block."""
+    (``rollout.sandbox``: namespaces of its own, a read-only system, no network, memory, processes and disk
+    limited for the whole run, none of the parent's environment; ``posttrain sandbox check``). A test's
+    expressions are evaluated in the sandbox and its comparisons made outside it, so the program cannot forge
+    its score. 0 without a code block."""
 
     type: Literal["code_tests"] = "code_tests"
     """A built-in reward: run the code against tests."""
 
     column: str = "tests"
-    """The data column holding the tests: a list of statements (``assert f(2) == 4``) or one program."""
+    """The data column holding the tests: a list of tests, each one or more statements (``assert f(2) == 4``;
+    a top-level ``assert`` comparison is compared outside the sandbox, other statements run inside)."""
 
     timeout: HumanFloat = Field(default=10.0, gt=0.0)
     """Wall-clock seconds a completion's program may run (its CPU time is limited to the same)."""
 
     memory: HumanInt = Field(default=512 * 2**20, gt=0)
-    """Address space of the program, in bytes (``512Mi``)."""
+    """Memory of the program and everything it starts, in bytes (``512Mi``); also each process's address
+    space."""
 
     processes: HumanInt = Field(default=32, ge=1)
     """Processes the program may run at once."""
+
+    disk: HumanInt = Field(default=64 * 2**20, gt=0)
+    """Bytes the program may write in all (its directory, ``/tmp`` and ``/dev/shm``)."""
 
     parallel: HumanInt = Field(default=4, ge=1)
     """Completions run at once."""

@@ -121,6 +121,12 @@ class OnlineTrainerConfig(TrainerConfig):
     tokenizer has a response template, else the format its chat template writes (Hermes/Qwen
     ``<tool_call>`` JSON, Llama 3.1 JSON, Mistral ``[TOOL_CALLS]``), Hermes when it names none."""
 
+    sandbox_accept_weaker: bool = False
+    """Run model-written code (the ``python`` tool, the ``code_tests`` reward) even where this machine cannot
+    give the sandbox all its confinement (namespaces, its own read-only root, memory and processes limited
+    per run): the run then says in one line what holds. False: such a run stops before training, naming what
+    is missing (``posttrain sandbox check`` lists what holds here)."""
+
     rollout_func: str | None = None
     """TRL's ``rollout_func``, ``path/file.py:function``: a hand-written rollout, called as
     ``rollout_func(prompts, trainer)`` with one prompt per completion; it returns ``prompt_ids``,
@@ -177,6 +183,12 @@ class OnlineTrainerConfig(TrainerConfig):
     def agentic(self) -> bool:
         """Whether the model calls tools (``tools`` or an environment)."""
         return bool(self.tools or self.environment_factory)
+
+    @property
+    def runs_model_code(self) -> bool:
+        """Whether the run executes code the model wrote: the ``python`` tool or a ``code_tests`` reward."""
+        rewards = getattr(self, "rewards", None) or []
+        return "python" in self.tools or any(getattr(r, "type", "") == "code_tests" for r in rewards)
 
     def problems(self) -> Iterator[Problem]:
         yield from super().problems()

@@ -311,7 +311,11 @@ class RolloutTrainer:
 
 def rollouts(config: Any, tokenizer: Any, stops: list[int]) -> Agent | HandWritten | None:
     """The run's multi-turn rollouts: an ``Agent`` (tools, environments), a ``rollout_func``, or None (the
-    backend's single-turn completions)."""
+    backend's single-turn completions). A run that executes model-written code first checks the sandbox."""
+    if getattr(config, "runs_model_code", False):
+        from posttrain.rollout.sandbox import prepare
+
+        prepare(config.sandbox_accept_weaker)
     if getattr(config, "rollout_func", None):
         return HandWritten(config, tokenizer, stops)
     if getattr(config, "agentic", False):
@@ -321,29 +325,34 @@ def rollouts(config: Any, tokenizer: Any, stops: list[int]) -> Agent | HandWritt
 
 def agent_report(flight: Any) -> list[str]:
     """distill's ``report`` hook (``registry.ReportHook``), and part of grpo's: the pre-flight report's lines
-    for a run with tools (the tools, the limits, the call format, what the sandbox enforces here when code runs
-    in it, and the first training prompt as the model sees it); none without tools."""
+    for a run that executes model-written code (what the sandbox holds here) and for a run with tools (the
+    tools, the limits, the call format, and the first training prompt as the model sees it)."""
     config = flight.config
+    lines = []
+    if getattr(config, "runs_model_code", False):
+        from posttrain.rollout.sandbox import confinement
+
+        found = confinement()
+        lines.append(f"sandbox: {found.line()}")
+        if found.missing:
+            verdict = "runs with what holds" if config.sandbox_accept_weaker else "STOPS before training"
+            lines.append(
+                f"  (sandbox_accept_weaker: {str(config.sandbox_accept_weaker).lower()}: the run {verdict})"
+            )
     if not getattr(config, "agentic", False):
-        return []
+        return lines
     import numpy as np
 
     from posttrain.rollout.tools import tool_format
 
     names = [str(s["function"]["name"]) for schemas in config.data.tool_schemas.values() for s in schemas]
     turns = config.max_tool_calling_iterations
-    lines = [
+    lines.insert(
+        0,
         f"tools: {', '.join(dict.fromkeys(names))}; {'no limit on' if turns is None else f'at most {turns}'} "
         f"tool-calling turns, tool_timeout {config.tool_timeout:g} s; calls read as "
         f"{tool_format(flight.tokenizer, config.tool_call_format)}",
-    ]
-    sandboxed = "python" in config.tools or any(
-        getattr(r, "type", "") == "code_tests" for r in getattr(config, "rewards", [])
     )
-    if sandboxed:
-        from posttrain.rollout.sandbox import enforced
-
-        lines.append(f"sandbox: {enforced()}")
     if len(flight.data.train):
         ids = np.asarray(flight.data.train[0]["input_ids"]).tolist()
         text = flight.tokenizer.decode(ids, skip_special_tokens=False)

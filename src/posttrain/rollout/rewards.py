@@ -166,6 +166,7 @@ def code_tests(config: CodeTestsReward) -> RewardFunction:
         cpu=max(1, math.ceil(config.timeout)),
         memory=config.memory,
         processes=config.processes,
+        disk=config.disk,
     )
 
     def reward(completions: Sequence[Any], **columns: Any) -> list[float | None]:

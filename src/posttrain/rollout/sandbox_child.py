@@ -1,15 +1,27 @@
-"""The sandbox's launcher (``rollout.sandbox``): run by a fresh ``python -I``, it confines itself, then
-replaces itself with the program (``os.execv``), which keeps every confinement. Standard library only, so that
-nothing of the training process's packages loads before the limits apply.
+"""The sandbox's launcher (``rollout.sandbox``): run by a fresh ``python -I``, it builds the confinement, then
+the program replaces its last process (``os.execv``), which keeps every part of it. Standard library only:
+nothing of the training process's packages loads before the confinement holds.
 
-Steps: resource limits (CPU seconds, address space, file size, no core files); a new user and network
-namespace (no network device but a loopback that is down) where the kernel allows unprivileged ones; the
-process count limit (counted in the new user namespace); Landlock (Linux 5.13+): writes only under the working
-directory (and ``/dev/null``), no TCP bind or connect (ABI 4+), no signals to or abstract sockets of processes
-outside (ABI 6+). It prints what held to stderr's first line when asked (``--report``).
+Three processes: the launcher (L) joins the run's cgroups (memory and processes per run, made by the parent)
+and sets the resource limits; its child (N) leaves for new user, mount, PID, IPC, network and UTS
+namespaces; L, still outside, maps N's root to an unprivileged user (``nobody`` when L is root, else L's own
+user) and tells N to go on; N's child (P) is process 1 of the new PID namespace: it builds a root file system
+of its own (a size-limited tmpfs holding the program's directory, ``/tmp`` and ``/dev/shm``; the system and
+Python's directories bound read-only; four devices; a fresh ``/proc``), switches to it, forbids new user
+namespaces, drops every capability, sets ``no_new_privs``, adds Landlock's rules where the kernel has them
+and becomes the program. P's host PID goes to the parent on a pipe, so the parent can end the whole
+namespace (killing process 1 of a PID namespace kills everything in it) even if the program left L's process
+group. The program's output goes to the parent's pipes, never to files.
 
-Argument: a JSON object with ``cpu`` (s), ``memory`` (bytes), ``file_size`` (bytes), ``processes``, ``workdir``,
-``program`` (argv after the interpreter), ``cgroup`` (a pids cgroup directory to join, or null).
+Where the kernel makes no user namespace (an old kernel, a container that forbids them) and the run accepts
+less (``strict`` false), L runs the program itself in ``workdir`` on the host, with the resource limits, a
+clean environment and, where the kernel has Landlock, writes only there, no TCP and no signals out.
+
+Arguments: two file descriptors: one to read the JSON spec from (``cpu`` s, ``memory`` bytes of address
+space per process, ``file_size``, ``processes``, ``disk`` bytes of the tmpfs, ``cgroups`` to join, ``binds``
+read-only directories, ``root`` an empty directory to build the new root on, ``workdir`` the host directory of
+the fallback, ``program`` argv after the interpreter, ``files`` name -> text for the program's directory,
+``strict``), one to write what held to (JSON lines: ``held``, ``pid``, ``failed``).
 """
 
 from __future__ import annotations
@@ -18,20 +30,26 @@ import ctypes
 import json
 import os
 import resource
+import signal
 import sys
 
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
-PR_SET_NO_NEW_PRIVS = 38
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+SYS_PIVOT_ROOT, SYS_CAPSET = 155, 126
 CREATE_RULESET, ADD_RULE, RESTRICT_SELF = 444, 445, 446
-RULESET_VERSION = 1
 PATH_BENEATH = 1
 WRITE_FILE = 1 << 1
-#: every right that changes the file system (remove, make char/dir/reg/sock/fifo/block/sym), by ABI: REFER
-#: (v2), TRUNCATE (v3)
 _WRITES = WRITE_FILE | sum(1 << bit for bit in range(4, 13))
 REFER, TRUNCATE = 1 << 13, 1 << 14
 BIND_TCP, CONNECT_TCP = 1, 2
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1, 2
+NOBODY = 65534
+DEVICES = ("null", "zero", "urandom", "random")
 
 
 class RulesetAttr(ctypes.Structure):
@@ -43,80 +61,316 @@ class PathBeneath(ctypes.Structure):
     _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
 
 
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
 
-def new_namespaces(libc: ctypes.CDLL) -> bool:
-    """A user namespace (mapping this uid and gid to themselves) with a network namespace of its own."""
-    uid, gid = os.getuid(), os.getgid()
-    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) != 0:
-        return False
-    try:
-        with open("/proc/self/setgroups", "w") as f:
-            f.write("deny")
-        with open("/proc/self/uid_map", "w") as f:
-            f.write(f"{uid} {uid} 1")
-        with open("/proc/self/gid_map", "w") as f:
-            f.write(f"{gid} {gid} 1")
-    except OSError:
-        pass  # files then belong to the overflow ids; the network is still cut
-    return True
+class CapData(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
 
 
-def landlock(libc: ctypes.CDLL, workdir: str) -> list[str]:
-    """Writes under ``workdir`` only, no TCP, no signals out: what held, by ABI."""
-    abi = libc.syscall(CREATE_RULESET, None, 0, RULESET_VERSION)
+LIBC = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
+def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(
+        LIBC.mount(
+            source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
+            data.encode() if data else None,
+        ),
+        f"mount {source} on {target}",
+    )  # fmt: skip
+
+
+def _locked_flags(path: str) -> int:
+    """The flags of the mount holding ``path`` that a user namespace may not clear on a bind of it."""
+    found = os.statvfs(path).f_flag
+    return (
+        (MS_NOSUID if found & os.ST_NOSUID else 0)
+        | (MS_NODEV if found & os.ST_NODEV else 0)
+        | (MS_NOEXEC if found & os.ST_NOEXEC else 0)
+    )
+
+
+def _bind_read_only(source: str, target: str) -> None:
+    _mount(source, target, None, MS_BIND | MS_REC)
+    _mount(
+        "none", target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | _locked_flags(source)
+    )
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+# ------------------------------------------------------------------------------ P: the program's process
+
+
+def _new_root(spec: dict) -> None:
+    """The program's file system: a tmpfs root (its directory, /tmp, /dev/shm: the disk it may fill), the
+    system and Python's directories read-only, four devices, a fresh /proc; the host's tree detached."""
+    root = spec["root"]
+    _mount("none", "/", None, MS_REC | MS_PRIVATE)
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['disk']},mode=0755")
+    for name in ("home/sandbox", "tmp", "dev", "dev/shm", "proc", "old"):
+        os.makedirs(f"{root}/{name}", exist_ok=True)
+    os.chmod(f"{root}/tmp", 0o1777)
+    for directory, link, fd in spec["opened"]:
+        inside = root + directory
+        os.makedirs(os.path.dirname(inside), exist_ok=True)
+        if link is not None:  # /bin -> usr/bin on merged systems
+            os.symlink(link, inside)
+            continue
+        os.makedirs(inside, exist_ok=True)
+        # through the descriptor L opened: the unprivileged user may not be able to walk to it (/root)
+        _bind_read_only(f"/proc/self/fd/{fd}", inside)
+        os.close(fd)
+    for device in DEVICES:
+        inside = f"{root}/dev/{device}"
+        open(inside, "w").close()
+        _mount(f"/dev/{device}", inside, None, MS_BIND)
+    for name, text in spec["files"].items():
+        _write(f"{root}/home/sandbox/{name}", text)
+    # proc before the host's tree goes: the kernel mounts a new proc only where a whole one is visible
+    _mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.chdir(root)
+    _check(LIBC.syscall(SYS_PIVOT_ROOT, b".", b"old"), "pivot_root")
+    _check(LIBC.umount2(b"/old", MNT_DETACH), "umount the host's tree")
+    os.rmdir("/old")
+    os.chdir("/home/sandbox")
+
+
+def _no_capabilities() -> None:
+    """No new user namespaces (the kernel counts them per namespace), then every capability dropped."""
+    _write("/proc/sys/user/max_user_namespaces", "0")
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    LIBC.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header, data = CapHeader(0x20080522, 0), (CapData * 2)()
+    _check(LIBC.syscall(SYS_CAPSET, ctypes.byref(header), ctypes.byref(data)), "capset")
+    _check(LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def _landlock(writable: tuple[str, ...], outside: bool = False) -> list[str]:
+    """Writes only under ``writable`` where Landlock exists: a second fence inside the read-only tree; on the
+    host (``outside``: no namespaces), also no TCP (ABI 4) and no signals or abstract sockets out (ABI 6)."""
+    abi = LIBC.syscall(CREATE_RULESET, None, 0, 1)
     if abi < 1:
         return []
     writes = _WRITES | (REFER if abi >= 2 else 0) | (TRUNCATE if abi >= 3 else 0)
-    attr = RulesetAttr(
-        writes,
-        (BIND_TCP | CONNECT_TCP) if abi >= 4 else 0,
-        (SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL) if abi >= 6 else 0,
-    )
+    net = (BIND_TCP | CONNECT_TCP) if outside and abi >= 4 else 0
+    scoped = (SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL) if outside and abi >= 6 else 0
+    attr = RulesetAttr(writes, net, scoped)
     size = ctypes.sizeof(RulesetAttr) if abi >= 6 else 16 if abi >= 4 else 8
-    ruleset = libc.syscall(CREATE_RULESET, ctypes.byref(attr), size, 0)
+    ruleset = LIBC.syscall(CREATE_RULESET, ctypes.byref(attr), size, 0)
     if ruleset < 0:
         return []
-    for path, allowed in ((workdir, writes), ("/dev/null", WRITE_FILE | (TRUNCATE if abi >= 3 else 0))):
+    for path in writable:
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        rule = PathBeneath(allowed, fd)
-        libc.syscall(ADD_RULE, ruleset, PATH_BENEATH, ctypes.byref(rule), 0)
+        allowed = writes if os.path.isdir(path) else WRITE_FILE | (TRUNCATE if abi >= 3 else 0)
+        LIBC.syscall(ADD_RULE, ruleset, PATH_BENEATH, ctypes.byref(PathBeneath(allowed, fd)), 0)
         os.close(fd)
-    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    if libc.syscall(RESTRICT_SELF, ruleset, 0) != 0:
+    LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    if LIBC.syscall(RESTRICT_SELF, ruleset, 0) != 0:
         return []
-    held = ["writes only in its directory"]
-    if abi >= 4:
-        held.append("no TCP bind or connect")
-    if abi >= 6:
-        held.append("no signals or abstract sockets outside")
+    held = [
+        f"Landlock ABI {abi}: writes only in "
+        + ("its directory" if outside else "its directory, /tmp, /dev/shm")
+    ]
+    if net:
+        held.append("no TCP bind or connect (Landlock)")
+    if scoped:
+        held.append("no signals or abstract sockets outside (Landlock)")
     return held
 
 
-def main() -> None:
-    report = "--report" in sys.argv
-    spec = json.loads(sys.argv[-1])
+def program(spec: dict, held: list[str], report: int) -> None:
+    """P: process 1 of the new PID namespace, which becomes the program."""
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    try:
+        _check(LIBC.sethostname(b"sandbox", 7), "sethostname")
+        _new_root(spec)
+        held.append("its own root: system and Python read-only, a private /tmp and /dev/shm, a fresh /proc")
+        held.append(f"disk: {spec['disk']} bytes in all (tmpfs)")
+        _no_capabilities()
+        held.append("no capabilities, no new privileges, no new user namespaces")
+    except Exception as error:  # whatever stops the confinement stops the run, with its reason
+        os.write(report, json.dumps({"failed": f"{type(error).__name__}: {error}"}).encode() + b"\n")
+        os._exit(125)
+    held += _landlock(("/home/sandbox", "/tmp", "/dev/shm", "/dev/null"))
+    # counted per user namespace: a second fence behind the run's pids cgroup
+    resource.setrlimit(resource.RLIMIT_NPROC, (spec["processes"], spec["processes"]))
+    os.write(report, json.dumps({"held": held}).encode() + b"\n")
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": "/home/sandbox",
+        "TMPDIR": "/tmp",
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    os.execve(sys.executable, [sys.executable, "-I", *spec["program"]], env)
+
+
+# ------------------------------------------------------------------------------ N and L
+
+
+def _wait(pid: int) -> int:
+    """The exit status of ``pid`` as a shell gives it (128 + signal)."""
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
+def namespaces(spec: dict, go: int, ready: int, report: int) -> None:
+    """N: new namespaces; once L has mapped its users, the program's process (P) is its child."""
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWUTS
+    unshared = LIBC.unshare(flags) == 0
+    os.write(ready, b"1" if unshared else b"0")
+    os.close(ready)
+    answer = os.read(go, 1)
+    os.close(go)
+    if answer != b"1":
+        os._exit(125)
+    # opened in the new mount namespace (which P shares), while N is still the trainer's user outside, who
+    # may walk to them (/root)
+    spec["opened"] = open_binds(spec["binds"])
+    os.setresgid(0, 0, 0)  # become the namespace's root: the unprivileged user outside
+    os.setresuid(0, 0, 0)
+    held = ["user (mapped to an unprivileged user)", "mount", "PID", "IPC", "network", "UTS"]
+    child = os.fork()
+    if child == 0:
+        program(spec, [f"namespaces: {', '.join(held)}"], report)
+    os.write(report, json.dumps({"pid": child}).encode() + b"\n")
+    os.close(report)
+    os._exit(_wait(child))
+
+
+def _map_users(pid: int) -> None:
+    """Root of the new user namespace is ``nobody`` outside when the launcher is root, else its own user."""
+    uid, gid = os.getuid(), os.getgid()
+    outside_uid, outside_gid = (NOBODY, NOBODY) if uid == 0 else (uid, gid)
+    _write(f"/proc/{pid}/setgroups", "deny")
+    _write(f"/proc/{pid}/uid_map", f"0 {outside_uid} 1")
+    _write(f"/proc/{pid}/gid_map", f"0 {outside_gid} 1")
+
+
+def limits(spec: dict) -> list[str]:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_CPU, (spec["cpu"], spec["cpu"] + 1))
     resource.setrlimit(resource.RLIMIT_AS, (spec["memory"], spec["memory"]))
     resource.setrlimit(resource.RLIMIT_FSIZE, (spec["file_size"], spec["file_size"]))
-    libc = _libc()
-    held = ["CPU time", "memory", "file size"]
-    if spec.get("cgroup"):  # a pids cgroup the parent made: the process count, whatever the user
-        with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
-        held.append("process count (pids cgroup)")
-    elif os.getuid() != 0:  # root is exempt from RLIMIT_NPROC, in any namespace
-        held.append("process count (RLIMIT_NPROC)")
-    if new_namespaces(libc):
-        held.append("own network namespace")
-    resource.setrlimit(resource.RLIMIT_NPROC, (spec["processes"], spec["processes"]))
-    held += landlock(libc, spec["workdir"])
-    if report:
-        print("confined: " + ", ".join(held), file=sys.stderr, flush=True)
-    os.execv(sys.executable, [sys.executable, "-I", *spec["program"]])
+    held = ["CPU time per process", "memory per process", "file size"]
+    for group in spec["cgroups"]:
+        _write(os.path.join(group, "cgroup.procs"), str(os.getpid()))
+    return held
+
+
+def _reachable_by_others(path: str) -> bool:
+    """Whether a user with no relation to the file's owners may run ``path`` (each directory on its way
+    searchable by others, the file executable by others)."""
+    path = os.path.realpath(path)
+    parts = path.split("/")
+    for end in range(2, len(parts)):
+        if not os.stat("/".join(parts[:end])).st_mode & 0o001:
+            return False
+    return bool(os.stat(path).st_mode & 0o001)
+
+
+def on_the_host(spec: dict, held: list[str], report: int) -> None:
+    """No namespaces here, and the run accepts that: the program in its host directory, with the limits."""
+    os.makedirs(spec["workdir"], mode=0o700)
+    os.chdir(spec["workdir"])
+    for name, text in spec["files"].items():
+        _write(name, text)
+    if os.getuid() == 0 and _reachable_by_others(sys.executable):  # not root: nobody, who owns only this
+        for path in [spec["workdir"], *spec["files"]]:
+            os.chown(path, NOBODY, NOBODY)
+        os.setgroups([])
+        os.setresgid(NOBODY, NOBODY, NOBODY)
+        os.setresuid(NOBODY, NOBODY, NOBODY)
+        held.append("runs as nobody")
+    held += _landlock((spec["workdir"], "/dev/null"), outside=True)
+    if os.getuid() == 0:
+        held.append("runs as the trainer's root (its Python is not reachable by nobody)")
+    os.write(report, json.dumps({"held": held, "pid": os.getpid()}).encode() + b"\n")
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": spec["workdir"],
+        "TMPDIR": spec["workdir"],
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    os.execve(sys.executable, [sys.executable, "-I", *spec["program"]], env)
+
+
+def open_binds(directories: list[str]) -> list[tuple[str, str | None, int]]:
+    """The read-only directories as the trainer's user sees them: a symlink's target, or a descriptor."""
+    opened = []
+    for directory in directories:
+        if os.path.islink(directory):
+            opened.append((directory, os.readlink(directory), -1))
+        elif os.path.isdir(directory):
+            opened.append((directory, None, os.open(directory, os.O_PATH | os.O_DIRECTORY)))
+    return opened
+
+
+def on_the_host_or_fail(spec: dict, held: list[str], report: int) -> None:
+    try:
+        on_the_host(spec, held, report)
+    except Exception as error:  # the program never starts without the limits it was given
+        os.write(report, json.dumps({"failed": f"{type(error).__name__}: {error}"}).encode() + b"\n")
+        os._exit(125)
+
+
+def main() -> None:
+    with os.fdopen(int(sys.argv[1]), "rb") as source:
+        spec = json.loads(source.read())
+    report = int(sys.argv[2])
+    os.set_inheritable(report, False)  # closed by the program's exec; open to say why an exec failed
+    held = limits(spec)
+    if not spec["namespaces"]:
+        on_the_host_or_fail(spec, held, report)
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(ready_r)
+        os.close(go_w)
+        namespaces(spec, go_r, ready_w, report)
+    os.close(ready_w)
+    os.close(go_r)
+    unshared = os.read(ready_r, 1) == b"1"
+    if unshared:
+        try:
+            _map_users(child)
+        except OSError:
+            unshared = False
+    if not unshared:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        if not spec["strict"]:
+            on_the_host_or_fail(spec, held, report)
+        os.write(report, json.dumps({"failed": "the kernel made no user namespace here"}).encode() + b"\n")
+        os._exit(125)
+    os.write(report, json.dumps({"held": held}).encode() + b"\n")
+    os.close(report)
+    os.write(go_w, b"1")
+    os.close(go_w)
+    os._exit(_wait(child))
 
 
 if __name__ == "__main__":
