@@ -134,9 +134,11 @@ def build_model(
     arch: str = "llama",
     experts: int = 8,
     top_k: int = 2,
+    tied: bool = False,
 ):  # -> PreTrainedModel
     """A randomly initialised causal LM (float32): LLaMA, or a mixture-of-experts family (``arch``) with
-    ``experts`` experts and ``top_k`` of them per token in every layer."""
+    ``experts`` experts and ``top_k`` of them per token in every layer; ``tied``: the LM head is the input
+    embedding (as Qwen2.5 up to 3B, Llama 3.2 1B/3B, Gemma)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -150,7 +152,7 @@ def build_model(
         else _moe_settings(arch, hidden_size, heads, experts, top_k)
     )
     special = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
-    shape = _shape(vocab_size, hidden_size, layers, heads, max_position_embeddings, special)
+    shape = _shape(vocab_size, hidden_size, layers, heads, max_position_embeddings, special, tied)
     config = AutoConfig.for_model(arch, **shape, **settings)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -167,8 +169,10 @@ def write_tiny_model(
     arch: str = "llama",
     experts: int = 8,
     top_k: int = 2,
+    tied: bool = False,
 ) -> Path:
-    """Write model + tokenizer in Hugging Face format to ``out_dir`` (atomically) and return the path.
+    """Write model + tokenizer in Hugging Face format to ``out_dir`` (atomically) and return the path
+    (``tied``: the LM head is the input embedding, and the checkpoint holds it once).
 
     The dense LLaMA is written with ``tokenizers``, NumPy and ``safetensors`` alone (about half a second, no
     torch or transformers import: ``posttrain init`` answers at once); the MoE families are built by
@@ -179,7 +183,7 @@ def write_tiny_model(
         if hidden_size % heads:
             raise ValueError(f"hidden_size {hidden_size} must be a multiple of the {heads} attention heads")
         with atomic_dir(out_dir) as tmp:
-            _write_llama(tmp, seed, hidden_size, layers, vocab_size, heads)
+            _write_llama(tmp, seed, hidden_size, layers, vocab_size, heads, tied)
         return Path(out_dir)
     tokenizer = build_tokenizer(vocab_size=vocab_size, seed=seed)
     model = build_model(
@@ -194,6 +198,7 @@ def write_tiny_model(
         arch=arch,
         experts=experts,
         top_k=top_k,
+        tied=tied,
     )
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -205,7 +210,13 @@ def write_tiny_model(
 
 
 def _shape(
-    vocab_size: int, hidden_size: int, layers: int, heads: int, positions: int, special: dict[str, Any]
+    vocab_size: int,
+    hidden_size: int,
+    layers: int,
+    heads: int,
+    positions: int,
+    special: dict[str, Any],
+    tied: bool = False,
 ) -> dict[str, Any]:
     """What every tiny model's config sets, whichever way it is built (``build_model``, ``llama_config``)."""
     return {
@@ -215,7 +226,7 @@ def _shape(
         "num_attention_heads": heads,
         "num_key_value_heads": max(1, heads // 2),
         "max_position_embeddings": positions,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": tied,
         "dtype": "float32",
         **special,
     }
@@ -226,14 +237,14 @@ def _dense_settings(hidden_size: int) -> dict[str, Any]:
 
 
 def llama_config(
-    vocab_size: int, hidden_size: int, layers: int, heads: int, special: dict[str, int]
+    vocab_size: int, hidden_size: int, layers: int, heads: int, special: dict[str, int], tied: bool = False
 ) -> dict[str, Any]:
     """The tiny LLaMA's ``config.json``: what ``build_model`` sets, and the transformers defaults the NumPy
     weights depend on (activation, norm epsilon, initialisation range)."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        **_shape(vocab_size, hidden_size, layers, heads, 1024, special),
+        **_shape(vocab_size, hidden_size, layers, heads, 1024, special, tied),
         **_dense_settings(hidden_size),
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
@@ -271,11 +282,14 @@ def _llama_weights(config: dict[str, Any], seed: int) -> dict[str, Any]:
         for norm in ("input_layernorm", "post_attention_layernorm"):
             weights[f"{prefix}{norm}.weight"] = np.ones(hidden, dtype=np.float32)
     weights["model.norm.weight"] = np.ones(hidden, dtype=np.float32)
-    weights["lm_head.weight"] = matrix(vocab, hidden)
+    if not config["tie_word_embeddings"]:  # a tied head is the embedding, saved once (as transformers does)
+        weights["lm_head.weight"] = matrix(vocab, hidden)
     return weights
 
 
-def _write_llama(out: Path, seed: int, hidden_size: int, layers: int, vocab_size: int, heads: int) -> None:
+def _write_llama(
+    out: Path, seed: int, hidden_size: int, layers: int, vocab_size: int, heads: int, tied: bool = False
+) -> None:
     import json
 
     from safetensors.numpy import save_file
@@ -285,7 +299,7 @@ def _write_llama(out: Path, seed: int, hidden_size: int, layers: int, vocab_size
         f"{role}_token_id": tokenizer.token_to_id(token)
         for role, token in (("bos", BOS), ("eos", EOS), ("pad", PAD))
     }
-    config = llama_config(tokenizer.get_vocab_size(), hidden_size, layers, heads, special)
+    config = llama_config(tokenizer.get_vocab_size(), hidden_size, layers, heads, special, tied)
     tokenizer.save(str(out / "tokenizer.json"))
     settings = {"tokenizer_class": "PreTrainedTokenizerFast", **_TOKENIZER_SETTINGS}
     files = {

@@ -218,3 +218,31 @@ def test_the_server_of_a_gpu_run_takes_the_weights_over_nccl(tiny_model_dir: Any
     assert "--weight-transfer-config" not in on_cpu and "--enforce-eager" in on_cpu
     with pytest.raises(UserError, match="vllm-serve starts the server of a grpo run"):
         server_settings(config(model={"name_or_path": str(tiny_model_dir)}), "cpu")
+
+
+def test_a_tied_head_is_found_and_a_layer_that_took_no_weight_is_an_error() -> None:
+    """The worker extension prepares tied layers again after a push (the head of a tied model takes no weight
+    of its own); any other layer without its weights stops the run in one line."""
+    from posttrain.rollout.vllm_engine import check_reload
+    from posttrain.rollout.vllm_worker import tied_layers
+    from posttrain.tiny_model import build_model
+
+    tied, untied = build_model(256, tied=True), build_model(256)
+    assert list(tied_layers(tied)) == ["lm_head"] and not tied_layers(untied)
+    check_reload([{"refreshed": ["lm_head"], "missing": []}], "the engine")
+    with pytest.raises(
+        UserError, match=r"the engine did not take the pushed weights of its QKVParallelLinear"
+    ):
+        check_reload([{"missing": ["QKVParallelLinear"]}, {"missing": []}], "the engine")
+
+
+def test_an_engine_that_parts_from_the_trainer_is_said() -> None:
+    from posttrain.methods.grpo.losses import engine_mismatch
+
+    close = {"sampling/sampling_logp_difference/mean": 2e-6, "sampling/sampling_logp_difference/max": 1e-5}
+    far = {"sampling/sampling_logp_difference/mean": 0.2, "sampling/sampling_logp_difference/max": 3.1}
+    assert engine_mismatch(close, "float32") == ""
+    assert engine_mismatch({"sampling/sampling_logp_difference/mean": 0.05}, "bfloat16") == ""
+    line = engine_mismatch(far, "bfloat16")
+    assert "0.2 nats a token on average (max 3.1), far above what bfloat16 explains" in line
+    assert "not sampling from the trained weights" in engine_mismatch(far, "float32")

@@ -78,6 +78,9 @@ def _tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--experts", type=int, default=8, help="MoE: experts per layer")
     parser.add_argument("--top-k", type=int, default=2, help="MoE: experts per token")
+    parser.add_argument(
+        "--tied", action="store_true", help="the LM head is the input embedding (Qwen2.5, Llama 3.2, Gemma)"
+    )
 
 
 @command(
@@ -90,7 +93,7 @@ def _tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from posttrain.tiny_model import write_tiny_model
 
-    options = ("seed", "hidden_size", "layers", "vocab_size", "heads", "arch", "experts", "top_k")
+    options = ("seed", "hidden_size", "layers", "vocab_size", "heads", "arch", "experts", "top_k", "tied")
     print(f"wrote {write_tiny_model(args.out_dir, **{name: getattr(args, name) for name in options})}")
     return 0
 

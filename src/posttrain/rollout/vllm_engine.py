@@ -104,6 +104,7 @@ def engine_settings(
         "trust_remote_code": config.model.trust_remote_code,
         "enable_prefix_caching": True,
         "generation_config": "vllm",  # the model's generation_config.json sets no sampling default
+        "worker_extension_cls": WORKER_EXTENSION,  # the checked weight push (rollout/vllm_worker.py)
     }
     # vLLM's engine core in this process: the weights are pushed as tensors, never serialized
     env = {
@@ -296,12 +297,14 @@ class VLLMBackend(EngineCopy):
         return completions_of(outputs, self.stop_ids, logprobs)
 
     def push(self, module: torch.nn.Module) -> None:
-        """The training weights into the engine, in place, then its prefix cache emptied."""
+        """The training weights into the engine, in place (every layer taking them, tied ones prepared again),
+        then its prefix cache emptied."""
         if self.sleeps:
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": named_weights(module), "is_checkpoint_format": True}
+        reports = self.llm.collective_rpc(
+            "posttrain_reload", kwargs={"weights_iterator": named_weights(module)}
         )
+        check_reload(reports, "the colocated vLLM engine")
         self.llm.reset_prefix_cache()
         self.stale = False
 
@@ -314,6 +317,24 @@ class VLLMBackend(EngineCopy):
         with contextlib.suppress(Exception):
             self.llm.llm_engine.engine_core.shutdown()
         del self.llm
+
+
+#: posttrain's methods on vLLM's workers (the checked weight push), for the engine and the server
+WORKER_EXTENSION = "posttrain.rollout.vllm_worker.PosttrainWorker"
+
+
+def check_reload(reports: Sequence[Any], engine: str) -> None:
+    """Every worker's report of a push: a layer that took none of the pushed weights is an error (the engine
+    would sample from weights that are not the trained ones)."""
+    missing = sorted(
+        {name for report in reports if isinstance(report, dict) for name in report.get("missing", [])}
+    )
+    if missing:
+        raise UserError(
+            f"{engine} did not take the pushed weights of its {', '.join(missing)} layers: it would sample from "
+            "weights that are not the trained ones. The model's parameter names differ from what vLLM's model "
+            "class loads; use use_vllm: false (transformers' generate) for this model"
+        )
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ from posttrain.rollout.generation import Completions, Sampling
 from posttrain.rollout.vllm_engine import (
     EngineCopy,
     EngineSettings,
+    check_reload,
     engine_settings,
     free_port,
     model_context,
@@ -62,6 +63,7 @@ SERVER_FLAGS = {
     "block_size": "--block-size",
     "gpu_memory_utilization": "--gpu-memory-utilization",
     "tensor_parallel_size": "--tensor-parallel-size",
+    "worker_extension_cls": "--worker-extension-cls",
     "weight_transfer_config": "--weight-transfer-config",
 }
 #: switches: given when true
@@ -297,13 +299,10 @@ class VLLMServerBackend(EngineCopy):
             folder = Path(tempfile.mkdtemp(prefix="posttrain-weights-", dir=self.folder()))
             try:
                 save_file(weights, str(folder / "model.safetensors"))
-                self.client.call(
-                    "/collective_rpc",
-                    {
-                        "method": "reload_weights",
-                        "kwargs": {"weights_path": str(folder), "is_checkpoint_format": True},
-                    },
+                answer = self.client.call(
+                    "/collective_rpc", {"method": "posttrain_reload", "kwargs": {"weights_path": str(folder)}}
                 )
+                check_reload((answer or {}).get("results", []), f"the vLLM server at {self.client.url}")
                 self.client.call("/reset_prefix_cache", {})
             except urllib.error.HTTPError as error:
                 raise UserError(

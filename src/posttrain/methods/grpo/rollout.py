@@ -12,10 +12,12 @@ import torch
 
 from posttrain.context import RunContext
 from posttrain.dist import all_gather_rows, all_reduce_sum
+from posttrain.logs import say
 from posttrain.methods.grpo.losses import (
     PolicyLoss,
     SamplingCorrection,
     advantages,
+    engine_mismatch,
     loss_units,
     nanstd,
     reward_spread,
@@ -79,6 +81,7 @@ class GRPORollout:
         self.correction = sampling_correction_of(config)
         self.wants_sampling_logps = self.correction is not None
         self.updates = config.num_iterations
+        self.mismatch_said = False  # the engine-mismatch line, once a run
         self.extra: dict[str, list[Any]] = {}
         self.values = torch.zeros(0, 0)
         self.totals = torch.zeros(0)
@@ -127,7 +130,12 @@ class GRPORollout:
             batch["num_loss_units"] = loss_units(self.params, batch["completion_mask"])
         statistics = self._add_log_probabilities(micro_batches)
         if statistics is not None:
-            feed.metrics.latest.update(sampling_records(all_gather_rows(statistics[None], self.ctx.dist)))
+            records = sampling_records(all_gather_rows(statistics[None], self.ctx.dist))
+            feed.metrics.latest.update(records)
+            line = engine_mismatch(records, self.config.model.dtype)
+            if line and not self.mismatch_said:
+                say(line)
+                self.mismatch_said = True
 
     def log_fields(self, feed: OnlineSteps, rollout: Rollout, index: int) -> dict[str, Any]:
         """The completion's total reward, each function's, its advantage and the columns the rewards added
