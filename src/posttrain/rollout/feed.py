@@ -135,6 +135,7 @@ class RolloutMetrics:
         self.method, self.backend = method, backend
         self.latest: dict[str, Any] = {}
         self.generation_time = 0.0
+        self.scoring_time = 0.0  # the method's work on the completions (rewards, a teacher's scores...)
         self.yielded_at = time.perf_counter()
         self.closing: list[Any] = []  # the step feed's own closing (its log, its generation backend)
 
@@ -153,7 +154,8 @@ class RolloutMetrics:
         training = time.perf_counter() - self.yielded_at
         share = self.generation_time / (self.generation_time + training) if training > 0 else 0.0
         out = {**self.latest, "time_generation": self.generation_time, "generation_share": share}
-        self.generation_time = 0.0  # the batch's next updates generate nothing
+        out["time_scoring"] = self.scoring_time
+        self.generation_time = self.scoring_time = 0.0  # the batch's next updates generate nothing
         return out
 
     def describe(self) -> str:
@@ -305,7 +307,9 @@ class OnlineSteps:
         prompt_ids = completions.prompt_ids or prompt_ids
         self.metrics.generation_time = time.perf_counter() - started
         rollout = Rollout(epoch, batch, first, slots, slot_rows, prompt_ids, completions)
+        started = time.perf_counter()
         values = self.method.after_generation(self, rollout)
+        self.metrics.scoring_time = time.perf_counter() - started
         if self.turns is not None:
             self.metrics.latest.update(tool_records(completions, self.ctx.dist))
         micro_batches = self.micro_batches(prompt_ids, completions, values)

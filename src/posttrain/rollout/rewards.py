@@ -320,14 +320,16 @@ class RewardGuard:
         self.counts: dict[str, dict[str, int]] = {}
         self.unscorable: set[int] = set()
 
-    def call(self, rewards: Sequence[Reward], calls: list[tuple[int, dict[str, Any]]]) -> list[Outcome]:
-        """The outcome of each ``(reward index, arguments)`` call: in the workers (but for rewards that must run
-        here), else here, ``async`` ones awaited together as TRL gathers them."""
+    def call(
+        self, rewards: Sequence[Reward], calls: list[tuple[int, dict[str, Any]]], width: int | None = None
+    ) -> list[Outcome]:
+        """The outcome of each ``(reward index, arguments)`` call: in the workers (``width`` at a time; but for
+        rewards that must run here), else here, ``async`` ones awaited together as TRL gathers them."""
         outcomes: list[Outcome | None] = [None] * len(calls)
         remote = [i for i, (r, _) in enumerate(calls) if self.workers is not None and not rewards[r].local]
         if remote:
             assert self.workers is not None
-            for i, outcome in zip(remote, self.workers.run([calls[i] for i in remote]), strict=True):
+            for i, outcome in zip(remote, self.workers.run([calls[i] for i in remote], width), strict=True):
                 outcomes[i] = outcome
         pending: list[tuple[int, Any]] = []
         for i, (r, arguments) in enumerate(calls):
@@ -397,7 +399,10 @@ def score_all(
         if guard.errors == "raise":
             raise _failed(reward, outcome, origins)
         count = len(completions)
-        alone = guard.call(rewards, [(index, single) for single in one_by_one(arguments, count)])
+        # one call per completion, all at once in the workers: those that hang cost one timeout together
+        alone = guard.call(
+            rewards, [(index, single) for single in one_by_one(arguments, count)], RewardWorkers.RETRY_WIDTH
+        )
         values = []
         for position, single in enumerate(alone):
             _merge_logs(context, single)
