@@ -147,9 +147,19 @@ def test_one_and_two_processes_draw_the_same_trajectories(
         assert abs(one["loss"] - two["loss"]) <= 1e-6, step
 
 
+OBSERVING = """
+class Observing(Calculator):
+    def reset(self, answer, **row):
+        super().reset(answer, **row)
+        return "Use the calculator."
+"""
+
+
 def test_an_environment_gives_tools_and_the_reward(tool_model: dict[str, Path], tmp_path: Path) -> None:
+    """The environment's methods are the tools and its get_reward a reward; the completions log holds the
+    prompt as the model saw it (the tools' schemas, an observation reset returned) beside the data's."""
     code = tmp_path / "calculator.py"
-    code.write_text(ENVIRONMENT)
+    code.write_text(ENVIRONMENT + OBSERVING)
     config = agent_config(
         tool_model["model"],
         tool_model["train"],
@@ -166,6 +176,21 @@ def test_an_environment_gives_tools_and_the_reward(tool_model: dict[str, Path], 
     lines = _lines(tmp_path / "run")
     tool_answers = [m for line in lines for m in line["messages"] if m["role"] == "tool"]
     assert tool_answers  # the environment's method ran as the tool
+    assert all("multiply" in line["prompt_as_seen"] for line in lines)  # the schemas, as the template renders
+    observed = agent_config(
+        tool_model["model"],
+        tool_model["train"],
+        tmp_path / "observed",
+        train_iters=1,
+        tools=[],
+        rewards=[],
+        environment_factory=f"{code}:Observing",
+    )
+    train(observed)
+    for line in _lines(tmp_path / "observed"):
+        assert "Use the calculator." in line["prompt_as_seen"] and "Use the calculator." not in str(
+            line["prompt"]
+        )
 
 
 def test_a_hand_written_rollout(tool_model: dict[str, Path], tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import merge
+from tests.integration.helpers import merge, metrics, train
 from tests.resume_helpers import (
     DYING,
     assert_same_continuation,
@@ -75,3 +75,16 @@ def test_time_limit_stops_and_saves(base_config: dict, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "exit_duration_in_mins=0.05 reached" in done.stdout
     assert len([p for p in ckpt.iterdir() if p.name.startswith("global_step_")]) == 1
+
+
+def test_a_resumed_run_follows_the_configs_learning_rate(base_config: dict, tmp_path: Path, capsys) -> None:
+    """The checkpoint gives the step, the config the schedule: a learning rate changed on resume is the
+    one the next steps run at, and the run says so."""
+    checkpoint = {"type": "deepspeed", "output_dir": str(tmp_path / "ckpt"), "save_every_n_steps": 2}
+    first = merge(base_config, train_iters=2, optimizer={"lr": 1e-2}, checkpoint=[checkpoint])
+    train(first)
+    resumed = merge(first, train_iters=4, optimizer={"lr": 0.0}, checkpoint=[{**checkpoint, "auto_resume": True}])
+    train(resumed)
+    records = {r["iter"]: r for r in metrics(resumed)}
+    assert records[2]["lr"] == pytest.approx(1e-2) and records[3]["lr"] == 0.0 and records[4]["lr"] == 0.0
+    assert "the config's learning rate (0) differs from the checkpoint's (0.01)" in capsys.readouterr().out

@@ -4,6 +4,7 @@ importance-sampling correction by its formula, and the server's command, request
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -246,3 +247,119 @@ def test_an_engine_that_parts_from_the_trainer_is_said() -> None:
     line = engine_mismatch(far, "bfloat16")
     assert "0.2 nats a token on average (max 3.1), far above what bfloat16 explains" in line
     assert "not sampling from the trained weights" in engine_mismatch(far, "float32")
+
+
+class _Misbehaving:
+    """A server on 127.0.0.1 that answers as told: ``ok`` (JSON), ``reset`` (closes the connection),
+    ``slow`` (answers after 3 s), ``error`` (HTTP 500), per path; one thread, real sockets."""
+
+    def __init__(self, behaviour: dict[str, str]) -> None:
+        import http.server
+        import threading
+        import time
+
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                kind = outer.behaviour.get(self.path.split("?")[0], "ok")
+                if kind == "reset":
+                    self.connection.shutdown(2)
+                    return
+                if kind == "slow":
+                    time.sleep(3)
+                if kind == "error":
+                    self.send_error(500, "engine failed")
+                    return
+                body = json.dumps(outer.answers.get(self.path, {})).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+        self.behaviour = behaviour
+        self.answers: dict[str, Any] = {}
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_every_way_a_server_fails_is_one_line_naming_it() -> None:
+    import socket
+
+    from posttrain.rollout.vllm_server import ServerClient, ServerError
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    with pytest.raises(ServerError, match=rf"server at {nobody} refused the connection .* while generating"):
+        ServerClient(nobody, 1.0).call("/v1/completions", {}, doing="generating")
+    server = _Misbehaving({"/v1/completions": "reset", "/slow": "slow", "/boom": "error"})
+    try:
+        client = ServerClient(server.url, 1.0, request_timeout=0.5)
+        with pytest.raises(ServerError, match=r"closed the connection before answering .* while generating"):
+            client.call("/v1/completions", {}, doing="generating")
+        with pytest.raises(ServerError, match="did not answer in time while asking"):
+            client.call("/slow", doing="asking")
+        with pytest.raises(ServerError, match="answered HTTP 500"):
+            client.call("/boom", {}, doing="pushing")
+        with pytest.raises(
+            UserError, match=r"no vLLM server answered .* within 1 s .* refused|no vLLM server"
+        ):
+            ServerClient(nobody, 1.0).wait_until_up()
+    finally:
+        server.close()
+
+
+def test_a_server_that_dies_during_a_push_stops_the_run_in_one_line(tmp_path: Any) -> None:
+    """The weight push to a server that closes the connection mid-push: one line naming the server and the
+    push (a real push of a real model's weights to a socket that drops it)."""
+    from types import SimpleNamespace
+
+    from posttrain.rollout.vllm_server import ServerError, VLLMServerBackend
+    from posttrain.tiny_model import build_model
+
+    server = _Misbehaving({"/collective_rpc": "reset"})
+    server.answers["/v1/models"] = {"data": [{"id": "m", "root": "m", "max_model_len": 4096}]}
+    config = SimpleNamespace(
+        vllm_server_base_url=server.url,
+        vllm_server_timeout=5.0,
+        request_timeout=5.0,
+        weight_sync_timeout=5.0,
+        model=SimpleNamespace(name_or_path="m"),
+    )
+    dist = SimpleNamespace(is_main=True, rank=0, world_size=1)
+    try:
+        backend = VLLMServerBackend(config, build_model(256), [2], dist, needed=64)
+        with pytest.raises(
+            ServerError, match=r"closed the connection .* while taking the new weights \(weight_sync"
+        ):
+            backend.push(build_model(256))
+    finally:
+        server.close()
+
+
+def test_servers_on_one_machine_take_the_cores_they_are_given() -> None:
+    import os
+
+    from posttrain.rollout.vllm_server import parse_cores
+
+    mine = sorted(os.sched_getaffinity(0))
+    assert parse_cores(f"{mine[0]}") == [mine[0]]
+    assert parse_cores(f"{mine[0]}-{mine[-1]}") == mine
+    with pytest.raises(UserError, match="not a core list"):
+        parse_cores("a-b")
+    with pytest.raises(UserError, match="are not this process's"):
+        parse_cores("4096")

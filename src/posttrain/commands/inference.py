@@ -66,6 +66,11 @@ def _vllm_serve_arguments(parser: argparse.ArgumentParser) -> None:
     config_arguments(parser)
     parser.add_argument("--host", help="the address to listen on (default: the config's vllm_server_host)")
     parser.add_argument("--port", type=int, help="the port (default: the config's vllm_server_port)")
+    parser.add_argument(
+        "--cores",
+        help="CPU cores for its threads, as taskset writes them (0-3,6); default every core it may use: give "
+        "each server on a machine its own",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the command and exit")
 
 
@@ -75,9 +80,9 @@ def _vllm_serve_arguments(parser: argparse.ArgumentParser) -> None:
     _vllm_serve_arguments,
     """Start vLLM's OpenAI-compatible server for the run's model with the settings its colocated engine would
     take (context from data.max_length + max_completion_length, the model's dtype, processed log-probabilities,
-    the model's generation defaults off; on a CPU eager mode and a KV cache) and the weight-update endpoints
-    on. Run it where it can read the files rank 0 writes (the same machine, or a shared file system), then
-    train the same config. --dry-run prints the command.""",
+    the model's generation defaults off; on a CPU eager mode, a KV cache and its threads on --cores) and the
+    weight-update endpoints on. Run it where it can read the files rank 0 writes (the same machine, or a
+    shared file system), then train the same config. --dry-run prints the command.""",
 )
 def cmd_vllm_serve(args: argparse.Namespace) -> int:
     import os
@@ -86,10 +91,11 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
     import torch
 
     from posttrain.rollout.vllm_engine import require_vllm
-    from posttrain.rollout.vllm_server import server_command, server_settings
+    from posttrain.rollout.vllm_server import parse_cores, server_command, server_settings
 
     config = load(args.config, args.overrides)
-    settings = server_settings(config, "cuda" if torch.cuda.is_available() else "cpu")
+    cores = parse_cores(args.cores) if args.cores else None
+    settings = server_settings(config, "cuda" if torch.cuda.is_available() else "cpu", cores)
     host = args.host or config.vllm_server_host
     port = args.port or config.vllm_server_port
     command_line, env = server_command(settings, host, port)
@@ -98,5 +104,7 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
     if args.dry_run:
         return 0
     require_vllm()
+    if cores:  # every thread of the server, not only its OpenMP ones, on the cores it was given
+        os.sched_setaffinity(0, cores)
     os.execve(command_line[0], command_line, {**os.environ, **env})
     return 0  # not reached: the server replaces this process

@@ -26,7 +26,14 @@ class OnlineTrainerConfig(TrainerConfig):
             "use_vllm: true with vllm_mode: colocate",
         ),
         ModeKeys(
-            ("vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout"),
+            (
+                "vllm_server_base_url",
+                "vllm_server_host",
+                "vllm_server_port",
+                "vllm_server_timeout",
+                "request_timeout",
+                "weight_sync_timeout",
+            ),
             lambda c, root: c.use_vllm and c.vllm_mode == "server",
             "use_vllm: true with vllm_mode: server",
         ),
@@ -89,7 +96,15 @@ class OnlineTrainerConfig(TrainerConfig):
     """TRL's name: the server's port when no base URL is given."""
 
     vllm_server_timeout: HumanFloat = Field(default=240.0, gt=0.0)
-    """TRL's name: seconds to wait for the server to answer before the run stops with an error."""
+    """TRL's name and default: seconds to wait for the server to be up before the run stops with an error."""
+
+    request_timeout: HumanFloat = Field(default=600.0, gt=0.0)
+    """TRL's name and default (``AsyncGRPOConfig``): seconds one request to the server (a completion, a model
+    query) may take before the run stops naming the server."""
+
+    weight_sync_timeout: HumanFloat = Field(default=1800.0, gt=0.0)
+    """TRL's name and default (``AsyncGRPOConfig``): seconds a weight push to the server may take before the run
+    stops naming the server, instead of hanging."""
 
     log_completions: bool = True
     """Write sampled prompts, completions and rewards to ``<output_dir>/completions.jsonl``."""

@@ -396,6 +396,8 @@ class OnlineSteps:
         if not self.config.log_completions or generation % self.config.completions_log_interval:
             return
         texts = self.tokenizer.batch_decode(rollout.completions.ids, skip_special_tokens=True)
+        # the prompt as the model saw it: the chat template, the tools' schemas, an environment's observation
+        seen = self.tokenizer.batch_decode(rollout.prompt_ids, skip_special_tokens=False)
         for index, text in enumerate(texts):
             row = rollout.rows[index]
             record = {
@@ -403,6 +405,7 @@ class OnlineSteps:
                 "epoch": rollout.epoch,
                 "batch": rollout.batch,
                 "prompt": prompt_of(row),
+                "prompt_as_seen": seen[index],
                 "completion": text,
                 "truncated": rollout.completions.truncated[index],
                 **({"messages": rollout.completions.messages[index]} if rollout.completions.messages else {}),

@@ -21,6 +21,8 @@ past one machine's memory for generation.
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import os
 import shutil
@@ -100,10 +102,27 @@ def server_command(settings: EngineSettings, host: str, port: int) -> tuple[list
     return command, env
 
 
-def server_settings(config: Any, device_type: str) -> EngineSettings:
+def parse_cores(text: str) -> list[int]:
+    """``0-3,6`` as core numbers, or one line saying what is wrong."""
+    cores: list[int] = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            cores += range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise UserError(f"--cores {text!r}: not a core list; write it as taskset does: 0-3,6") from None
+    available = usable_cores()
+    outside = sorted(set(cores) - set(available))
+    if not cores or outside:
+        raise UserError(f"--cores {text}: cores {outside or text} are not this process's ({available})")
+    return sorted(set(cores))
+
+
+def server_settings(config: Any, device_type: str, cores: Sequence[int] | None = None) -> EngineSettings:
     """The server's engine settings for a run's config: those of a colocated engine (``engine_settings``),
     for prompts up to ``data.max_length`` tokens and a KV cache for one process's completions, on this
-    machine's device (the server's)."""
+    machine's device (the server's); on a CPU its threads on ``cores`` (default: every core this process may
+    use)."""
     from transformers import AutoConfig
 
     from posttrain.config.model import canonical_dtype
@@ -129,7 +148,7 @@ def server_settings(config: Any, device_type: str) -> EngineSettings:
         device_type=device_type,
         longest_prompt=config.data.max_length,
         rows=rows,
-        cores=usable_cores(),
+        cores=list(cores) if cores else usable_cores(),
         where="a server",
     )
     if device_type == "cuda":  # the trainer's GPUs send the weights over NCCL (NcclWeights)
@@ -137,20 +156,50 @@ def server_settings(config: Any, device_type: str) -> EngineSettings:
     return settings
 
 
+def why_failed(error: BaseException) -> str:
+    """A failed request to a server, in words: refused, reset, timed out, an HTTP status, or what it said."""
+    if isinstance(error, urllib.error.HTTPError):
+        body = ""
+        with contextlib.suppress(Exception):
+            body = error.read().decode(errors="replace").strip()[:300]
+        return f"answered HTTP {error.code} {error.reason}" + (f" ({body})" if body else "")
+    reason = getattr(error, "reason", error)  # URLError wraps the socket's error
+    if isinstance(reason, ConnectionRefusedError):
+        return "refused the connection (nothing listens there)"
+    if isinstance(reason, ConnectionResetError | BrokenPipeError):  # http.client.RemoteDisconnected too
+        return "closed the connection before answering (it died or was restarted)"
+    if isinstance(reason, TimeoutError):  # socket.timeout too
+        return "did not answer in time"
+    if isinstance(error, ValueError):
+        return f"answered something that is not JSON ({error})"
+    return f"failed: {reason}"
+
+
 class ServerClient:
-    """JSON over HTTP to the server (the standard library's client: no dependency for a handful of calls)."""
+    """JSON over HTTP to one server (the standard library's client: no dependency for a handful of calls);
+    every failure is a :class:`UserError` naming the server and what the run was asking of it."""
 
-    def __init__(self, url: str, timeout: float) -> None:
-        self.url, self.timeout = url, timeout
+    def __init__(self, url: str, timeout: float, request_timeout: float = 600.0) -> None:
+        self.url, self.timeout, self.request_timeout = url, timeout, request_timeout
 
-    def call(self, path: str, body: dict[str, Any] | None = None, timeout: float | None = None) -> Any:
+    def call(
+        self,
+        path: str,
+        body: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        doing: str = "",
+        fix: str = "",
+    ) -> Any:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
             self.url + path, data=data, headers={"Content-Type": "application/json"}
         )
-        with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
-            text = response.read().decode()
-        return json.loads(text) if text.strip() else None
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.request_timeout) as response:
+                text = response.read().decode()
+            return json.loads(text) if text.strip() else None
+        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as error:
+            raise ServerError(self.url, doing or f"POST {path}", why_failed(error), fix) from None
 
     def wait_until_up(self) -> None:
         """``/health`` answering within the timeout, or one line saying how to start the server."""
@@ -159,14 +208,23 @@ class ServerClient:
             try:
                 self.call("/health", timeout=5)
                 return
-            except (urllib.error.URLError, OSError, ValueError) as error:
+            except ServerError as error:
                 if time.monotonic() > deadline:
                     raise UserError(
                         f"vllm_mode: server: no vLLM server answered at {self.url} within {self.timeout:g} s "
-                        f"(vllm_server_timeout; {error}); start it with `posttrain vllm-serve CONFIG` (same config), "
-                        "or set vllm_server_base_url / vllm_server_host / vllm_server_port to where it runs"
+                        f"(vllm_server_timeout; it {error.why}); start it with `posttrain vllm-serve CONFIG` (same "
+                        "config), or set vllm_server_base_url / vllm_server_host / vllm_server_port to where it runs"
                     ) from None
                 time.sleep(1.0)
+
+
+class ServerError(UserError):
+    """A request to a vLLM server that failed: which server, what the run asked, what happened."""
+
+    def __init__(self, url: str, doing: str, why: str, fix: str = "") -> None:
+        self.url, self.doing, self.why = url, doing, why
+        advice = fix or "check the server's log; restart it with posttrain vllm-serve CONFIG"
+        super().__init__(f"vllm_mode: server: the vLLM server at {url} {why} while {doing}; {advice}")
 
 
 def check_served_model(served: dict[str, Any], model: str, needed: int, url: str) -> str:
@@ -244,13 +302,19 @@ class VLLMServerBackend(EngineCopy):
         self, config: Any, module: torch.nn.Module, stop_ids: Sequence[int], dist: Any, needed: int
     ) -> None:
         self.stop_ids, self.dist = list(stop_ids), dist
-        self.client = ServerClient(server_url(config), float(config.vllm_server_timeout))
+        self.client = ServerClient(
+            server_url(config), float(config.vllm_server_timeout), float(config.request_timeout)
+        )
+        self.weight_sync_timeout = float(config.weight_sync_timeout)
         self.model = config.model.name_or_path
         self.served = self.model
         if dist.is_main:
             self.client.wait_until_up()
             self.served = check_served_model(
-                self.client.call("/v1/models"), self.model, needed, self.client.url
+                self.client.call("/v1/models", doing="asking which model it serves"),
+                self.model,
+                needed,
+                self.client.url,
             )
             say(f"vLLM server at {self.client.url}: {self.served}, weights pushed through {self.folder()}")
         self._barrier()
@@ -274,21 +338,20 @@ class VLLMServerBackend(EngineCopy):
             )
             for i, prompt in enumerate(prompts)
         ]
-        try:
-            answers = list(self.pool.map(lambda body: self.client.call("/v1/completions", body), bodies))
-        except (urllib.error.URLError, OSError) as error:
-            raise UserError(
-                f"vllm_mode: server: the server at {self.client.url} stopped answering: {error}"
-            ) from None
+        doing = f"generating {len(bodies)} completions (request_timeout {self.client.request_timeout:g} s)"
+        answers = list(
+            self.pool.map(lambda body: self.client.call("/v1/completions", body, doing=doing), bodies)
+        )
         return completions_from([answer["choices"][0] for answer in answers], self.stop_ids, logprobs)
 
     def push(self, module: torch.nn.Module) -> None:
         """The training weights to the server (every rank takes part in the gathers; rank 0 writes and
         reloads), then its prefix cache emptied."""
+        pushing = f"taking the new weights (weight_sync_timeout {self.weight_sync_timeout:g} s)"
         if self.nccl is not None:
             self.nccl.push()
             if self.dist.is_main:
-                self.client.call("/reset_prefix_cache", {})
+                self.client.call("/reset_prefix_cache", {}, doing=pushing)
             self._barrier()
             self.stale = False
             return
@@ -297,18 +360,18 @@ class VLLMServerBackend(EngineCopy):
         weights = {name: tensor.detach().cpu().contiguous() for name, tensor in named_weights(module)}
         if self.dist.is_main:
             folder = Path(tempfile.mkdtemp(prefix="posttrain-weights-", dir=self.folder()))
+            fix = "it must be a server posttrain vllm-serve started (its weight-update endpoints on); check its log"
             try:
                 save_file(weights, str(folder / "model.safetensors"))
                 answer = self.client.call(
-                    "/collective_rpc", {"method": "posttrain_reload", "kwargs": {"weights_path": str(folder)}}
+                    "/collective_rpc",
+                    {"method": "posttrain_reload", "kwargs": {"weights_path": str(folder)}},
+                    timeout=self.weight_sync_timeout,
+                    doing=pushing,
+                    fix=fix,
                 )
                 check_reload((answer or {}).get("results", []), f"the vLLM server at {self.client.url}")
-                self.client.call("/reset_prefix_cache", {})
-            except urllib.error.HTTPError as error:
-                raise UserError(
-                    f"vllm_mode: server: the server at {self.client.url} refused the weight update ({error}); it "
-                    "must run with VLLM_SERVER_DEV_MODE=1, as posttrain vllm-serve starts it"
-                ) from None
+                self.client.call("/reset_prefix_cache", {}, doing=pushing, fix=fix)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
         del weights

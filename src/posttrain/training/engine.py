@@ -140,12 +140,16 @@ class Engine:
             self.features.rank_state.save(self.ds.module, os.path.join(directory, tag))
 
     def load_state(self, directory: str, tag: str) -> bool:
-        """Restore what :meth:`save_state` wrote; False when DeepSpeed found nothing to load."""
+        """Restore what :meth:`save_state` wrote; False when DeepSpeed found nothing to load. The schedule
+        stays the config's: the checkpoint gives its step, not its learning rates (:func:`follow_schedule`)."""
+        configured = list(getattr(self.scheduler, "base_lrs", []))
         path, _ = self.ds.load_checkpoint(
             directory, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
         )
         if path is not None and self.features.rank_state is not None:
             self.features.rank_state.load(self.ds.module, os.path.join(directory, tag))
+        if path is not None and configured:
+            follow_schedule(self.optimizer, self.scheduler, configured)
         return path is not None
 
     def lr(self) -> float:
@@ -153,3 +157,29 @@ class Engine:
 
     def train(self, mode: bool = True) -> None:
         self.ds.train(mode)
+
+
+def follow_schedule(optimizer: Any, scheduler: Any, configured: list[float]) -> None:
+    """After a resume, the config's learning rates at the checkpoint's step: a scheduler restores the base
+    rates it was saved with, so a changed ``optimizer.lr`` would otherwise be ignored (said in one line)."""
+    from posttrain.logs import say
+
+    saved = list(scheduler.base_lrs)
+    scheduler.base_lrs = list(configured)
+    for group, base in zip(optimizer.param_groups, configured, strict=False):
+        group["initial_lr"] = base
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        now = [
+            base * factor(scheduler.last_epoch)
+            for base, factor in zip(configured, scheduler.lr_lambdas, strict=True)
+        ]
+    else:
+        now = list(scheduler.get_lr())
+    for group, value in zip(optimizer.param_groups, now, strict=False):
+        group["lr"] = value
+    scheduler._last_lr = list(now)
+    if any(abs(a - b) > 1e-12 * max(abs(a), abs(b), 1e-30) for a, b in zip(saved, configured, strict=False)):
+        say(
+            f"resume: the config's learning rate ({configured[0]:g}) differs from the checkpoint's ({saved[0]:g}); "
+            f"the config's schedule goes on from step {scheduler.last_epoch} (lr {now[0]:g})"
+        )
