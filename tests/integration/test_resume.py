@@ -83,7 +83,9 @@ def test_a_resumed_run_follows_the_configs_learning_rate(base_config: dict, tmp_
     checkpoint = {"type": "deepspeed", "output_dir": str(tmp_path / "ckpt"), "save_every_n_steps": 2}
     first = merge(base_config, train_iters=2, optimizer={"lr": 1e-2}, checkpoint=[checkpoint])
     train(first)
-    resumed = merge(first, train_iters=4, optimizer={"lr": 0.0}, checkpoint=[{**checkpoint, "auto_resume": True}])
+    resumed = merge(
+        first, train_iters=4, optimizer={"lr": 0.0}, checkpoint=[{**checkpoint, "auto_resume": True}]
+    )
     train(resumed)
     records = {r["iter"]: r for r in metrics(resumed)}
     assert records[2]["lr"] == pytest.approx(1e-2) and records[3]["lr"] == 0.0 and records[4]["lr"] == 0.0
