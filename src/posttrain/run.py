@@ -41,7 +41,7 @@ from posttrain.tracking.setup import build_meter, export_dirs, open_outputs
 from posttrain.training.engine import Engine
 from posttrain.training.loop import LoopInputs, LoopState, final_evaluation, train_loop
 from posttrain.training.profiling import observers as profiling_observers
-from posttrain.training.stops import StopSignals
+from posttrain.training.stops import StopSignals, ignore_stop_signals
 
 
 @dataclass
@@ -157,6 +157,7 @@ def _loaders(
         collate_fn=collate,
         num_workers=workers,
         persistent_workers=workers > 0,
+        worker_init_fn=ignore_stop_signals if workers else None,
     )
     if not len(data.eval):
         return train, sampler, None

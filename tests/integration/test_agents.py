@@ -283,8 +283,15 @@ def test_the_preflight_report_shows_a_prompt_with_its_tools(
     assert main(["preprocess", str(path)]) == 0
     out = capsys.readouterr().out
     assert "tools: multiply, python" in out and "calls read as hermes" in out
-    assert "sandbox: CPU time, memory" in out
+    assert "sandbox: " in out and "namespaces: user" in out and "memory per run" in out
     assert "  | tool multiply(a, b): Multiply two integers." in out  # the rendered prompt, its tools included
+    # the code reward runs model code too: its run says what the sandbox holds, tools or not
+    scored = agent_config(tool_model["model"], tool_model["train"], tmp_path / "scored", tools=[])
+    scored["rewards"] = [{"type": "code_tests", "column": "answer"}]
+    path.write_text(yaml.safe_dump(scored))
+    assert main(["preprocess", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "sandbox: " in out and "tools:" not in out
 
 
 def tool_task_entry() -> str:

@@ -14,6 +14,15 @@ from types import FrameType
 from typing import Any
 
 
+def ignore_stop_signals(worker: int = 0) -> None:
+    """A DataLoader worker's ``worker_init_fn``: SIGTERM and SIGINT are the training process's to handle.
+    ``timeout``, SLURM and Ctrl-C signal the whole process group (SLURM every process of the job); a worker
+    that died of the signal would fail the step the training process is finishing, before its stop-time
+    checkpoint. The training process ends its workers when it exits."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class StopSignals:
     def __init__(self, exit_duration_in_mins: float | None = None) -> None:
         self.started = time.monotonic()
