@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -107,32 +109,86 @@ def assert_same_continuation(results: dict[str, Any], kill_at: int, total: int) 
 
 
 def interrupt_after_three_steps(
-    base: dict[str, Any], tmp: Path, sig: int, nproc: int = 1
+    base: dict[str, Any], tmp: Path, sig: int, nproc: int = 1, to: str = "process", workers: int = 0
 ) -> tuple[str, int, Path]:
-    """Start a long run with a deepspeed checkpoint engine, send ``sig`` to the ``posttrain`` process once
-    three steps are logged, and check it exits 0. Returns (output, last logged step, checkpoint dir)."""
+    """Start a long run with a deepspeed checkpoint engine and ``workers`` DataLoader workers, send ``sig``
+    once three steps are logged, and check it exits 0 after one line and a stop-time checkpoint. ``to``: the
+    ``posttrain`` process, its process ``group`` (what ``timeout`` and Ctrl-C signal), or ``every`` process
+    of the job, launcher, ranks and workers alike (what SLURM signals at preemption and its time limit).
+    Returns (output, last logged step, checkpoint dir)."""
     import signal
     import time
+
+    import psutil
 
     ckpt = tmp / "ckpt"
     config = copy.deepcopy(base)
     config.update(
         epochs=1000, micro_batch_size=1, checkpoint=[{"type": "deepspeed", "output_dir": str(ckpt)}]
     )
+    config.setdefault("data", {})["dl_num_workers"] = workers
     path = tmp / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     metrics = Path(config["logger"]["output_dir"]) / "train-log-metrics.jsonl"
     command = [sys.executable, "-m", "posttrain", "train", str(path), "--nproc", str(nproc)]
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env()
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env(),
+        start_new_session=to != "process",
     )
     deadline = time.time() + 180
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.2)
-    process.send_signal(signal.Signals(sig))
+    if to == "process":
+        process.send_signal(signal.Signals(sig))
+    elif to == "group":
+        os.killpg(process.pid, sig)
+    else:
+        family = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+        for member in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.send_signal(sig)
     out, _ = process.communicate(timeout=180)
     assert process.returncode == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
     last = json.loads(metrics.read_text().splitlines()[-1])["iter"]
     assert f"{signal.Signals(sig).name} received" in out and f"stopped early at step {last}" in out
     assert (ckpt / f"global_step_{last}" / "posttrain_state.json").is_file()
+    staging = ckpt / ".staging"  # no half-written checkpoint (DeepSpeed's helper scripts may lie there)
+    assert not staging.exists() or not any(p.is_dir() for p in staging.iterdir())
     return out, last, ckpt
+
+
+def stop_then_resume_exactly(
+    base: dict[str, Any], tmp: Path, sig: int, nproc: int, to: str, workers: int
+) -> None:
+    """:func:`interrupt_after_three_steps`, then ``auto_resume`` for three more steps: they are the steps an
+    uninterrupted run of the same config takes (losses within 1e-6, the same tokens)."""
+    (tmp / "stopped").mkdir(parents=True, exist_ok=True)
+    stopped = merge_logger(base, tmp / "stopped" / "run")
+    _, last, ckpt = interrupt_after_three_steps(
+        stopped, tmp / "stopped", sig, nproc=nproc, to=to, workers=workers
+    )
+    config = copy.deepcopy(base)
+    config["data"]["dl_num_workers"] = workers
+    config.update(micro_batch_size=1, epochs=1000, train_iters=last + 3)
+    resumed = merge_logger(config, tmp / "stopped" / "run")
+    resumed["checkpoint"] = [{"type": "deepspeed", "output_dir": str(ckpt), "auto_resume": True}]
+    done = cli(resumed, tmp / "resumed.yaml", nproc)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    reference = merge_logger(config, tmp / "reference")
+    done = cli(reference, tmp / "reference.yaml", nproc)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    got, expected = last_metrics(tmp / "stopped" / "run"), last_metrics(tmp / "reference")
+    for step in range(last + 1, last + 4):
+        assert abs(got[step]["loss"] - expected[step]["loss"]) <= 1e-6, (step, got[step], expected[step])
+        assert got[step]["tokens"] == expected[step]["tokens"], step
+
+
+def merge_logger(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    out = copy.deepcopy(config)
+    out["logger"] = {**out.get("logger", {}), "output_dir": str(run_dir)}
+    return out

@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from posttrain.training.stops import LAUNCH_NOTES
+
 EXIT_USER_ERROR = 2
 
 
@@ -38,11 +40,11 @@ def launch_train(
     module, nproc_flag, module_flag = launchers[launcher]
     command = [sys.executable, "-m", module, nproc_flag, *port, *extra, module_flag, "posttrain"]
     command += ["train", str(config), *overrides]
-    return _run_relaying_signals(command, kill_switch)
+    return _run_relaying_signals(command, kill_switch, nproc)
 
 
-#: set by ``--nproc`` for the ranks: where a rank that stops on a user error (bad config or data) notes it
-USER_ERROR_DIR = "POSTTRAIN_USER_ERROR_DIR"
+#: set by ``--nproc`` for the ranks: where a rank notes a user error (bad config or data) or a graceful stop
+USER_ERROR_DIR = LAUNCH_NOTES
 
 
 def note_user_error() -> None:
@@ -50,6 +52,15 @@ def note_user_error() -> None:
     directory = os.environ.get(USER_ERROR_DIR)
     if directory and "RANK" in os.environ:
         Path(directory, f"rank-{os.environ['RANK']}").write_text("user error\n")
+
+
+def _user_errors(notes: Path) -> bool:
+    return any(p.name.startswith("rank-") for p in notes.iterdir())
+
+
+def _stopped(notes: Path) -> int:
+    """How many of this node's ranks stopped gracefully after saving."""
+    return sum(1 for p in notes.iterdir() if p.name.startswith("stopped-rank-"))
 
 
 def _filter_launcher_errors(stream: Any, user_errors: Path) -> None:
@@ -68,20 +79,22 @@ def _filter_launcher_errors(stream: Any, user_errors: Path) -> None:
                 or not line.strip()
             ):
                 continue
-            if "ChildFailedError" in line and any(user_errors.iterdir()):
-                dropping = True
+            if ("ChildFailedError" in line and _user_errors(user_errors)) or "SignalException" in line:
+                dropping = "SignalException" not in line  # a signalled launcher's own traceback: dropped
             else:
                 sys.stderr.writelines(held)
             held = []
             continue
         if "failed (exitcode: 2)" in line and "torch/distributed/elastic" in line:
             continue  # the launcher's log line for a rank that exited on a user error
+        if "torch/distributed/elastic" in line and ("death signal" in line or "closing signal" in line):
+            continue  # the launcher passing SIGTERM on to the ranks, which stop after their step anyway
         sys.stderr.write(line)
     sys.stderr.writelines(held)
     sys.stderr.flush()
 
 
-def _run_relaying_signals(command: list[str], kill_switch: str) -> int:
+def _run_relaying_signals(command: list[str], kill_switch: str, nproc: int) -> int:
     """Run the launcher in its own session and turn SIGTERM/SIGINT sent to this process into the run's kill
     switch: every rank then stops after the same step, saves, and exits 0. A second SIGINT kills the job.
     A rank that stops on a user error makes the whole command exit with status 2."""
@@ -109,7 +122,11 @@ def _run_relaying_signals(command: list[str], kill_switch: str) -> int:
     try:
         code = process.wait()
         forward.join()
-        return EXIT_USER_ERROR if code and any(user_errors.iterdir()) else code
+        if code and _user_errors(user_errors):
+            return EXIT_USER_ERROR
+        if code and received and _stopped(user_errors) == nproc:
+            return 0  # every rank stopped after saving; the launcher itself was signalled (SLURM)
+        return code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

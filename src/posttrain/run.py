@@ -41,7 +41,7 @@ from posttrain.tracking.setup import build_meter, export_dirs, open_outputs
 from posttrain.training.engine import Engine
 from posttrain.training.loop import LoopInputs, LoopState, final_evaluation, train_loop
 from posttrain.training.profiling import observers as profiling_observers
-from posttrain.training.stops import StopSignals, ignore_stop_signals
+from posttrain.training.stops import StopSignals, ignore_stop_signals, note_stopped
 
 
 @dataclass
@@ -259,6 +259,7 @@ def train_and_finish(
         return RunResult(state=state, output_dir=ctx.output_dir, model=inputs.engine.module)
     if state.stop_reason:
         say(f"stopped early at step {state.step}: {state.stop_reason}")
+        note_stopped()
     _remove_kill_switch(ctx)
     return RunResult(state, ctx.output_dir, inputs.engine.module, resumed_from=resumed_from)
 

@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 
 from tests.integration.helpers import merge
-from tests.resume_helpers import assert_same_continuation, interrupt_after_three_steps, kill_and_resume
+from tests.resume_helpers import (
+    assert_same_continuation,
+    interrupt_after_three_steps,
+    kill_and_resume,
+    stop_then_resume_exactly,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -29,3 +34,14 @@ def test_sigterm_to_the_launcher_stops_both_ranks_and_saves(base_config: dict, t
 
     interrupt_after_three_steps(base_config, tmp_path, signal.SIGTERM, nproc=2)
     assert not (Path(base_config["logger"]["output_dir"]) / "kill-switch").exists()  # the relay cleaned up
+
+
+@pytest.mark.parametrize("to", ["group", "every"])
+def test_a_group_or_slurm_signal_to_two_processes_with_workers_saves_and_resumes(
+    base_config: dict, tmp_path: Path, to: str
+) -> None:
+    """SIGTERM to the command's group (``timeout``) or to every process of the job, launcher, ranks and
+    DataLoader workers (SLURM at preemption): both ranks end the same step, save, and continue exactly."""
+    import signal
+
+    stop_then_resume_exactly(base_config, tmp_path, signal.SIGTERM, nproc=2, to=to, workers=2)

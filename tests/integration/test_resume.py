@@ -14,6 +14,7 @@ from tests.resume_helpers import (
     cli,
     interrupt_after_three_steps,
     kill_and_resume,
+    stop_then_resume_exactly,
 )
 
 pytestmark = pytest.mark.integration
@@ -65,6 +66,15 @@ def test_signal_finishes_step_saves_and_exits_0(
     base_config: dict, tmp_path: Path, sig: signal.Signals
 ) -> None:
     interrupt_after_three_steps(base_config, tmp_path, sig)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_whole_group_with_dataloader_workers_saves_and_resumes_exactly(
+    base_config: dict, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """What ``timeout`` and Ctrl-C do: the signal reaches the DataLoader's workers too; the run still ends
+    its step in one line, saves, and continues exactly."""
+    stop_then_resume_exactly(base_config, tmp_path, sig, nproc=1, to="group", workers=2)
 
 
 def test_time_limit_stops_and_saves(base_config: dict, tmp_path: Path) -> None:

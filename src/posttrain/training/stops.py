@@ -13,6 +13,19 @@ import time
 from types import FrameType
 from typing import Any
 
+#: set by ``--nproc`` for the ranks (``launch.py``): a directory where each rank notes how it ended, so that the
+#: command's exit status is the run's, not the launcher's (a user error: 2; a graceful stop: 0)
+LAUNCH_NOTES = "POSTTRAIN_USER_ERROR_DIR"
+
+
+def note_stopped() -> None:
+    """In a rank a launcher started: it stopped gracefully (a signal, the kill switch, the time limit) and
+    saved; the launcher, which may itself have been signalled (SLURM signals every process), exits 0."""
+    directory = os.environ.get(LAUNCH_NOTES)
+    if directory and "RANK" in os.environ:
+        with open(os.path.join(directory, f"stopped-rank-{os.environ['RANK']}"), "w") as note:
+            note.write("stopped after saving\n")
+
 
 def ignore_stop_signals(worker: int = 0) -> None:
     """A DataLoader worker's ``worker_init_fn``: SIGTERM and SIGINT are the training process's to handle.
