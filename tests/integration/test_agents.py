@@ -292,6 +292,17 @@ def test_the_preflight_report_shows_a_prompt_with_its_tools(
     assert main(["preprocess", str(path)]) == 0
     out = capsys.readouterr().out
     assert "sandbox: " in out and "tools:" not in out
+    # a template that drops the tools: refused in one line naming the presets that render them
+    dropped = agent_config(
+        tool_model["model"], tool_model["train"], tmp_path / "dropped", tools=[tool_task_entry()]
+    )
+    dropped["tokenizer"] = {"chat_template": "chatml"}
+    path.write_text(yaml.safe_dump(dropped))
+    assert main(["preprocess", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "does not render tools" in err and "tokenizer.chat_template: hermes" in err and "Traceback" not in err
+    )
 
 
 def tool_task_entry() -> str:

@@ -139,3 +139,57 @@ def test_unk_convert_to_eos_pads_inputs_with_eos_and_never_trains_padding(tiny_t
     assert batch["labels"][1].tolist() == [8, IGNORE_INDEX, IGNORE_INDEX]
     assert torch.equal(batch["attention_mask"][1], torch.tensor([1, 0, 0]))
     assert input_pad_id(tokenizer, "unk-repurpose") == tokenizer.unk_token_id
+
+
+MULTIPLY = {
+    "type": "function",
+    "function": {
+        "name": "multiply",
+        "description": "Multiply two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+
+
+def test_trls_tool_call_rows_train_and_a_template_that_drops_tools_is_refused(tiny_tokenizer) -> None:
+    """TRL's and transformers' layout: an assistant turn with ``tool_calls`` and no ``content``, then a
+    ``tool`` message; with a template that renders tools it trains the calls and the answer, with one that
+    drops them the row says which presets render them."""
+    import copy
+
+    from posttrain.data.samples import RowError
+    from posttrain.data.sft import format_sft_batch
+    from posttrain.tokenizers.chat_templates import apply_chat_template, tool_presets
+
+    row = {
+        "messages": [
+            {"role": "user", "content": "What is 6 times 7?"},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "multiply", "arguments": {"a": 6, "b": 7}}}
+                ],
+            },
+            {"role": "tool", "name": "multiply", "content": "42"},
+            {"role": "assistant", "content": "42"},
+        ],
+        "tools": [MULTIPLY],
+    }
+    hermes = copy.deepcopy(tiny_tokenizer)
+    apply_chat_template(hermes, "hermes")
+    [sample] = format_sft_batch([row], hermes)
+    assert not isinstance(sample, RowError), sample
+    trained = hermes.decode([t for t in sample["labels"].tolist() if t >= 0])
+    assert '"name": "multiply"' in trained and "42" in trained  # the call and the answer, both trained
+    prompt = hermes.decode(sample["input_ids"].tolist())
+    assert "Multiply two integers." in prompt  # the tool's schema, rendered
+    chatml = copy.deepcopy(tiny_tokenizer)
+    apply_chat_template(chatml, "chatml")
+    [refused] = format_sft_batch([row], chatml)
+    assert isinstance(refused, RowError)
+    assert "does not render tools" in str(refused) and "tokenizer.chat_template: hermes" in str(refused)
+    assert tool_presets() == ["hermes"]

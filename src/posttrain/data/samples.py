@@ -139,6 +139,8 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def _checked_message(index: int, message: Any) -> dict[str, Any]:
+    if isinstance(message, dict) and message.get("content") is None and message.get("tool_calls"):
+        message = {**message, "content": ""}  # TRL's and transformers' tool-call turn: calls, no text
     if not isinstance(message, dict) or "role" not in message or "content" not in message:
         raise RowError(f"messages[{index}] must be an object with 'role' and 'content'")
     role, content = message["role"], message["content"]
@@ -158,8 +160,10 @@ def _checked_message(index: int, message: Any) -> dict[str, Any]:
                 "on an assistant message"
             )
         out["tool_calls"] = calls
-    if role == "tool" and isinstance(message.get("name"), str):
-        out["name"] = message["name"]
+    if role == "tool":
+        for key in ("name", "tool_call_id"):
+            if isinstance(message.get(key), str):
+                out[key] = message[key]
     if not train:
         out["train"] = False
     return out

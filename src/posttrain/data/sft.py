@@ -23,6 +23,8 @@ from posttrain.data.samples import (
     render_ids,
     render_with_spans,
 )
+from posttrain.errors import UserError
+from posttrain.tokenizers.chat_templates import check_tools_rendered
 
 
 def drop_context_turns(mask: np.ndarray, messages: list[dict[str, Any]]) -> np.ndarray:
@@ -121,7 +123,7 @@ def _labels(ids: np.ndarray, mask: np.ndarray, mask_inputs: bool) -> np.ndarray:
     return np.where(mask, ids, IGNORE_INDEX) if mask_inputs else ids.copy()
 
 
-def row_tools(row: dict[str, Any], markers: bool) -> list[Any] | None:
+def row_tools(row: dict[str, Any], markers: bool, tokenizer: Any = None) -> list[Any] | None:
     """A row's ``tools`` column (TRL's: the JSON schemas of the tools its conversation may call), rendered by
     the chat template into the conversation."""
     tools = row.get("tools")
@@ -139,6 +141,11 @@ def row_tools(row: dict[str, Any], markers: bool) -> list[Any] | None:
             "'tools' needs a chat template that marks assistant turns with {% generation %} (tokenizer.chat_template: "
             "hermes renders tools)"
         )
+    if tools and tokenizer is not None:
+        try:
+            check_tools_rendered(tokenizer, "the row has a 'tools' column")
+        except UserError as error:
+            raise RowError(str(error)) from None
     return tools
 
 
@@ -156,7 +163,7 @@ def format_sft_batch(
     for index, row in enumerate(rows):
         try:
             conversations.append(check_messages(chat_messages(row)))
-            tools.append(row_tools(row, markers))
+            tools.append(row_tools(row, markers, tokenizer))
             where.append(index)
         except RowError as exc:
             out[index] = exc

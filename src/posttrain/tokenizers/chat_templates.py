@@ -8,6 +8,7 @@ environment trims the newline after a block tag.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,59 @@ def apply_chat_template(tokenizer: Any, choice: str) -> list[str]:
         )
     tokenizer.chat_template = preset.template
     return missing
+
+
+#: a tool's schema whose name a template that renders tools writes into the prompt
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "posttrain_probe_tool",
+        "description": "Probe whether a chat template renders tools.",
+        "parameters": {
+            "type": "object",
+            "properties": {"x": {"type": "integer", "description": "a number"}},
+            "required": ["x"],
+        },
+    },
+}
+
+
+@functools.lru_cache(maxsize=16)
+def template_renders_tools(template: str, special: tuple[tuple[str, str], ...] = ()) -> bool:
+    """Whether a chat template writes the tools it is given into the prompt (many base models' templates
+    ignore ``tools``: the model would never see them)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        conversations=[[{"role": "user", "content": "hello"}]],
+        tools=[_PROBE_TOOL],
+        chat_template=template,
+        add_generation_prompt=True,
+        **dict(special),
+    )
+    return "posttrain_probe_tool" in rendered[0]
+
+
+def tool_presets() -> list[str]:
+    """The presets that render tools (read from the templates themselves)."""
+    return [name for name, preset in PRESETS.items() if template_renders_tools(preset.template, _SPECIAL)]
+
+
+_SPECIAL = (("bos_token", ""), ("eos_token", ""))
+
+
+def check_tools_rendered(tokenizer: Any, what: str) -> None:
+    """Refuse, in one line, a tokenizer whose chat template drops the tools ``what`` gives it."""
+    template = tokenizer.get_chat_template()
+    special = tuple(sorted((k, v) for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)))
+    if template_renders_tools(template, special):
+        return
+    presets = " or ".join(tool_presets())
+    raise UserError(
+        f"{what}, but the chat template of {tokenizer.name_or_path} does not render tools: its prompts would show "
+        f"the model none of them. Set tokenizer.chat_template: {presets} (presets that render them), or a .jinja "
+        "file of a template that does"
+    )
 
 
 def end_of_turn_ids(tokenizer: Any) -> frozenset[int]:

@@ -8,7 +8,7 @@ from typing import Any
 from posttrain.config.tokenizer import TokenizerConfig
 from posttrain.context import RunContext
 from posttrain.logs import say
-from posttrain.tokenizers.chat_templates import apply_chat_template
+from posttrain.tokenizers.chat_templates import apply_chat_template, check_tools_rendered
 from posttrain.tokenizers.padding import ensure_pad_token
 from posttrain.utils.hub import load_or_explain
 
@@ -26,6 +26,8 @@ def build_huggingface_tokenizer(config: TokenizerConfig, ctx: RunContext) -> Any
     added = apply_chat_template(tokenizer, config.chat_template)
     if added:
         say(f"chat template {config.chat_template}: added special tokens {', '.join(added)}")
+    if any((getattr(ctx.config.data, "tool_schemas", None) or {}).values()):  # online, with tools
+        check_tools_rendered(tokenizer, "tools / environment_factory give the model tools")
     padding = ensure_pad_token(tokenizer, config.missing_pad_token_strategy)
     if padding:
         say(padding)
