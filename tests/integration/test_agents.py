@@ -193,6 +193,38 @@ def test_an_environment_gives_tools_and_the_reward(tool_model: dict[str, Path], 
         )
 
 
+BROKEN = """
+class Broken:
+    def reset(self, answer, **row):
+        raise ValueError("no board for " + answer)
+
+    def get_reward(self) -> float:
+        return 0.0
+"""
+
+
+def test_an_environment_error_stops_the_run_in_one_line(tool_model: dict[str, Path], tmp_path: Path) -> None:
+    """An environment with no tools is said; a reset that raises stops the run with exit code 2 and one line
+    naming the class, its line and the row, no traceback."""
+    code = tmp_path / "broken.py"
+    code.write_text(BROKEN)
+    config = agent_config(
+        tool_model["model"],
+        tool_model["train"],
+        tmp_path / "run",
+        train_iters=1,
+        tools=[],
+        rewards=[],
+        environment_factory=f"{code}:Broken",
+    )
+    done = cli(config, tmp_path / "run.yaml")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "environment Broken (broken.py:2) has no tools" in done.stdout + done.stderr
+    error = done.stderr.strip().splitlines()[-1]
+    assert "Broken.reset (broken.py:3) raised ValueError: no board for" in error and "row" in error, error
+    assert "Traceback" not in done.stderr
+
+
 def test_a_hand_written_rollout(tool_model: dict[str, Path], tmp_path: Path) -> None:
     code = tmp_path / "rollout.py"
     code.write_text(ROLLOUT)

@@ -89,6 +89,158 @@ def test_bad_tools_and_environments_are_config_errors(tmp_path: Path) -> None:
     assert "has no function 'absent'" in text
 
 
+ENVIRONMENTS = """
+import functools
+from pathlib import Path
+
+
+class Counter:
+    def __init__(self, start: int = 0):
+        self.count = start
+
+    def reset(self, answer, **row):
+        if answer == "boom":
+            raise KeyError("no board for " + answer)
+
+    def add(self, n: int) -> int:
+        \"\"\"Add to the count.
+
+        Args:
+            n: how much
+        \"\"\"
+        if n < 0:
+            raise ValueError("negative")
+        self.count += n
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+
+class Strict(Counter):
+    def reset(self, prompt, answer):
+        pass
+
+
+def make() -> Counter:
+    return Counter(1)
+
+
+def make_unannotated():
+    return Counter(2)
+
+
+make_lambda = lambda: Counter(3)
+make_partial = functools.partial(Counter, start=4)
+
+
+def make_wrong() -> Counter:
+    return Strict()
+
+
+def make_failing():
+    raise RuntimeError("no such board")
+
+
+def make_with(size):
+    return Counter(size)
+
+
+class NoRow:
+    def reset(self):
+        pass
+
+
+class NeedsArguments:
+    def reset(self, **row):
+        pass
+
+    def get_reward(self, completion):
+        return 1.0
+"""
+
+
+def test_environment_factories_and_signatures_are_checked_at_validation(tmp_path: Path) -> None:
+    """TRL's callables are accepted (a class, a function declaring its class, one that does not, a lambda, a
+    partial), their tools read from the class; a reset that takes no row, a get_reward that needs arguments, a
+    factory that needs arguments or raises are config errors naming the class and line; the names a file
+    offers leave out what it imported."""
+    from posttrain.config.agents import environment_class, tool_schemas
+
+    code = tmp_path / "envs.py"
+    code.write_text(ENVIRONMENTS)
+    for name in ("Counter", "make", "make_unannotated", "make_lambda", "make_partial"):
+        config = load_config(data=_grpo(tmp_path, rewards=[], environment_factory=f"{code}:{name}"))
+        assert environment_class(f"{code}:{name}").__name__ == "Counter", name
+        [schemas] = tool_schemas([], config.environment_factory).values()
+        assert [s["function"]["name"] for s in schemas] == ["add"], name
+    config = _grpo(
+        tmp_path,
+        environment_factory={
+            "a": f"{code}:NoRow",
+            "b": f"{code}:NeedsArguments",
+            "c": f"{code}:make_failing",
+            "d": f"{code}:make_with",
+            "e": f"{code}:Missing",
+        },
+    )
+    with pytest.raises(ConfigError) as found:
+        load_config(data=config)
+    text = str(found.value)
+    assert "NoRow.reset() (envs.py:59) cannot take a row" in text and "reset(self, **row)" in text
+    assert "NeedsArguments.get_reward(completion) (envs.py:67) needs arguments" in text
+    assert (
+        "make_failing: calling it to read its environment's tools raised RuntimeError: no such board" in text
+    )
+    assert "at envs.py:51" in text
+    assert "make_with(size) (envs.py:54) needs arguments" in text
+    assert "has no environment 'Missing'" in text
+    listed = text[text.index("(it has: ") :].split(")")[0]
+    assert "Counter" in listed and "make_partial" in listed and "Path" not in listed
+
+
+def test_environment_errors_name_the_users_class_and_line(tmp_path: Path) -> None:
+    """At run time: a reset that raises, a row reset cannot take, a factory returning another class, a tool's
+    own error (said once, the model still reading it) and get_reward's error each name the user's code."""
+    from posttrain.errors import UserError
+    from posttrain.rollout.agent import Environments, reset
+    from posttrain.rollout.rewards import environment_rewards
+
+    code = tmp_path / "envs.py"
+    code.write_text(ENVIRONMENTS)
+    built = Environments(f"{code}:make").build({})
+    assert built.count == 1
+    with pytest.raises(
+        UserError, match=r"Counter.reset \(envs.py:10\) raised KeyError: 'no board for boom' at "
+    ):
+        reset(built, {"prompt": "q", "answer": "boom"}, "p.jsonl row 3")
+    with pytest.raises(
+        UserError,
+        match=r"Strict.reset\(prompt, answer\) \(envs.py:30\) cannot take the columns of p.jsonl row 3",
+    ):
+        reset(
+            Environments(f"{code}:Strict").build({}),
+            {"prompt": "q", "answer": "6", "hint": "x"},
+            "p.jsonl row 3",
+        )
+    with pytest.raises(UserError, match=r"returned a Strict, not the Counter it declares"):
+        Environments(f"{code}:make_wrong").build({})
+
+    runner = ToolRunner(timeout=5)
+    [[(_, text, failed)]] = runner.run([[ToolCall("add", {"n": -1})]], [{"add": built.add}])
+    assert failed and "negative" in text
+    assert runner.raised["add"].startswith("tool Counter.add (envs.py:14) raised ValueError: negative at ")
+    [[(_, text, failed)]] = runner.run([[ToolCall("add", {"m": 1})]], [{"add": built.add}])
+    assert (
+        failed and "unexpected keyword argument 'm'" in text and len(runner.raised) == 1
+    )  # the model's slip
+    runner.close()
+
+    config = load_config(data=_grpo(tmp_path, rewards=[], environment_factory=f"{code}:Counter"))
+    [scored] = environment_rewards(config)
+    assert scored.where().endswith("envs.py:25")  # the user's get_reward, not posttrain's wrapper
+
+
 def test_the_code_reward_runs_the_last_block_against_the_tests() -> None:
     [reward] = build_rewards([CodeTestsReward(timeout=5)], 100)
     good = "Here:\n```python\ndef square(x):\n    return x * x\n```"

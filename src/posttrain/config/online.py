@@ -119,10 +119,12 @@ class OnlineTrainerConfig(TrainerConfig):
     left out of the loss."""
 
     environment_factory: str | dict[str, str] | None = None
-    """TRL's ``environment_factory``: ``path/file.py:Class``, one instance per rollout, ``reset(**row)`` before
-    it generates (a string it returns is appended to the last user message), its public methods the rollout's
-    tools, an optional ``get_reward()`` one more reward named after the class; or a mapping name ->
-    ``path/file.py:Class``, each row's ``environment`` column choosing."""
+    """TRL's ``environment_factory``: ``path/file.py:Class``, or any callable there that takes no argument and
+    returns an environment (a function, a ``functools.partial``; its class read from its return annotation, or
+    from one instance built when the config loads, as TRL probes one). One instance per rollout,
+    ``reset(**row)`` before it generates (a string it returns is appended to the last user message), its public
+    methods the rollout's tools, an optional ``get_reward()`` one more reward named after the class; or a mapping
+    name -> entry, each row's ``environment`` column choosing."""
 
     max_tool_calling_iterations: HumanInt | None = Field(default=None, ge=0)
     """TRL's name: the most tool-calling turns of a rollout (null: until a turn calls no tool or the
@@ -161,14 +163,13 @@ class OnlineTrainerConfig(TrainerConfig):
     @field_validator("environment_factory")
     @classmethod
     def _environment_class(cls, value: str | dict[str, str] | None) -> str | dict[str, str] | None:
-        from posttrain.config.agents import environment_problems
-        from posttrain.config.user_code import import_named
+        from posttrain.config.agents import environment_class, environment_problems
 
         entries = value if isinstance(value, dict) else {"": value} if value else {}
         problems = []
         for name, entry in entries.items():
             try:
-                problems += environment_problems(import_named(entry, "class"))  # type: ignore[arg-type]
+                problems += environment_problems(environment_class(entry))
             except ValueError as exc:
                 problems.append(f"{name + ': ' if name else ''}{exc}")
         if problems:

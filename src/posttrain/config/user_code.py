@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -67,11 +68,15 @@ def import_user_module(path: Path) -> ModuleType:
 
 
 def import_named(value: str, kind: str = "function") -> object:
-    """The object a ``path/to/file.py:name`` entry names (a reward function, a tool, an environment class),
-    imported once per process; ValueError with what is wrong (the pydantic message of the key)."""
+    """The object a ``path/to/file.py:name`` entry names (``kind``: a function (any callable), a class, an
+    environment (a class or any callable)), imported once per process; ValueError with what is wrong (the
+    pydantic message of the key)."""
     file, _, name = value.rpartition(":")
     if not file.endswith(".py") or not name.isidentifier():
-        raise ValueError(f"name a {kind} as path/to/file.py:{'Class' if kind == 'class' else 'function'}")
+        form = {"class": "Class", "environment": "Class (or a function that returns one)"}.get(
+            kind, "function"
+        )
+        raise ValueError(f"name {'an' if kind[0] in 'aeiou' else 'a'} {kind} as path/to/file.py:{form}")
     path = Path(file).expanduser().resolve()
     if not path.is_file():
         raise ValueError(f"no such file {path} (paths are relative to where posttrain runs)")
@@ -80,9 +85,18 @@ def import_named(value: str, kind: str = "function") -> object:
     except Exception as exc:
         raise ValueError(f"importing {path} failed: {_where_in(exc, path)}") from None
     found = getattr(module, name, None)
-    wanted = isinstance(found, type) if kind == "class" else callable(found)
-    if not wanted:
-        test = (lambda v: isinstance(v, type)) if kind == "class" else callable
-        names = sorted(n for n, v in vars(module).items() if test(v) and not n.startswith("_"))
+    test = (lambda v: isinstance(v, type)) if kind == "class" else callable
+    if not test(found):
+        names = sorted(
+            n for n, v in vars(module).items() if test(v) and not n.startswith("_") and _defined_in(v, module)
+        )
         raise ValueError(f"{path.name} has no {kind} {name!r} (it has: {', '.join(names) or 'none'})")
     return found
+
+
+def _defined_in(value: object, module: ModuleType) -> bool:
+    """Whether a module offers ``value`` as its own: a class or function it imported (``Path``, ``dataclass``)
+    is not; other callables (a ``functools.partial``) are."""
+    if isinstance(value, type) or inspect.isfunction(value):
+        return value.__module__ == module.__name__
+    return True

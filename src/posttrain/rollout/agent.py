@@ -23,12 +23,21 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from posttrain.config.agents import environment_tools
+from posttrain.config.agents import (
+    accepts,
+    environment_class,
+    environment_factory_of,
+    environment_tools,
+    signature,
+    where_defined,
+)
 from posttrain.data.grpo import ORIGIN_KEY, prompt_of, row_tools
 from posttrain.data.grpo import prompt_ids as rendered_prompt
 from posttrain.data.samples import keep_prompt_tokens, render_ids
 from posttrain.errors import UserError
+from posttrain.logs import say
 from posttrain.rollout.generation import Completions, Sampling, completion_key
+from posttrain.rollout.reward_guard import user_frame
 from posttrain.rollout.tools import ToolCall, ToolRunner, load_tool, parse_calls, tool_format
 
 _HERMES_BLOCK = "<tool_call>"
@@ -39,8 +48,6 @@ class Agent:
     tokenizer; ``stops``: the ids a turn ends at."""
 
     def __init__(self, config: Any, tokenizer: Any, stops: list[int]) -> None:
-        from posttrain.config.user_code import import_named
-
         self.config, self.tokenizer, self.stops = config, tokenizer, set(stops)
         self.limit = config.max_completion_length
         iterations = config.max_tool_calling_iterations
@@ -49,9 +56,17 @@ class Agent:
         factory = config.environment_factory
         self.multi = isinstance(factory, dict)
         entries = factory if isinstance(factory, dict) else {None: factory} if factory else {}
-        self.factories: dict[str | None, type] = {k: import_named(v, "class") for k, v in entries.items()}  # type: ignore[misc]
+        self.factories = {k: Environments(v) for k, v in entries.items()}
         self.form = tool_format(tokenizer, config.tool_call_format)
         self.runner = ToolRunner(config.tool_timeout)
+        self.said: set[str] = set()  # the tools whose error has been said
+        for cls in dict.fromkeys(e.cls for e in self.factories.values()):
+            if not environment_tools(cls):
+                given = f"only the tools {', '.join(self.functions)}" if self.functions else "no tool"
+                say(
+                    f"environment {cls.__name__} ({where_defined(cls)}) has no tools (no public method besides "
+                    f"reset and get_reward): the model is given {given} in its rollouts"
+                )
 
     # ------------------------------------------------------------------------------------- the prompts
 
@@ -60,7 +75,7 @@ class Agent:
         refused rows naming no known environment."""
         if not self.factories:
             return None
-        return self.factories[row["environment"] if self.multi else None]()
+        return self.factories[row["environment"] if self.multi else None].build(row)
 
     def tables(self, environment: Any) -> dict[str, Callable[..., Any]]:
         """The rollout's tools by name: the functions, then its environment's methods bound to it."""
@@ -78,7 +93,7 @@ class Agent:
         arguments = {
             k: v for k, v in row.items() if k != ORIGIN_KEY and not (self.multi and k == "environment")
         }
-        observation = environment.reset(**arguments)
+        observation = reset(environment, arguments, str(row.get(ORIGIN_KEY, "a row")))
         if observation is None:
             return rendered
         messages = [dict(m) for m in prompt_of(row)]
@@ -162,6 +177,10 @@ class Agent:
                     wanting.append(i)
                     wanted.append(found)
             results = self.runner.run(wanted, [tables[i] for i in wanting]) if wanting else []
+            for name, line in self.runner.raised.items():
+                if name not in self.said:
+                    self.said.add(name)
+                    say(f"{line}; the model reads the error as the tool's answer (as in TRL)")
             active = []
             for i, answers in zip(wanting, results, strict=True):
                 calls += len(answers)
@@ -205,6 +224,55 @@ class Agent:
 
     def close(self) -> None:
         self.runner.close()
+
+
+class Environments:
+    """One ``environment_factory`` entry: builds a row's environment, its errors one line naming the user's
+    factory and line."""
+
+    def __init__(self, entry: str) -> None:
+        self.entry = entry
+        self.factory = environment_factory_of(entry)
+        self.cls = environment_class(entry)
+
+    def build(self, row: dict[str, Any]) -> Any:
+        try:
+            environment = self.factory()
+        except Exception as exc:
+            raise UserError(
+                f"environment_factory {self.entry} raised {type(exc).__name__}: {exc}{_at(exc)} building the "
+                f"environment of {row.get(ORIGIN_KEY, 'a row')}"
+            ) from None
+        if type(environment) is not self.cls:
+            raise UserError(
+                f"environment_factory {self.entry} returned a {type(environment).__name__}, not the "
+                f"{self.cls.__name__} it declares (its tools are read from {self.cls.__name__}); return one, or "
+                "declare what it returns"
+            )
+        return environment
+
+
+def reset(environment: Any, arguments: dict[str, Any], origin: str) -> Any:
+    """``environment.reset(**arguments)``; a row it cannot take, or an error in it, one line naming the class,
+    its line and the row."""
+    cls = type(environment).__name__
+    method = environment.reset
+    try:
+        return method(**arguments)
+    except Exception as exc:
+        if not accepts(method, **arguments):
+            raise UserError(
+                f"{cls}.reset{signature(method)} ({where_defined(method)}) cannot take the columns of {origin} "
+                f"({', '.join(arguments)}); add **row to its parameters for the columns it does not read"
+            ) from None
+        raise UserError(
+            f"{cls}.reset ({where_defined(method)}) raised {type(exc).__name__}: {exc}{_at(exc)} for {origin}"
+        ) from None
+
+
+def _at(exc: BaseException) -> str:
+    frame = user_frame(exc)
+    return f" at {frame}" if frame else ""
 
 
 class HandWritten:

@@ -5,11 +5,12 @@ limit. Their checks and JSON schemas (when the config loads) are ``config/agents
 A tool is a typed function with a Google-style docstring (what ``transformers.utils.get_json_schema`` reads:
 every argument typed and described), sync or ``async``, named in the config as ``path/file.py:function``, or a
 built-in (``python``: code run in the sandbox, ``rollout.sandbox``). An environment is a class
-(``path/file.py:Class``) with ``reset(**row)``; its public methods are its tools, bound to the instance of the
+(``path/file.py:Class``, or a callable there returning one) with ``reset(**row)``; its public methods are its tools, bound to the instance of the
 rollout, and an optional ``get_reward()`` scores the rollout.
 
 A tool that raises, times out (``tool_timeout``) or is not known answers the model with the error as text,
-``{'error': '...'}``, as TRL does, and counts in ``tools/failure_frequency``. A sync tool that runs past its
+``{'error': '...'}``, as TRL does, and counts in ``tools/failure_frequency``; the first error each tool's own
+code raises is said once, naming the tool's class and line. A sync tool that runs past its
 time is left running in its thread (Python cannot stop a thread) and its answer ignored; a tool that must be
 stopped runs its work in a process (the built-in ``python`` tool does).
 """
@@ -25,6 +26,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+from posttrain.config.agents import accepts, where_defined
+from posttrain.rollout.reward_guard import user_frame
 
 
 def load_tool(entry: str) -> Callable[..., Any]:
@@ -168,6 +172,8 @@ class ToolRunner:
     def __init__(self, timeout: float, workers: int = 16) -> None:
         self.timeout = timeout
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="posttrain-tools")
+        #: by tool name, the first error a tool's own code raised: ``Class.method (file:line) raised ...``
+        self.raised: dict[str, str] = {}
 
     def run(
         self, calls: list[list[ToolCall]], tables: list[dict[str, Callable[..., Any]]]
@@ -197,7 +203,15 @@ class ToolRunner:
             result = function(**call.arguments)
             if inspect.isawaitable(result):
                 result = asyncio.run(_awaited(result))
-        except Exception as exc:  # the model reads what went wrong, as TRL does
+        except Exception as exc:  # the model reads what went wrong, as TRL does; the user reads it once
+            if not accepts(function, **call.arguments):
+                return _error(str(exc)), True  # the model's slip (an argument the tool does not take)
+            frame = user_frame(exc)
+            self.raised.setdefault(
+                call.name,
+                f"tool {getattr(function, '__qualname__', call.name)} ({where_defined(function)}) raised "
+                f"{type(exc).__name__}: {exc}{' at ' + frame if frame else ''}",
+            )
             return _error(str(exc)), True
         return str(result), False
 
