@@ -1,7 +1,7 @@
 """On-policy distillation (``type: distill``) on tiny models: a 3-layer teacher of width 128 and a 2-layer student
 of width 64 with the same tokenizer. The student moves toward the teacher (held-out divergence falls), the step
-records carry TRL's names, a SIGKILL resumes exactly, two processes give the one-process records, and a teacher
-with another vocabulary stops the run in one line."""
+records carry TRL's names, a SIGKILL resumes exactly, two processes give the one-process records, a teacher
+with another tokenizer stops the run in one line, and a padded teacher head is sliced to the shared rows."""
 
 from __future__ import annotations
 
@@ -116,29 +116,72 @@ def test_two_processes_give_the_one_process_records(setup: dict[str, Any], tmp_p
     )
 
 
-def test_a_teacher_with_another_vocabulary_is_refused(setup: dict[str, Any], tmp_path: Path) -> None:
+def test_a_teacher_with_another_tokenizer_is_refused(setup: dict[str, Any], tmp_path: Path) -> None:
+    """Another tokenizer of the same size (276 of its 1,024 ids agree) and one of another size are refused by
+    validate and by train, in one line naming both models, before anything trains."""
     from posttrain.tiny_model import write_tiny_model
 
-    other = write_tiny_model(tmp_path / "other", seed=0, hidden_size=64, layers=1, vocab_size=2048, heads=2)
-    config = copy.deepcopy(setup["config"])
-    config.update(
-        teacher_model_name_or_path=str(other), train_iters=1, logger={"output_dir": str(tmp_path / "x")}
+    same_size = write_tiny_model(
+        tmp_path / "same", seed=1, hidden_size=64, layers=1, vocab_size=1024, heads=2
     )
-    done = cli(config, tmp_path / "other.yaml")
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert (
-        f"teacher_model_name_or_path: {other} has a vocabulary of 2048 tokens and the student" in done.stderr
-    )
-    checked = subprocess.run(
-        [sys.executable, "-m", "posttrain", "validate", str(tmp_path / "other.yaml")],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=120,
-    )  # validation refuses it too, before anything is trained
-    assert checked.returncode == 2 and f"{other} has a vocabulary of 2048 tokens" in checked.stderr, (
-        checked.stderr
-    )
+    bigger = write_tiny_model(tmp_path / "bigger", seed=0, hidden_size=64, layers=1, vocab_size=2048, heads=2)
+    student = setup["config"]["model"]["name_or_path"]
+    for other in (same_size, bigger):
+        config = copy.deepcopy(setup["config"])
+        config.update(
+            teacher_model_name_or_path=str(other), train_iters=1, logger={"output_dir": str(tmp_path / "x")}
+        )
+        path = tmp_path / f"{other.name}.yaml"
+        done = cli(config, path)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        said = f"teacher_model_name_or_path: {other} has another tokenizer than the student ({student}): "
+        assert said in done.stderr, done.stderr[-2000:]
+        checked = subprocess.run(
+            [sys.executable, "-m", "posttrain", "validate", str(path)],
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            timeout=120,
+        )  # validation refuses it too
+        assert checked.returncode == 2 and said in checked.stderr, checked.stderr
+        if other == same_size:
+            assert "276 of the student's 1,024 ids name the same token in the teacher's 1,024" in done.stderr
+
+
+def test_a_padded_teacher_head_is_sliced_to_the_shared_vocabulary(
+    setup: dict[str, Any], tmp_path: Path
+) -> None:
+    """The teacher with 64 padding rows added to its head (as Qwen2.5-7B's beside 0.5B's) trains exactly as the
+    teacher without them: the divergence compares the rows both heads have, and says so."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    teacher = Path(setup["config"]["teacher_model_name_or_path"])
+    padded = tmp_path / "padded"
+    model = AutoModelForCausalLM.from_pretrained(teacher)
+    model.resize_token_embeddings(model.config.vocab_size + 64, mean_resizing=False)
+    torch.manual_seed(3)
+    model.get_output_embeddings().weight.data[-64:].normal_(0, 5.0)  # rows that would move the divergence
+    model.save_pretrained(padded)
+    for file in teacher.iterdir():
+        if "token" in file.name:
+            shutil.copy(file, padded / file.name)
+    runs = {}
+    for name, path in (("plain", teacher), ("padded", padded)):
+        config = copy.deepcopy(setup["config"])
+        config.update(
+            teacher_model_name_or_path=str(path), train_iters=2, logger={"output_dir": str(tmp_path / name)}
+        )
+        done = cli(config, tmp_path / f"{name}.yaml")
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = last_metrics(tmp_path / name)
+        if name == "padded":
+            assert "the teacher's LM head has 1,088 rows and the student's 1,024" in done.stdout + done.stderr
+    for step in (1, 2):
+        for key in ("loss", "teacher_entropy", "grad_norm"):
+            assert runs["padded"][step][key] == pytest.approx(runs["plain"][step][key], rel=1e-6), (step, key)
 
 
 def test_gkd_mixes_the_datas_and_the_teachers_completions_in(setup: dict[str, Any], tmp_path: Path) -> None:

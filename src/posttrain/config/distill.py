@@ -30,7 +30,8 @@ class DistillTrainerConfig(OnlineTrainerConfig):
 
     teacher_model_name_or_path: str
     """TRL's name: the teacher (a local directory or a hub name), loaded frozen beside the student. It must share
-    the student's vocabulary (checked before any model loads)."""
+    the student's tokenizer (compared token by token before any model loads; a head padded to another size is
+    sliced to the rows both heads have)."""
 
     teacher_model_init_kwargs: dict[str, Any] | None = None
     """TRL's name: how the teacher is loaded (``dtype``, ``attn_implementation``, ``revision``,
@@ -65,28 +66,48 @@ class DistillTrainerConfig(OnlineTrainerConfig):
         return ModelConfig.model_validate(values)
 
     def model_problems(self, facts: Any) -> Iterator[Problem]:
-        """The teacher's vocabulary (its ``config.json``) must be the student's: the divergence compares their
-        next-token distributions token by token."""
-        from transformers import AutoConfig
+        """The teacher must read text as the student does: the same tokenizer (token -> id), and an LM head
+        covering it (a padded head, as Qwen2.5-7B's 152,064 rows beside 0.5B's 151,936, is sliced to the
+        rows both have); the divergence compares their next-token distributions id by id."""
+        from transformers import AutoConfig, AutoTokenizer
 
-        teacher = self.teacher
+        teacher, student = self.teacher, self.tokenizer.name_or_path or self.model.name_or_path
+        where = "teacher_model_name_or_path"
         try:
             found = AutoConfig.from_pretrained(
                 teacher.name_or_path, trust_remote_code=teacher.trust_remote_code
             )
+            theirs = AutoTokenizer.from_pretrained(
+                teacher.name_or_path, trust_remote_code=teacher.trust_remote_code
+            )
         except (OSError, ValueError) as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             yield Problem(
-                "teacher_model_name_or_path", f"{teacher.name_or_path}: cannot read its config ({error})"
+                where,
+                f"{teacher.name_or_path}: cannot read its config and tokenizer ({first}); distillation checks "
+                "the teacher reads text as the student does",
+            )
+            return
+        try:
+            ours = AutoTokenizer.from_pretrained(student, trust_remote_code=self.model.trust_remote_code)
+        except (OSError, ValueError):
+            return  # the run's tokenizer stage says what is wrong with the student's
+        mismatch = tokenizer_mismatch(ours.get_vocab(), theirs.get_vocab())
+        if mismatch:
+            yield Problem(
+                where,
+                f"{teacher.name_or_path} has another tokenizer than the student ({student}): {mismatch}; "
+                "distillation compares the two models' next-token distributions id by id, so the teacher "
+                "must share the student's tokenizer (a model of its family)",
             )
             return
         text = found.get_text_config() if hasattr(found, "get_text_config") else found
-        vocab = getattr(text, "vocab_size", None)
-        if facts.vocab_size and vocab and int(vocab) != int(facts.vocab_size):
+        rows = [int(v) for v in (getattr(text, "vocab_size", None), facts.vocab_size) if v]
+        if rows and min(rows) < len(ours):
             yield Problem(
-                "teacher_model_name_or_path",
-                f"{self.teacher_model_name_or_path} has a vocabulary of {vocab} tokens and the student "
-                f"({self.model.name_or_path}) {facts.vocab_size}: distillation compares their next-token "
-                "distributions token by token; use a teacher from the student's family (the same tokenizer)",
+                where,
+                f"the LM heads have {' and '.join(f'{r:,}' for r in rows)} rows (teacher, student), fewer than "
+                f"the {len(ours):,} tokens of their tokenizer: a head must score every token",
             )
 
     def problems(self) -> Iterator[Problem]:
@@ -102,3 +123,21 @@ class DistillTrainerConfig(OnlineTrainerConfig):
                 self.teacher  # noqa: B018 - its validation
             except ValueError as error:
                 yield Problem("teacher_model_init_kwargs", str(error).splitlines()[0])
+
+
+def tokenizer_mismatch(student: dict[str, int], teacher: dict[str, int]) -> str:
+    """How two vocabularies (token -> id) differ, for a message; "" when they are the same."""
+    if student == teacher:
+        return ""
+    by_id = {i: t for t, i in teacher.items()}
+    agree = sum(by_id.get(i) == t for t, i in student.items())
+    differing = sorted((i, t) for t, i in student.items() if by_id.get(i) != t)
+    example = ""
+    if differing:
+        i, token = differing[0]
+        other = by_id.get(i)
+        example = f" (id {i} is {token!r} to the student, {'no token' if other is None else repr(other)} to the teacher)"
+    return (
+        f"{agree:,} of the student's {len(student):,} ids name the same token in the teacher's "
+        f"{len(teacher):,}{example}"
+    )

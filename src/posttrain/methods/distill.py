@@ -95,18 +95,21 @@ def chunked_divergence(
     beta: float,
     temperature: float,
     rows: int,
+    vocab: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`divergence` over ``[positions, hidden]`` states through the student's head and the teacher's
     (``(weight, bias)``), ``rows`` positions at a time, each chunk's logits recomputed in the backward instead
-    of kept."""
+    of kept; ``vocab``: the student's head rows compared (the first, those the teacher's head has too)."""
     values, entropies, teacher_entropies = [], [], []
+    kept = slice(0, vocab)
+    weight, bias = head.weight[kept], None if head.bias is None else head.bias[kept]
     for start in range(0, hidden.shape[0], rows):
         part = slice(start, start + rows)
         value, entropy, teacher_entropy = checkpoint(
             _chunk,
             hidden[part],
-            head.weight,
-            head.bias,
+            weight,
+            bias,
             teacher_hidden[part],
             teacher_head[0],
             teacher_head[1],
@@ -139,8 +142,9 @@ class Teacher:
     def __init__(self, config: DistillTrainerConfig, ctx: RunContext, engine: Any, tokenizer: Any) -> None:
         from posttrain.models.reference import load_reference_model
 
-        check_vocabularies(config, unwrap(engine.module))
         model = load_reference_model(config.teacher, ctx)
+        #: the head rows the divergence compares: those both heads have (a padded head's extra rows left out)
+        self.vocab = shared_vocabulary(config, unwrap(engine.module), model, tokenizer)
         self.runner: Any = model.to(engine.device)
         if zero_stage(engine) == 3:
             import deepspeed
@@ -174,12 +178,13 @@ class Teacher:
         """The LM head's weight and bias, whole: as they are, or under ZeRO-3 gathered copies held for one
         micro-batch (its divergence and the backward's recomputation read them)."""
         weight, bias = self.head.weight, self.head.bias
+        rows = slice(0, self.vocab)
         if not hasattr(weight, "ds_id"):
-            return weight, bias
+            return weight[rows], None if bias is None else bias[rows]
         import deepspeed
 
         with deepspeed.zero.GatheredParameters([p for p in (weight, bias) if p is not None]):
-            return weight.detach().clone(), None if bias is None else bias.detach().clone()
+            return weight[rows].detach().clone(), None if bias is None else bias[rows].detach().clone()
 
 
 def zero_stage(engine: Any) -> int:
@@ -188,16 +193,45 @@ def zero_stage(engine: Any) -> int:
     return int(ds.zero_optimization_stage()) if ds is not None else 0
 
 
-def check_vocabularies(config: DistillTrainerConfig, student: torch.nn.Module) -> None:
-    """The check of the teacher's vocabulary before any model loaded (``model_problems``), again against the
-    student as built: a chat-template preset may have grown its embeddings since."""
-    import dataclasses
+def head_rows(model: torch.nn.Module) -> int:
+    """The rows of a model's LM head (under ZeRO-3, of the whole weight, not this process's partition)."""
+    weight = model.get_output_embeddings().weight
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
 
-    from posttrain.models.facts import facts_from_hf_config
 
-    weight = student.get_output_embeddings().weight
-    rows = int(getattr(weight, "ds_shape", weight.shape)[0])  # ZeRO-3 keeps a partition: its whole shape
-    config.refuse_model_problems(dataclasses.replace(facts_from_hf_config(student.config), vocab_size=rows))
+def shared_vocabulary(
+    config: DistillTrainerConfig, student: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any
+) -> int:
+    """The head rows the divergence compares: those both heads have (a head padded to another size is sliced
+    to them, said in one line). The teacher's tokenizer was compared with the student's before any model
+    loaded (``model_problems``); here it is compared with the tokenizer as the run built it (a chat-template
+    preset may have added tokens the teacher never learnt)."""
+    from transformers import AutoTokenizer
+
+    from posttrain.config.distill import tokenizer_mismatch
+
+    name = config.teacher_model_name_or_path
+    theirs = AutoTokenizer.from_pretrained(name, trust_remote_code=config.teacher.trust_remote_code)
+    mismatch = tokenizer_mismatch(tokenizer.get_vocab(), theirs.get_vocab())
+    if mismatch:
+        raise UserError(
+            f"teacher_model_name_or_path: {name} has another tokenizer than the student's as this run built it "
+            f"({mismatch}); a chat-template preset that adds tokens gives the student ids the teacher never "
+            "learnt: keep the tokenizer's own template (tokenizer.chat_template: keep-original)"
+        )
+    rows = head_rows(student), head_rows(teacher)
+    shared = min(rows)
+    if shared < len(tokenizer):
+        raise UserError(
+            f"the LM heads have {rows[1]:,} (teacher) and {rows[0]:,} (student) rows, fewer than the "
+            f"{len(tokenizer):,} tokens of their tokenizer: a head must score every token"
+        )
+    if rows[0] != rows[1]:
+        say(
+            f"distill: the teacher's LM head has {rows[1]:,} rows and the student's {rows[0]:,} (padded past the "
+            f"tokenizer's {len(tokenizer):,} tokens): the divergence compares the first {shared:,}"
+        )
+    return shared
 
 
 def on_policy(seed: int, epoch: int, batch: int, lmbda: float) -> bool:
@@ -339,7 +373,14 @@ class DistillLoss:
         def head_divergence(hidden: torch.Tensor) -> torch.Tensor:
             states = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
             value, entropy, teacher_entropy = chunked_divergence(
-                states, head, teacher_states, teacher_head, config.beta, config.temperature, chunk
+                states,
+                head,
+                teacher_states,
+                teacher_head,
+                config.beta,
+                config.temperature,
+                chunk,
+                teacher.vocab,
             )
             found.update(entropy=entropy, teacher_entropy=teacher_entropy)
             out = hidden.new_zeros(hidden.shape[0] * hidden.shape[1], dtype=torch.float32)
