@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from posttrain.commands import command
 from posttrain.errors import UserError
@@ -207,39 +208,36 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
         for line in found.missing:
             print(f"MISSING: {line}")
         return 1 if found.missing else 0
-    try:
-        code = args.file.read_text(encoding="utf-8")
-    except OSError as error:
-        raise UserError(f"{args.file}: cannot read it ({error.strerror})") from None
+    code = _read(args.file, str(args.file))
     limits = (
         sandbox.Limits()
         if args.timeout is None
         else sandbox.Limits(wall=args.timeout, cpu=int(args.timeout) + 1)
     )
     missing = sandbox.confinement().missing
-    strict = not missing
     if missing:
         print(f"note: this machine's sandbox lacks {'; '.join(missing)}", file=sys.stderr)
     if args.action == "run":
-        ran = sandbox.run_python(code, limits, strict=strict)
-        result = {
-            "returncode": ran.returncode,
-            "stdout": ran.stdout,
-            "stderr": ran.stderr,
-            "timed_out": ran.timed_out,
-        }
-        if args.json:
-            print(json.dumps(result))
-        else:
-            print(ran.stdout, end="")
-            print(ran.stderr, end="", file=sys.stderr)
-            print(f"(exit {ran.returncode}{', timed out' if ran.timed_out else ''})")
+        _show_run(sandbox.run_python(code, limits, strict=not missing), args.json)
         return 0
-    try:
-        lines = args.tests.read_text(encoding="utf-8").splitlines()
-    except OSError as error:
-        raise UserError(f"--tests {args.tests}: cannot read it ({error.strerror})") from None
-    tests = [line for line in lines if line.strip()]
-    score = sandbox.tests_passed(code, tests, limits, strict=strict)
+    tests = [line for line in _read(args.tests, f"--tests {args.tests}").splitlines() if line.strip()]
+    score = sandbox.tests_passed(code, tests, limits, strict=not missing)
     print(json.dumps({"score": score}) if args.json else f"score {score:g} ({len(tests)} tests)")
     return 0
+
+
+def _read(path: Path, named: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise UserError(f"{named}: cannot read it ({error.strerror})") from None
+
+
+def _show_run(ran: Any, as_json: bool) -> None:
+    """What a sandboxed program printed, and how it ended (``--json``: one object)."""
+    if as_json:
+        print(json.dumps({k: getattr(ran, k) for k in ("returncode", "stdout", "stderr", "timed_out")}))
+        return
+    print(ran.stdout, end="")
+    print(ran.stderr, end="", file=sys.stderr)
+    print(f"(exit {ran.returncode}{', timed out' if ran.timed_out else ''})")
