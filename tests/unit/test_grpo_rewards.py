@@ -289,3 +289,34 @@ def test_the_models_generation_defaults_never_apply_and_its_eos_stops() -> None:
     model.generation_config = GenerationConfig(eos_token_id=greedy[2])
     stopped = backend.generate(model, prompts, sampling, None)
     assert stopped.ids[0] == greedy[: greedy.index(greedy[2]) + 1] and not stopped.truncated[0]
+
+
+def test_completions_no_reward_scores_are_said(tmp_path: Path, tiny_tokenizer) -> None:
+    """Every function returning None for a completion leaves it out (advantage 0, TRL's NaN); the run says so
+    in one line naming how many, the rows and the functions (TRL warns too), and says nothing otherwise."""
+    from posttrain.data.grpo import ORIGIN_KEY
+    from posttrain.dist import DistInfo
+    from posttrain.rollout.generation import Completions
+    from posttrain.rollout.rewards import Scorer
+
+    body = "def reward(completions, kind, **kw):\n    return [1.0 if k == 'a' else None for k in kind]\n"
+    function = _user_reward(tmp_path, body)
+    config = load_config(
+        data={
+            "type": "grpo",
+            "model": {"name_or_path": "m"},
+            "data": {"sources": ["d.jsonl"]},
+            "rewards": [{"type": "function", "function": function.function}],
+        },
+        base_dir=tmp_path,
+    )
+    scorer = Scorer(config, tiny_tokenizer)
+    one = DistInfo(0, 0, 1, torch.device("cpu"))
+    rows = [{"prompt": "q", "kind": k, ORIGIN_KEY: f"d.jsonl row {i + 1}"} for i, k in enumerate("aab")]
+    values = scorer(rows, Completions([[5, 6]] * 3, [False] * 3))
+    assert math.isnan(values[2, 0]) and scorer.all_none_line(one).startswith(
+        "every reward function returned None for 1 of the step's 3 completions (among them the completions of "
+        "d.jsonl row 3): no reward scores them"
+    )
+    scorer(rows[:2], Completions([[5, 6]] * 2, [False] * 2))
+    assert scorer.all_none_line(one) == ""

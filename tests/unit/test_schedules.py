@@ -199,3 +199,44 @@ def test_megatron_scheduler_state_resumes_the_same_curve(tmp_path) -> None:
         resumed.append(scheduler.get_last_lr()[0])
     assert resumed == pytest.approx(expected)
     assert expected[0] == pytest.approx(0.5 * (math.cos(math.pi * 2 / 8) + 1))  # step 4 of a 2 + 8 cosine
+
+
+def test_a_one_step_run_trains_at_the_peak_and_idle_steps_are_said(tmp_path, caplog) -> None:
+    """The default warmup (10%) of a one-step smoke run takes its only step: it trains at the peak, not at 0
+    (transformers' decay would put it there); a schedule that leaves steps at lr 0 is said in one line."""
+    import logging
+
+    from posttrain.optim.schedulers import build_huggingface_scheduler
+
+    def lrs(scheduler_config: dict, total: int) -> list[float]:
+        config = _config(tmp_path, scheduler=scheduler_config)
+        optimizer = torch.optim.AdamW(torch.nn.Linear(1, 1).parameters(), lr=1.0)
+        if config.scheduler.type == "megatron":
+            scheduler = build_megatron_scheduler(config.scheduler, optimizer, total, None)  # type: ignore[arg-type]
+        else:
+            scheduler = build_huggingface_scheduler(config.scheduler, optimizer, total, None)  # type: ignore[arg-type]
+        seen = []
+        for _ in range(total):
+            seen.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return seen
+
+    with caplog.at_level(logging.INFO, logger="posttrain"):
+        logging.getLogger("posttrain").propagate = True
+        try:
+            for name in ("linear", "cosine", "constant_with_warmup"):
+                assert lrs({"name": name}, 1) == [1.0], name
+            assert lrs({"name": "linear"}, 10)[:3] == pytest.approx(
+                [1.0, 1.0, 8 / 9]
+            )  # transformers after it
+            assert "learning rate 0" not in caplog.text
+            megatron = {"type": "megatron", "lr_decay_style": "linear", "lr_decay_iters": 4, "min_lr": 0.0}
+            assert lrs(megatron, 8)[4:] == [0.0] * 4
+        finally:
+            logging.getLogger("posttrain").propagate = False
+    said = [r.getMessage() for r in caplog.records if "learning rate 0" in r.getMessage()]
+    assert said == [
+        "scheduler megatron (linear): 4 steps, from step 5 of the run's 8 train at learning rate 0, and nothing "
+        "moves on them; check the schedule against train_iters (plot-lr draws it)"
+    ]

@@ -10,6 +10,7 @@ import torch
 
 from posttrain.config.scheduler import MegatronSchedulerConfig
 from posttrain.context import RunContext
+from posttrain.optim.schedulers import say_idle_steps
 
 
 @dataclass(frozen=True)
@@ -148,4 +149,5 @@ def build_megatron_scheduler(
     lr, weight_decay = schedules(
         config, peak, float(optimizer.defaults.get("weight_decay", 0.0)), total_steps
     )
+    say_idle_steps(lr, total_steps, f"scheduler megatron ({config.lr_decay_style})")
     return ScheduledLR(optimizer, lr, weight_decay)

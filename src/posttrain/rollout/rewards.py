@@ -508,6 +508,8 @@ class Scorer:
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)
         self.tokenizer = tokenizer
         self.context = RewardContext()  # trainer_state, log_extra, log_metric: TRL's extra arguments
+        self.unscored: list[str] = []  # the last call's completions every function returned None for
+        self.last_count = 0
 
     def __call__(self, rows: list[dict[str, Any]], completions: Any) -> Any:
         """``[completions, rewards]`` float64 (NaN where a function returned None)."""
@@ -516,6 +518,7 @@ class Scorer:
         from posttrain.data.grpo import ORIGIN_KEY, prompt_of, reward_columns
 
         texts = self.tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
+        self.last_count = len(rows)
         prompts = [prompt_of(row) for row in rows]
         columns: dict[str, list[Any]] = {}
         for index, row in enumerate(rows):
@@ -532,9 +535,28 @@ class Scorer:
             self.rewards, prompts, shown, completions.ids, columns, origins, self.context, self.guard
         )
         out = torch.tensor(values, dtype=torch.float64).T.reshape(len(rows), len(self.rewards))
+        none = torch.isnan(out).all(dim=1).tolist()
+        self.unscored = [o for i, o in enumerate(origins) if none[i] and i not in self.guard.unscorable]
         for index in self.guard.unscorable:  # no reward counts for it: advantage 0, out of its group
             out[index] = math.nan
         return out
+
+    def all_none_line(self, dist: Any) -> str:
+        """A line when every reward function returned None for some completions of the last call, on any rank
+        (TRL warns too): they are left out of their group and of ``reward``. A collective: every rank calls
+        it."""
+        from posttrain.dist import all_reduce_sum
+
+        count, total = all_reduce_sum([float(len(self.unscored)), float(self.last_count)], dist)
+        if not count:
+            return ""
+        example = f" (among them the completions of {_rows(self.unscored)})" if self.unscored else ""
+        return (
+            f"every reward function returned None for {int(count)} of the step's {int(total)} completions"
+            f"{example}: no reward scores them, so they are left out of their group's advantage (0) and of the "
+            f"logged reward{' (nan when none is scored)' if count == total else ''}. Return a number where a "
+            f"completion can be scored (rewards: {', '.join(f'{r.name} ({r.where()})' for r in self.rewards)})"
+        )
 
     def failure_records(self, dist: Any) -> dict[str, float]:
         """Each reward's timed-out and failed completions since the last call, summed over the ranks

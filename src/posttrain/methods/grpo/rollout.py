@@ -82,6 +82,7 @@ class GRPORollout:
         self.wants_sampling_logps = self.correction is not None
         self.updates = config.num_iterations
         self.mismatch_said = False  # the engine-mismatch line, once a run
+        self.none_said = False  # the line for completions no reward scored, once a run
         self.extra: dict[str, list[Any]] = {}
         self.values = torch.zeros(0, 0)
         self.totals = torch.zeros(0)
@@ -114,6 +115,10 @@ class GRPORollout:
         latest = rollout_records(rewards, totals, every_length, every_cut, names, group, scale)
         latest.update(self._logged_metrics(logged))
         latest.update(self.scorer.failure_records(dist))
+        none_line = self.scorer.all_none_line(dist)
+        if none_line and not self.none_said:
+            say(none_line)
+            self.none_said = True
         # TRL's num_tokens: prompt and completion tokens of every generated batch so far, all ranks
         seen = feed.counters.get("num_tokens", 0.0) + float(everyone[:, -3].sum() + everyone[:, -2].sum())
         feed.counters["num_tokens"] = seen
