@@ -169,7 +169,7 @@ model:
   name_or_path: {model}    # the student
   dtype: float32
   disable_activation_checkpoint: true
-teacher_model_name_or_path: {teacher}   # a larger model with the same tokenizer
+teacher_model_name_or_path: {teacher}   # a larger model with the same tokenizer, taught the task
 beta: 0.5                  # 0 forward KL(teacher || student), 1 reverse KL (TRL's default), between: JSD
 data:
   sources: [{data}]        # {{"prompt": [messages] or "text"}} per line (other columns are ignored)
@@ -178,7 +178,7 @@ data:
 max_completion_length: 16
 temperature: 1.0
 train_iters: 30
-gradient_accumulation_steps: 2
+gradient_accumulation_steps: 1   # a batch of 8 prompts: 29 batches in an epoch of the 262 training prompts
 eval_interval: 15          # eval_divergence: the teacher's judgement of greedy completions to held-out prompts
 eval_on_start: true
 """,
@@ -195,12 +195,78 @@ LEARNING_RATES = {
 }  # tiny model
 
 
+#: the starters' tiny model: heads of 32 dimensions, a size vLLM's CPU build runs (``use_vllm: true``)
+STARTER_HEADS = 2
+#: the distill starter's teacher: wider and deeper than the student, the same tokenizer, taught the task
+TEACHER_SHAPE = {"hidden_size": 128, "layers": 3, "heads": 4}
+TEACHER_STEPS = 200
+TEACHER_LR = 3e-3
+
+
+def train_teacher(out: Path) -> Path:
+    """The distill starter's teacher, taught the reversal task first (an SFT run of ``TEACHER_STEPS`` steps
+    in a child process, about ten seconds on a CPU): a random teacher would give the student nothing to
+    learn. Written to ``out`` in one rename."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from posttrain.errors import UserError
+    from posttrain.testing.env import child_env
+    from posttrain.tiny_model import write_tiny_model
+    from posttrain.utils.fs import atomic_dir
+
+    print(f"training the starter's teacher ({TEACHER_STEPS} SFT steps on the reversal chats) ...", flush=True)
+    with atomic_dir(out) as tmp:
+        work = tmp / "work"
+        raw = write_tiny_model(work / "untrained", **TEACHER_SHAPE)
+        config = {
+            "type": "sft",
+            "model": {"name_or_path": str(raw), "dtype": "float32", "disable_activation_checkpoint": True},
+            "data": {"sources": [str(write_jsonl(work / "chat.jsonl", chat_rows(600)))], "max_length": 64},
+            "micro_batch_size": 16,
+            "train_iters": TEACHER_STEPS,
+            "optimizer": {"lr": TEACHER_LR},
+            "scheduler": {"name": "cosine", "warmup_ratio": 0.1},
+            "logger": {"output_dir": str(work / "run")},
+            "checkpoint": [
+                {"type": "huggingface", "output_dir": str(work / "export"), "save_end_of_training": True}
+            ],
+        }
+        (work / "teacher.yaml").write_text(yaml.safe_dump(config))
+        done = subprocess.run(
+            [sys.executable, "-m", "posttrain", "train", str(work / "teacher.yaml")],
+            capture_output=True,
+            text=True,
+            env=child_env(),  # its own process group, whatever this process runs
+        )
+        if done.returncode != 0:
+            raise UserError(f"training the starter's teacher failed: {done.stderr.strip()[-1500:]}")
+        for file in (work / "export" / "final").iterdir():
+            file.rename(tmp / file.name)
+        import shutil
+
+        shutil.rmtree(work)
+    return out
+
+
+def prompt_rows(n: int) -> list[dict]:
+    """Prompts of the reversal task (grpo's and distill's starters): each chat's first question (with its
+    system message), the answer as a column for grpo's reward; each prompt once (a held-out split then
+    holds prompts never trained on)."""
+    rows: dict[str, dict] = {}
+    for chat in chat_rows(n):
+        messages = chat["messages"]
+        first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+        prompt = messages[: first + 1]
+        rows.setdefault(prompt[-1]["content"], {"prompt": prompt, "answer": messages[first + 1]["content"]})
+    return list(rows.values())
+
+
 def _dataset(kind: str, path: Path) -> None:
     if kind in ("grpo", "distill"):  # prompts (with the expected answer as a column for grpo's reward)
-        rows = [
-            {"prompt": row["messages"][-2:-1], "answer": row["messages"][-1]["content"]}
-            for row in chat_rows(300)
-        ]
+        rows = prompt_rows(300)
     elif kind == "kto":  # TRL's unpaired layout: each pair's answers as one desirable and one undesirable row
         rows = [
             {"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen"}
@@ -236,17 +302,13 @@ def write_starter(kind: str, out: Path) -> list[Path]:
     if not (model / "config.json").is_file():
         from posttrain.tiny_model import write_tiny_model
 
-        written.append(write_tiny_model(model))
+        written.append(write_tiny_model(model, heads=STARTER_HEADS))
     if not data.is_file():
         _dataset(kind, data)
         written.append(data)
-    teacher = (
-        base / "tiny-teacher"
-    )  # distill's: wider and deeper, the same tokenizer (same seed and vocabulary)
+    teacher = base / "tiny-teacher"
     if kind == "distill" and not (teacher / "config.json").is_file():
-        from posttrain.tiny_model import write_tiny_model
-
-        written.append(write_tiny_model(teacher, hidden_size=128, layers=3))
+        written.append(train_teacher(teacher))
     text = _HEADER.format(kind=kind, name=out) + STARTERS[kind].format(
         model=model, data=data, teacher=teacher
     )

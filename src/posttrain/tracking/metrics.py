@@ -34,6 +34,11 @@ class MetricsFile:
             self._handle = None
 
 
+#: what an online method is judged by on held-out prompts, shown beside ``eval_loss`` (grpo: the rewards of
+#: greedy completions; distill: the teacher's divergence from them per token)
+JUDGED_BY = ("eval_reward", "eval_divergence")
+
+
 def format_duration(seconds: float) -> str:
     minutes, secs = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -49,7 +54,7 @@ def format_line(record: dict[str, Any], total_steps: int, eta: float | None = No
         ("router_aux_loss", ".4f"),
         ("expert_imbalance", ".2f"),
         ("eval_loss", ".4f"),
-        ("eval_reward", ".4f"),
+        *((key, ".4f") for key in JUDGED_BY),
         ("lr", ".3e"),
         ("grad_norm", ".3f"),
     )

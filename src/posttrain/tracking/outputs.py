@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.logs import say
-from posttrain.tracking.metrics import MetricsFile, format_line
+from posttrain.tracking.metrics import JUDGED_BY, MetricsFile, format_line
 from posttrain.tracking.trackers import Tracker
 
 
@@ -34,12 +34,18 @@ class ProgressBar:
 
     def update(self, record: dict[str, Any]) -> None:
         """Show the newest value of each field (an evaluation adds its loss to the last step's)."""
-        for key, fmt in (("loss", "loss {:.4f}"), ("eval_loss", "eval_loss {:.4f}"), ("lr", "lr {:.2e}")):
+        judged = tuple((key, key + " {:.4f}") for key in JUDGED_BY)
+        for key, fmt in (
+            ("loss", "loss {:.4f}"),
+            ("eval_loss", "eval_loss {:.4f}"),
+            *judged,
+            ("lr", "lr {:.2e}"),
+        ):
             if record.get(key) is not None:
                 self.stats[key] = fmt.format(record[key])
         if record.get("tokens_per_second") is not None:
             self.stats["speed"] = f"{record['tokens_per_second']:.0f} tok/s"
-        order = ("loss", "eval_loss", "lr", "speed")
+        order = ("loss", "eval_loss", *JUDGED_BY, "lr", "speed")
         stats = " | ".join(self.stats[k] for k in order if k in self.stats)
         if "loss" in record:
             self.progress.update(self.task, completed=record["iter"], stats=stats)
