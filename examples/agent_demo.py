@@ -1,15 +1,20 @@
-"""An agent that learns with a tool: multiplying two 2-digit numbers, which the tiny model does badly from its
-own arithmetic and well by calling ``multiply`` (``posttrain.testing.tool_task``).
+"""An agent that learns to use its tool: multiplying two 2-digit numbers, which the tiny model does badly from
+its own arithmetic and well by calling ``multiply`` (``posttrain.testing.tool_task``).
 
-Two short SFT runs from the same tiny model: one on direct answers, one on tool-call conversations (the call,
-the tool's result, the answer copied; ``tokenizer.chat_template: hermes``), both stopped early; then GRPO with
-an exact-match reward from each, with and without the tool. Held-out accuracy (greedy, 64 products never
-trained on) before and after GRPO is printed. Run ``.venv/bin/python examples/agent_demo.py`` (about 4
-minutes on a 2-core CPU).
+One SFT run, to the end of its schedule, teaches both ways of answering from a mix of conversations with the
+tool offered: a quarter call it (the call, the tool's result, the answer copied; ``tokenizer.chat_template:
+hermes``), the rest answer from the model's own arithmetic. Greedy, the model mostly answers directly (the
+likelier way), so held-out accuracy starts low; sampled, it sometimes calls the tool, and those answers are
+right. GRPO with an exact-match reward then trains it with the tool, and for comparison without it. The SFT
+conversations, the GRPO prompts and the 64 held-out products are distinct pairs (checked before training).
+
+Run ``.venv/bin/python examples/agent_demo.py [--seed N]`` (a few minutes on a 2-core CPU; it builds the
+demo's tiny model when missing). Progress is printed as it goes.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -21,28 +26,48 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "demo-out" / "agent"
 sys.path.insert(0, str(ROOT / "src"))
 
 from posttrain.testing import tool_task  # noqa: E402
+from posttrain.testing.heldout import check_disjoint  # noqa: E402
+
+SFT_ROWS, PROMPTS, HELD_OUT = 2000, 512, 64
+TOOL_CALLS = 3  # of every 4 SFT conversations, this many call the tool (the others answer directly)
+SFT_STEPS, GRPO_STEPS, EVAL_EVERY = 400, 40, 10
+TINY_MODEL = ("--hidden-size", "128", "--layers", "4", "--seed", "0")  # the demo's model (make demo's)
 
 
-def posttrain(config: dict, name: str) -> Path:
-    path = OUT / f"{name}.yaml"
+def posttrain(config: dict, out: Path, name: str) -> Path:
+    """Run ``posttrain train`` on ``config``, printing its evaluations and every tenth step as they come."""
+    path = out / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     print(f"$ posttrain train {path.relative_to(ROOT)}", flush=True)
-    subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, "-m", "posttrain", "train", str(path)],
-        check=True,
         cwd=ROOT,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
-    return OUT / name
+    assert process.stdout is not None
+    tail: list[str] = []
+    for line in process.stdout:
+        tail = [*tail, line][-30:]
+        shown = line.split("] ", 2)[-1].strip()
+        if "eval_" in shown or (shown.startswith("iter ") and shown.split("/")[0].endswith("0")):
+            print(f"    {shown[:110]}", flush=True)
+    if process.wait() != 0:
+        sys.exit("".join(tail))
+    return out / name
 
 
-def sft(rows: list[dict], name: str, steps: int) -> Path:
-    data = tool_task.write_rows(OUT / f"{name}.jsonl", rows)
-    run = posttrain(
+def sft(out: Path, pairs: list[tuple[int, int]]) -> Path:
+    rows = [
+        tool_task.tool_call_row(a, b) if i % 4 < TOOL_CALLS else tool_task.direct_row(a, b, offered=True)
+        for i, (a, b) in enumerate(pairs)
+    ]
+    data = tool_task.write_rows(out / "sft.jsonl", rows)
+    posttrain(
         {
             "type": "sft",
             "model": {
@@ -53,56 +78,52 @@ def sft(rows: list[dict], name: str, steps: int) -> Path:
             "tokenizer": {"chat_template": "hermes"},
             "data": {"sources": [str(data)], "max_length": 256, "dl_num_workers": 0},
             "micro_batch_size": 32,
-            "train_iters": 400,
-            "exit_iteration": steps,  # stopped early on a 400-step schedule: partly right
+            "train_iters": SFT_STEPS,
             "optimizer": {"lr": 3e-3},
             "scheduler": {"name": "cosine", "warmup_ratio": 0.05},
-            "logger": {"output_dir": str(OUT / name)},
+            "logger": {"output_dir": str(out / "sft")},
             "checkpoint": [
                 {
                     "type": "huggingface",
-                    "output_dir": str(OUT / name / "export"),
+                    "output_dir": str(out / "sft" / "export"),
                     "save_end_of_training": True,
                 }
             ],
         },
-        name,
+        out,
+        "sft",
     )
-    return run / "export" / f"global_step_{steps}"
+    return out / "sft" / "export" / "final"
 
 
-def grpo(model: Path, name: str, tools: bool) -> list[tuple[int, float]]:
-    prompts = tool_task.write_rows(
-        OUT / "prompts.jsonl", [tool_task.prompt_row(a, b) for a, b in tool_task.pairs(512, 1)]
-    )
-    held = tool_task.write_rows(
-        OUT / "held-out.jsonl", [tool_task.prompt_row(a, b) for a, b in tool_task.pairs(64, 2)]
-    )
+def grpo(out: Path, model: Path, prompts: Path, held: Path, name: str, tools: bool, seed: int) -> list:
     run = posttrain(
         {
             "type": "grpo",
+            "seed": seed,
             "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": True},
             "data": {
                 "sources": [str(prompts)],
                 "eval_sources": [str(held)],
-                "max_length": 128,
+                "max_length": 192,
                 "dl_num_workers": 0,
             },
             "rewards": [{"type": "exact_match", "column": "answer", "extract": "none"}],
             "tools": [tool_task.tool_entry()] if tools else [],
             "num_generations": 8,
             "max_completion_length": 96 if tools else 8,
-            "temperature": 0.7,
+            "temperature": 1.0,
             "loss_type": "dapo",
             "micro_batch_size": 32,
-            "gradient_accumulation_steps": 2,
-            "train_iters": 80,
-            "eval_interval": 20,
+            "gradient_accumulation_steps": 4,
+            "train_iters": GRPO_STEPS,
+            "eval_interval": EVAL_EVERY,
             "eval_on_start": True,
-            "optimizer": {"lr": 1e-4, "weight_decay": 0.0},
+            "optimizer": {"lr": 3e-4, "weight_decay": 0.0},
             "scheduler": {"name": "constant", "warmup_ratio": 0},
-            "logger": {"output_dir": str(OUT / name)},
+            "logger": {"output_dir": str(out / name)},
         },
+        out,
         name,
     )
     records = [json.loads(line) for line in (run / "train-log-metrics.jsonl").read_text().splitlines()]
@@ -110,42 +131,42 @@ def grpo(model: Path, name: str, tools: bool) -> list[tuple[int, float]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0, help="the pairs drawn and the runs' seed")
+    seed = parser.parse_args().seed
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     started = time.time()
-    shutil.rmtree(OUT, ignore_errors=True)
-    OUT.mkdir(parents=True)
+    out = ROOT / "demo-out" / ("agent" if seed == 0 else f"agent-seed{seed}")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     if not (ROOT / "demo-out" / "tiny-model" / "config.json").is_file():
         subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "posttrain",
-                "tiny-model",
-                "demo-out/tiny-model",
-                "--hidden-size",
-                "128",
-                "--layers",
-                "4",
-                "--seed",
-                "0",
-            ],
+            [sys.executable, "-m", "posttrain", "tiny-model", "demo-out/tiny-model", *TINY_MODEL],
             check=True,
             cwd=ROOT,
         )
-    pairs = tool_task.pairs(2000, 0)
-    direct = sft([tool_task.direct_row(a, b) for a, b in pairs], "sft-direct", 180)
-    calling = sft([tool_task.tool_call_row(a, b) for a, b in pairs], "sft-tool", 180)
-    results = {
-        "without the tool": grpo(direct, "grpo-direct", False),
-        "with the tool": grpo(calling, "grpo-tool", True),
-    }
-    print("\nheld-out exact-match accuracy (greedy, 64 products of two 2-digit numbers never trained on):")
+    taught, asked, kept = tool_task.distinct_pairs([SFT_ROWS, PROMPTS, HELD_OUT], seed)
+    prompts = tool_task.write_rows(out / "prompts.jsonl", [tool_task.prompt_row(a, b) for a, b in asked])
+    held = tool_task.write_rows(out / "held-out.jsonl", [tool_task.prompt_row(a, b) for a, b in kept])
+    print(
+        f"1/3 SFT: {SFT_ROWS} conversations, {TOOL_CALLS} in 4 calling the tool, {SFT_STEPS} steps",
+        flush=True,
+    )
+    model = sft(out, taught)
+    print(check_disjoint(held, [out / "sft.jsonl", prompts]), flush=True)
+    results = {}
+    for step, (name, tools) in enumerate((("with the tool", True), ("without the tool", False)), start=2):
+        print(f"{step}/3 GRPO {name}: {GRPO_STEPS} steps of 16 prompts x 8 completions", flush=True)
+        run = "grpo-tool" if tools else "grpo-direct"
+        results[name] = grpo(out, model, prompts, held, run, tools, seed)
+    print(
+        f"\nheld-out exact-match accuracy (greedy, {HELD_OUT} products of two 2-digit numbers never trained on):"
+    )
     for name, curve in results.items():
-        print(
-            f"  {name:17s} before GRPO {curve[0][1]:6.1%}   after {curve[-1][0]} GRPO steps {curve[-1][1]:6.1%}"
-        )
-    print(f"completions with their tool calls: {(OUT / 'grpo-tool' / 'completions.jsonl').relative_to(ROOT)}")
-    print(f"done in {time.time() - started:.0f} s")
+        steps = ", ".join(f"{accuracy:.1%} at {step}" for step, accuracy in curve[1:])
+        print(f"  {name:17s} before GRPO {curve[0][1]:6.1%}; then {steps}")
+    print(f"completions with their tool calls: {(out / 'grpo-tool' / 'completions.jsonl').relative_to(ROOT)}")
+    print(f"done in {time.time() - started:.0f} s (seed {seed})")
 
 
 if __name__ == "__main__":

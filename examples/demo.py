@@ -14,6 +14,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from posttrain.testing.heldout import check_disjoint  # noqa: E402
+
 OUT = ROOT / "demo-out"
 CONFIG = ROOT / "examples" / "sft-reverse.yaml"
 EVAL_FILE = ROOT / "examples" / "data" / "reverse-eval.jsonl"
@@ -68,6 +72,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     started = time.time()
     rows = [json.loads(line) for line in EVAL_FILE.read_text().splitlines() if line.strip()]
+    print(check_disjoint(EVAL_FILE, [EVAL_FILE.with_name("reverse-train.jsonl")]), flush=True)
     model_dir = OUT / "tiny-model"
     posttrain(
         "tiny-model", str(model_dir.relative_to(ROOT)), "--hidden-size", "128", "--layers", "4", "--seed", "0"

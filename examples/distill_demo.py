@@ -19,6 +19,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from posttrain.testing.heldout import check_disjoint  # noqa: E402
+
 OUT = ROOT / "demo-out"
 STEPS = 160
 TEACHER = OUT / "run" / "checkpoints" / "final"
@@ -52,6 +56,13 @@ def accuracy(model: Path, name: str) -> float:
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     started = time.time()
+    data = ROOT / "examples" / "data"  # the SFT's chats and distill's prompts, against the held-out prompts
+    print(
+        check_disjoint(
+            data / "reverse-prompts-eval.jsonl",
+            [data / "reverse-train.jsonl", data / "reverse-prompts.jsonl"],
+        )
+    )
     if not (TEACHER / "config.json").is_file():
         if not (OUT / "tiny-model" / "config.json").is_file():
             posttrain(

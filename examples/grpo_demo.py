@@ -16,6 +16,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from posttrain.testing.heldout import check_disjoint  # noqa: E402
+
 OUT = ROOT / "demo-out"
 
 
@@ -32,6 +36,13 @@ def held_out(records: list[dict]) -> list[tuple[int, float]]:
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     started = time.time()
+    data = ROOT / "examples" / "data"  # the SFT's chats and grpo's prompts, against grpo's held-out prompts
+    print(
+        check_disjoint(
+            data / "reverse-prompts-eval.jsonl",
+            [data / "reverse-train.jsonl", data / "reverse-prompts.jsonl"],
+        )
+    )
     for previous in ("sft-early", "grpo"):  # a fresh run: the metrics files are appended to
         shutil.rmtree(OUT / previous, ignore_errors=True)
     if not (OUT / "tiny-model" / "config.json").is_file():

@@ -53,9 +53,32 @@ def tool_call_row(a: int, b: int) -> dict[str, Any]:
     }
 
 
-def direct_row(a: int, b: int) -> dict[str, Any]:
-    """An SFT row answering from the model's own arithmetic."""
-    return {"messages": [question(a, b), {"role": "assistant", "content": str(a * b)}]}
+def direct_row(a: int, b: int, offered: bool = False) -> dict[str, Any]:
+    """An SFT row answering from the model's own arithmetic (``offered``: with the tool in the prompt, not
+    called)."""
+    row: dict[str, Any] = {"messages": [question(a, b), {"role": "assistant", "content": str(a * b)}]}
+    if offered:
+        from transformers.utils import get_json_schema
+
+        row["tools"] = [get_json_schema(multiply)]
+    return row
+
+
+def distinct_pairs(sizes: list[int], seed: int, digits: int = 2) -> list[list[tuple[int, int]]]:
+    """Sets of the given sizes of pairs of ``digits``-digit numbers, no pair (in either order) in two sets or
+    twice in one."""
+    rng = random.Random(seed)
+    low, high = 10 ** (digits - 1), 10**digits - 1
+    every = [(a, b) for a in range(low, high + 1) for b in range(a, high + 1)]
+    if sum(sizes) > len(every):
+        raise ValueError(f"{sum(sizes)} distinct pairs asked, {len(every)} exist")
+    chosen = rng.sample(every, sum(sizes))
+    chosen = [(a, b) if rng.random() < 0.5 else (b, a) for a, b in chosen]  # both orders asked
+    out, start = [], 0
+    for size in sizes:
+        out.append(chosen[start : start + size])
+        start += size
+    return out
 
 
 def prompt_row(a: int, b: int) -> dict[str, Any]:
