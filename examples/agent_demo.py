@@ -32,8 +32,9 @@ from posttrain.testing import tool_task  # noqa: E402
 from posttrain.testing.heldout import check_disjoint  # noqa: E402
 
 SFT_ROWS, PROMPTS, HELD_OUT = 2000, 512, 64
-TOOL_CALLS = 3  # of every 4 SFT conversations, this many call the tool (the others answer directly)
-SFT_STEPS, GRPO_STEPS, EVAL_EVERY = 400, 40, 10
+CALL_STEPS = 500  # the first SFT: copying the operands is learnt (suddenly) around step 250-300
+DIRECT_STEPS, DIRECT_EVERY = 60, 10  # the second: 9 in 10 conversations answer directly
+GRPO_STEPS, EVAL_EVERY = 40, 10
 TINY_MODEL = ("--hidden-size", "128", "--layers", "4", "--seed", "0")  # the demo's model (make demo's)
 
 
@@ -61,42 +62,37 @@ def posttrain(config: dict, out: Path, name: str) -> Path:
     return out / name
 
 
-def sft(out: Path, pairs: list[tuple[int, int]]) -> Path:
-    rows = [
-        tool_task.tool_call_row(a, b) if i % 4 < TOOL_CALLS else tool_task.direct_row(a, b, offered=True)
-        for i, (a, b) in enumerate(pairs)
-    ]
-    data = tool_task.write_rows(out / "sft.jsonl", rows)
+def sft(out: Path, name: str, rows: list[dict], base: str, steps: int, lr: float) -> Path:
+    """An SFT run from ``base`` on ``rows`` over its whole cosine schedule; its export."""
+    data = tool_task.write_rows(out / f"{name}.jsonl", rows)
     posttrain(
         {
             "type": "sft",
-            "model": {
-                "name_or_path": "demo-out/tiny-model",
-                "dtype": "float32",
-                "disable_activation_checkpoint": True,
-            },
+            "model": {"name_or_path": base, "dtype": "float32", "disable_activation_checkpoint": True},
             "tokenizer": {"chat_template": "hermes"},
             "data": {"sources": [str(data)], "max_length": 256, "dl_num_workers": 0},
             "micro_batch_size": 32,
-            "train_iters": SFT_STEPS,
-            "optimizer": {"lr": 3e-3},
+            "train_iters": steps,
+            "optimizer": {"lr": lr},
             "scheduler": {"name": "cosine", "warmup_ratio": 0.05},
-            "logger": {"output_dir": str(out / "sft")},
+            "logger": {"output_dir": str(out / name)},
             "checkpoint": [
                 {
                     "type": "huggingface",
-                    "output_dir": str(out / "sft" / "export"),
+                    "output_dir": str(out / name / "export"),
                     "save_end_of_training": True,
                 }
             ],
         },
         out,
-        "sft",
+        name,
     )
-    return out / "sft" / "export" / "final"
+    return out / name / "export" / "final"
 
 
-def grpo(out: Path, model: Path, prompts: Path, held: Path, name: str, tools: bool, seed: int) -> list:
+def grpo(out: Path, model: Path, prompts: Path, held: Path, name: str, seed: int) -> list[tuple[int, dict]]:
+    """GRPO with the calculator environment: its ``get_reward`` the reward; the final answer's exact match
+    logged beside it (weight 0). The held-out evaluations' rewards by step."""
     run = posttrain(
         {
             "type": "grpo",
@@ -108,10 +104,10 @@ def grpo(out: Path, model: Path, prompts: Path, held: Path, name: str, tools: bo
                 "max_length": 192,
                 "dl_num_workers": 0,
             },
-            "rewards": [{"type": "exact_match", "column": "answer", "extract": "none"}],
-            "tools": [tool_task.tool_entry()] if tools else [],
+            "environment_factory": tool_task.environment_entry(),
+            "rewards": [{"type": "exact_match", "column": "answer", "extract": "none", "weight": 0}],
             "num_generations": 8,
-            "max_completion_length": 96 if tools else 8,
+            "max_completion_length": 96,
             "temperature": 1.0,
             "loss_type": "dapo",
             "micro_batch_size": 32,
@@ -127,7 +123,7 @@ def grpo(out: Path, model: Path, prompts: Path, held: Path, name: str, tools: bo
         name,
     )
     records = [json.loads(line) for line in (run / "train-log-metrics.jsonl").read_text().splitlines()]
-    return [(r["iter"], r["eval_reward"]) for r in records if "eval_reward" in r]
+    return [(r["iter"], r) for r in records if "eval_reward" in r]
 
 
 def main() -> None:
@@ -149,14 +145,30 @@ def main() -> None:
     prompts = tool_task.write_rows(out / "prompts.jsonl", [tool_task.prompt_row(a, b) for a, b in asked])
     held = tool_task.write_rows(out / "held-out.jsonl", [tool_task.prompt_row(a, b) for a, b in kept])
     print(
-        f"1/3 SFT: {SFT_ROWS} conversations, {TOOL_CALLS} in 4 calling the tool, {SFT_STEPS} steps",
+        f"1/4 SFT: {SFT_ROWS} tool-call conversations, {CALL_STEPS} steps (the call format, copying)",
         flush=True,
     )
-    model = sft(out, taught)
-    print(check_disjoint(held, [out / "sft.jsonl", prompts]), flush=True)
+    calling = sft(
+        out,
+        "sft-calls",
+        [tool_task.tool_call_row(a, b) for a, b in taught],
+        "demo-out/tiny-model",
+        CALL_STEPS,
+        3e-3,
+    )
+    mixed = [
+        tool_task.tool_call_row(a, b) if i % DIRECT_EVERY == 0 else tool_task.direct_row(a, b, offered=True)
+        for i, (a, b) in enumerate(taught)
+    ]
+    print(
+        f"2/4 SFT: answering directly ({DIRECT_EVERY - 1} in {DIRECT_EVERY} conversations), {DIRECT_STEPS} steps",
+        flush=True,
+    )
+    model = sft(out, "sft-direct", mixed, str(calling), DIRECT_STEPS, 1e-3)
+    print(check_disjoint(held, [out / "sft-calls.jsonl", out / "sft-direct.jsonl", prompts]), flush=True)
     results = {}
-    for step, (name, tools) in enumerate((("with the tool", True), ("without the tool", False)), start=2):
-        print(f"{step}/3 GRPO {name}: {GRPO_STEPS} steps of 16 prompts x 8 completions", flush=True)
+    for step, (name, tools) in enumerate((("with the tool", True), ("without the tool", False)), start=3):
+        print(f"{step}/4 GRPO {name}: {GRPO_STEPS} steps of 16 prompts x 8 completions", flush=True)
         run = "grpo-tool" if tools else "grpo-direct"
         results[name] = grpo(out, model, prompts, held, run, tools, seed)
     print(

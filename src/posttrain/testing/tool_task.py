@@ -22,6 +22,33 @@ def multiply(a: int, b: int) -> int:
     return int(a) * int(b)
 
 
+class Calculator:
+    """The agent demo's environment (TRL's ``environment_factory``): ``multiply`` is its tool; ``get_reward``
+    is 1 when the last product the rollout computed is the row's answer (the agent computed what was asked),
+    else 0."""
+
+    def reset(self, answer: str, **row: Any) -> None:
+        self.answer, self.last = str(answer), None
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: first factor
+            b: second factor
+        """
+        self.last = int(a) * int(b)
+        return self.last
+
+    def get_reward(self) -> float:
+        return float(str(self.last) == self.answer)
+
+
+def environment_entry() -> str:
+    """The ``environment_factory`` entry naming :class:`Calculator`."""
+    return f"{Path(__file__).resolve()}:Calculator"
+
+
 def tool_entry() -> str:
     """The ``tools:`` entry naming :func:`multiply`."""
     return f"{Path(__file__).resolve()}:multiply"
