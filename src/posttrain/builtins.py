@@ -18,10 +18,11 @@ from posttrain.config.data import (
 )
 from posttrain.config.distill import DistillTrainerConfig
 from posttrain.config.dpo import DPODataConfig, DPOTrainerConfig
-from posttrain.config.grpo import GRPODataConfig, GRPOTrainerConfig
+from posttrain.config.grpo import GRPOTrainerConfig
 from posttrain.config.kto import KTODataConfig, KTOTrainerConfig
 from posttrain.config.model import ModelConfig
 from posttrain.config.optimizer import OptimizerConfig
+from posttrain.config.prompts import PromptsDataConfig
 from posttrain.config.reward import RewardDataConfig, RewardTrainerConfig
 from posttrain.config.scheduler import HFSchedulerConfig, MegatronSchedulerConfig
 from posttrain.config.tokenizer import TokenizerConfig
@@ -106,9 +107,9 @@ TRAINER_SPECS = (
     (
         TrainerSpec(
             name="grpo",
-            accepts=hf_components("grpo"),
+            accepts=hf_components("prompts"),
             loss="posttrain.methods.grpo:make_grpo_loss",
-            collator="posttrain.data.grpo:PromptCollator",
+            collator="posttrain.data.prompts:PromptCollator",
             description="online RL from rewards: GRPO, DAPO, Dr. GRPO, RLOO, GSPO",
             perplexity=False,
             steps="posttrain.methods.grpo:grpo_steps",
@@ -121,9 +122,9 @@ TRAINER_SPECS = (
     (
         TrainerSpec(
             name="distill",
-            accepts=hf_components("grpo"),
+            accepts=hf_components("prompts"),
             loss="posttrain.methods.distill:make_distill_loss",
-            collator="posttrain.data.grpo:PromptCollator",
+            collator="posttrain.data.prompts:PromptCollator",
             description="on-policy distillation: the student samples, the teacher scores every token (TRL's DistillationTrainer)",
             perplexity=False,
             steps="posttrain.methods.distill:distill_steps",
@@ -152,7 +153,7 @@ COMPONENTS = (
     (DATA_FACTORIES, "sft", "posttrain.methods.sft:DATA", SFTDataConfig),
     (DATA_FACTORIES, "causal", "posttrain.methods.causal:DATA", CausalDataConfig),
     (DATA_FACTORIES, "dpo", "posttrain.methods.dpo:DATA", DPODataConfig),
-    (DATA_FACTORIES, "grpo", "posttrain.methods.grpo:DATA", GRPODataConfig),
+    (DATA_FACTORIES, "prompts", "posttrain.data.prompts:DATA", PromptsDataConfig),
     (DATA_FACTORIES, "kto", "posttrain.methods.kto:DATA", KTODataConfig),
     (DATA_FACTORIES, "reward", "posttrain.methods.reward:DATA", RewardDataConfig),
     (OPTIMIZERS, "adamw", "posttrain.optim.adamw:build_adamw", OptimizerConfig),

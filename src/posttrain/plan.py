@@ -1,13 +1,22 @@
 """The run's arithmetic, as pure functions: batch sizes from a total, the effective learning rate, and how
-many micro-batches each optimizer step takes (batch-size ramp-up included)."""
+many micro-batches each optimizer step takes (batch-size ramp-up included); and what the run plans from them
+(``DataPlan``: the data and its steps; ``Batches``: their loaders), the types the registry's hooks take, here
+below the stages that fill them."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from posttrain.config.trainer import TrainerConfig
 from posttrain.errors import UserError
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+    from posttrain.data.build import Datasets
+    from posttrain.data.sampler import ShardSampler
 
 
 @dataclass(frozen=True)
@@ -197,3 +206,46 @@ def rampup_problems(rampup: tuple[int, int, int] | None, sizes: BatchSizes) -> l
             f"global batch {target} - start {start} is not a multiple of the increment {increment}"
         )
     return [f"rampup_batch_size={list(rampup)}: " + "; ".join(problems)] if problems else []
+
+
+@dataclass
+class DataPlan:
+    config: TrainerConfig  # resolved for the world size (batch sizes, LR)
+    sizes: BatchSizes
+    lr: float
+    tokenizer: Any
+    max_length: int
+    data: Datasets
+    step_plan: list[list[int]]  # micro-batches per optimizer step, per epoch
+    total_steps: int
+    repeats: int = 1  # copies of the training data (min_iterations)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self.step_plan[0])
+
+    def summary(self) -> dict[str, Any]:
+        """The plan's numbers as data (``posttrain preprocess --json``)."""
+        return {
+            "train_sequences": len(self.data.train),
+            "eval_sequences": len(self.data.eval),
+            "max_length": self.max_length,
+            "steps_per_epoch": self.steps_per_epoch,
+            "total_steps": self.total_steps,
+            "global_batch_size": self.sizes.global_batch_size,
+            "micro_batch_size": self.sizes.micro_batch_size,
+            "gradient_accumulation_steps": self.sizes.gradient_accumulation_steps,
+            "learning_rate": self.lr,
+        }
+
+
+@dataclass
+class Batches:
+    """The run's data as the loop reads it: the plan, the collator, the training loader and its sampler, the
+    evaluation loader."""
+
+    plan: DataPlan
+    collator: Any
+    train: DataLoader
+    sampler: ShardSampler
+    eval: DataLoader | None

@@ -26,9 +26,9 @@ from posttrain.memory.machine import Machine
 from posttrain.memory.report import plan_as_data, plan_text
 from posttrain.memory.shape import ShapeUnavailable, model_shape
 from posttrain.models.fp8 import emulation_reason, run_device
-from posttrain.plan import BatchSizes, lr_explanation, resolve
+from posttrain.plan import BatchSizes, DataPlan, lr_explanation, resolve
 from posttrain.registry import DATA_FACTORIES, TOKENIZER_FACTORIES, TRAINERS, load_component
-from posttrain.stages.data import DataPlan, model_facts, plan_data
+from posttrain.stages.data import model_facts, plan_data
 from posttrain.utils.fs import atomic_write
 
 TRAINED_START, TRAINED_END = "[[", "]]"

@@ -29,9 +29,7 @@ if TYPE_CHECKING:
     from posttrain.data.build import DataFactory, Datasets
     from posttrain.data.sources import Row, RowReader
     from posttrain.models.facts import ModelFacts
-    from posttrain.plan import BatchSizes
-    from posttrain.run import Batches
-    from posttrain.stages.data import DataPlan
+    from posttrain.plan import Batches, BatchSizes, DataPlan
     from posttrain.training.engine import Engine
     from posttrain.training.extras import StepExtra
     from posttrain.training.steps import StepFeed
@@ -307,9 +305,13 @@ class LossFunction(Protocol):
 
 
 class LossBuilder(Protocol):
-    """``TrainerSpec.loss``: ``(validated run config, tokenizer) -> the loss function``."""
+    """``TrainerSpec.loss``: ``(validated run config, tokenizer, the run's step feed) -> the loss function``.
+    The feed is what ``TrainerSpec.steps`` built: an online method's loss evaluates through it (its
+    generation backend, its scorer or teacher); an offline method's ignores it."""
 
-    def __call__(self, config: TrainerConfig, tokenizer: PreTrainedTokenizerBase) -> LossFunction: ...
+    def __call__(
+        self, config: TrainerConfig, tokenizer: PreTrainedTokenizerBase, steps: StepFeed
+    ) -> LossFunction: ...
 
 
 class Collate(Protocol):

@@ -25,7 +25,7 @@ from posttrain.errors import UserError
 from posttrain.logs import get_logger, say, setup_logging
 from posttrain.models.sequence_parallel import SequenceSlicer
 from posttrain.models.sequence_parallel import uninstall as uninstall_sequence_parallel
-from posttrain.plan import BatchSizes, data_parallel_size, lr_explanation, resolve
+from posttrain.plan import Batches, BatchSizes, DataPlan, data_parallel_size, lr_explanation, resolve
 from posttrain.registry import (
     CHECKPOINT_ENGINES,
     OPTIMIZERS,
@@ -34,7 +34,7 @@ from posttrain.registry import (
     TRAINERS,
     load_component,
 )
-from posttrain.stages.data import DataPlan, plan_data
+from posttrain.stages.data import plan_data
 from posttrain.stages.model import LoadedModel, load_model, step_extras
 from posttrain.tokenizers.padding import input_pad_id
 from posttrain.tracking.setup import build_meter, export_dirs, open_outputs
@@ -61,15 +61,6 @@ class Setup:
     sizes: BatchSizes
     lr: float
     spec: Any  # the trainer's TrainerSpec
-
-
-@dataclass
-class Batches:
-    plan: DataPlan
-    collator: Any
-    train: DataLoader
-    sampler: ShardSampler
-    eval: DataLoader | None
 
 
 def run(config: TrainerConfig) -> RunResult:
@@ -184,7 +175,7 @@ def loop_inputs(
     steps = load_component(spec.steps)(ctx, engine, batches, tokenizer)
     inputs = LoopInputs(
         engine=engine,
-        loss_fn=load_component(spec.loss)(config, tokenizer),
+        loss_fn=load_component(spec.loss)(config, tokenizer, steps),
         steps=steps,
         eval_loader=batches.eval,
         checkpoints=checkpoints,

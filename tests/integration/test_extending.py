@@ -3,6 +3,7 @@ extra train together in one run; the command runs through the CLI."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from posttrain import registry
-from posttrain.commands import COMMANDS
+from posttrain.commands import COMMANDS, all_commands
 from tests.integration.helpers import merge, metrics, train, weights
 
 pytestmark = pytest.mark.integration
@@ -30,6 +31,7 @@ def examples() -> dict[str, str]:
 def clean_registries():
     """The examples register into process-wide tables: put them back as they were afterwards."""
     registry.load_builtins()  # the built-ins are part of what is put back
+    all_commands()  # and every group's commands (registered once per process, on first use)
     saved = (
         list(registry.MODEL_TRANSFORMS._parts),
         list(registry.STEP_EXTRAS._parts),
@@ -106,17 +108,20 @@ def test_reward_functions_from_the_page(base_config: dict, tmp_path: Path, monke
 
 
 def test_online_method_from_the_page(base_config: dict, tmp_path: Path, clean_registries) -> None:
-    """The page's online method trains on the shared feed: its record in every step, its completions logged."""
+    """The page's scored online method trains on the shared feed with the shared scorer, borrowing nothing from
+    grpo: its records in every step, its completions logged with their rewards."""
     from tests.grpo_helpers import write_prompts
 
     files = examples()
+    assert "posttrain.methods" not in files["online.py"]
     (tmp_path / "online.py").write_text(files["online.py"])
     config = merge(base_config, **yaml.safe_load(files["online.yaml"]), train_iters=3, loss_log_interval=1)
     config["code"] = str(tmp_path / "online.py")
     config["data"] = {"sources": [str(write_prompts(tmp_path / "prompts.jsonl", 32))], "max_length": 64}
-    config.update(completions_log_interval=1)
+    config.update(completions_log_interval=1, micro_batch_size=4, gradient_accumulation_steps=1)
     train(config)
-    records = [r for r in metrics(config) if "kept" in r]
-    assert len(records) == 3 and all(0.0 <= r["kept"] <= 1.0 for r in records)
+    records = [r for r in metrics(config) if "reward" in r]
+    assert len(records) == 3 and all(0.0 <= r["reward"] <= 1.0 for r in records)
     logged = Path(config["logger"]["output_dir"]) / "completions.jsonl"
-    assert logged.read_text().count("\n") == 3 * 4  # one process: its 4 completions (micro-batch 4) a step
+    lines = [json.loads(line) for line in logged.read_text().splitlines()]
+    assert len(lines) == 3 * 4 and all("regex" in line["rewards"] for line in lines)  # one prompt x 4, a step

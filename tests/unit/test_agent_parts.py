@@ -11,10 +11,12 @@ import pytest
 
 from posttrain.config import load_config
 from posttrain.config.errors import ConfigError
-from posttrain.config.grpo import CodeTestsReward, FunctionReward
+from posttrain.config.rewards import CodeTestsReward, FunctionReward
 from posttrain.rollout.generation import Completions
-from posttrain.rollout.reward_guard import RewardWorkers
-from posttrain.rollout.rewards import RewardError, RewardGuard, build_rewards, score_all
+from posttrain.rollout.reward_calls import RewardError
+from posttrain.rollout.reward_functions import build_rewards
+from posttrain.rollout.reward_guard import RewardGuard, score_all
+from posttrain.rollout.reward_workers import RewardWorkers
 from posttrain.rollout.tools import ToolCall, ToolRunner, parse_hermes, parse_llama3_json, parse_mistral
 from posttrain.testing import tool_task
 
@@ -204,7 +206,7 @@ def test_environment_errors_name_the_users_class_and_line(tmp_path: Path) -> Non
     own error (said once, the model still reading it) and get_reward's error each name the user's code."""
     from posttrain.errors import UserError
     from posttrain.rollout.agent import Environments, reset
-    from posttrain.rollout.rewards import environment_rewards
+    from posttrain.rollout.reward_functions import environment_rewards
 
     code = tmp_path / "envs.py"
     code.write_text(ENVIRONMENTS)

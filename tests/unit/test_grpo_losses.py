@@ -17,7 +17,7 @@ from posttrain.methods.grpo.losses import (
     nanstd,
     token_losses,
 )
-from posttrain.methods.grpo.rollout import rollout_records
+from posttrain.methods.grpo.method import batch_records
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]  # two groups of 4: one split, one with no spread
 
@@ -114,7 +114,7 @@ def test_rollout_records_are_trls() -> None:
     totals = torch.tensor(WITH_UNSCORED, dtype=torch.float64)  # weights 1 and 0 (the second only logged)
     lengths = torch.tensor([4.0, 8.0, 2.0, 8.0, 5.0, 8.0, 3.0, 1.0], dtype=torch.float64)
     truncated = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0], dtype=torch.float64)
-    got = rollout_records(per_function, totals, lengths, truncated, ["a", "b"], 4, "group")
+    got = batch_records(per_function, totals, lengths, truncated, ["a", "b"], 4, "group")
     scored = _scored(WITH_UNSCORED)
     assert got["reward"] == pytest.approx(sum(scored) / len(scored), abs=1e-15)
     assert got["reward_std"] == pytest.approx(_std(scored), abs=1e-15)
@@ -128,7 +128,7 @@ def test_rollout_records_are_trls() -> None:
         _std([1.0, 0.0, 3.0, 2.0])
     )
     assert got["rewards/b/mean"] == pytest.approx(1.0) and got["rewards/b/std"] == pytest.approx(1.0)
-    flat = rollout_records(
+    flat = batch_records(
         per_function[:, :1].nan_to_num(),
         torch.tensor(REWARDS, dtype=torch.float64),
         lengths,

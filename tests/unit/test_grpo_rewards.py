@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from posttrain.config import ConfigError, load_config
-from posttrain.config.grpo import ExactMatchReward, FunctionReward, LengthPenaltyReward, RegexReward
+from posttrain.config.rewards import ExactMatchReward, FunctionReward, LengthPenaltyReward, RegexReward
 from posttrain.rollout.generation import MASK, KeyedSampler, _mix, _mix_int, completion_key, keyed_draw
-from posttrain.rollout.rewards import RewardError, build_rewards, last_boxed, same_answer, score_all
+from posttrain.rollout.reward_calls import RewardError
+from posttrain.rollout.reward_functions import build_rewards, last_boxed, same_answer
+from posttrain.rollout.reward_guard import score_all
 
 
 def _one(config) -> object:
@@ -244,7 +246,7 @@ def test_text_prompts_carry_the_tokenizers_special_tokens_as_in_trl(tiny_tokeniz
 
     from tokenizers.processors import TemplateProcessing
 
-    from posttrain.data.grpo import prompt_ids
+    from posttrain.data.prompts import prompt_ids
 
     tokenizer = copy.deepcopy(tiny_tokenizer)
     bos = tokenizer.bos_token
@@ -294,10 +296,10 @@ def test_the_models_generation_defaults_never_apply_and_its_eos_stops() -> None:
 def test_completions_no_reward_scores_are_said(tmp_path: Path, tiny_tokenizer) -> None:
     """Every function returning None for a completion leaves it out (advantage 0, TRL's NaN); the run says so
     in one line naming how many, the rows and the functions (TRL warns too), and says nothing otherwise."""
-    from posttrain.data.grpo import ORIGIN_KEY
+    from posttrain.data.prompts import ORIGIN_KEY
     from posttrain.dist import DistInfo
     from posttrain.rollout.generation import Completions
-    from posttrain.rollout.rewards import Scorer
+    from posttrain.rollout.scorer import Scorer
 
     body = "def reward(completions, kind, **kw):\n    return [1.0 if k == 'a' else None for k in kind]\n"
     function = _user_reward(tmp_path, body)
@@ -313,10 +315,10 @@ def test_completions_no_reward_scores_are_said(tmp_path: Path, tiny_tokenizer) -
     scorer = Scorer(config, tiny_tokenizer)
     one = DistInfo(0, 0, 1, torch.device("cpu"))
     rows = [{"prompt": "q", "kind": k, ORIGIN_KEY: f"d.jsonl row {i + 1}"} for i, k in enumerate("aab")]
-    values = scorer(rows, Completions([[5, 6]] * 3, [False] * 3))
-    assert math.isnan(values[2, 0]) and scorer.all_none_line(one).startswith(
+    scores = scorer.score(rows, Completions([[5, 6]] * 3, [False] * 3))
+    assert math.isnan(scores.values[2, 0]) and scorer.none_scored_line(scores, one).startswith(
         "every reward function returned None for 1 of the step's 3 completions (among them the completions of "
         "d.jsonl row 3): no reward scores them"
     )
-    scorer(rows[:2], Completions([[5, 6]] * 2, [False] * 2))
-    assert scorer.all_none_line(one) == ""
+    scores = scorer.score(rows[:2], Completions([[5, 6]] * 2, [False] * 2))
+    assert scorer.none_scored_line(scores, one) == ""

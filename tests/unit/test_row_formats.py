@@ -108,7 +108,7 @@ def test_a_sources_column_and_role_maps() -> None:
 
 
 def test_grpo_prompt_rows_as_trl_keeps_them() -> None:
-    from posttrain.data.grpo import prompt_of, reward_columns
+    from posttrain.data.prompts import prompt_of, reward_columns
     from posttrain.data.samples import RowError
 
     chat = [{"role": "user", "content": "reverse 12"}]

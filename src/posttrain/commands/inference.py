@@ -76,7 +76,7 @@ def _vllm_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 @command(
     "vllm-serve",
-    "start the vLLM server a grpo run with vllm_mode: server generates on",
+    "start the vLLM server an online run (grpo, distill) with vllm_mode: server generates on",
     _vllm_serve_arguments,
     """Start vLLM's OpenAI-compatible server for the run's model with the settings its colocated engine would
     take (context from data.max_length + max_completion_length, the model's dtype, processed log-probabilities,

@@ -278,7 +278,7 @@ class DataConfig(BaseConfig):
         return bool(self.eval_sources) or self.train_eval_split[1] > 0
 
 
-class PromptDataConfig(DataConfig):
+class PromptedDataConfig(DataConfig):
     """Data whose rows hold a prompt apart from what is trained on (preference pairs, KTO rows, RL prompts)."""
 
     max_prompt_length: HumanInt = Field(default=0, ge=0)

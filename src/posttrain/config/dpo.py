@@ -9,12 +9,12 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BeforeValidator, Field, model_validator
 
 from posttrain.config.base import ModeKeys, Problem
-from posttrain.config.data import PromptDataConfig
+from posttrain.config.data import PromptedDataConfig
 from posttrain.config.human import HumanFloat
 from posttrain.config.trainer import ReferenceTrainerConfig
 
 
-class DPODataConfig(PromptDataConfig):
+class DPODataConfig(PromptedDataConfig):
     """Preference pairs: ``prompt``, ``chosen``, ``rejected`` (or SiloGen's ``*_messages``), each a message
     list or a string."""
 

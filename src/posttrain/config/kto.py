@@ -6,12 +6,12 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from posttrain.config.data import PromptDataConfig
+from posttrain.config.data import PromptedDataConfig
 from posttrain.config.human import HumanFloat
 from posttrain.config.trainer import ReferenceTrainerConfig
 
 
-class KTODataConfig(PromptDataConfig):
+class KTODataConfig(PromptedDataConfig):
     """Unpaired feedback as TRL keeps it: ``prompt``, ``completion`` and ``label`` (true: desirable, false:
     undesirable), prompt and completion each a message list or a string. Preference pairs (``prompt``,
     ``chosen``, ``rejected`` and the other pair layouts ``dpo`` reads) load too: each pair gives one desirable

@@ -9,12 +9,12 @@ from typing import ClassVar
 from pydantic import Field, model_validator
 
 from posttrain.config.base import Problem
-from posttrain.config.data import PromptDataConfig
+from posttrain.config.data import PromptedDataConfig
 from posttrain.config.human import HumanFloat
 from posttrain.config.trainer import TrainerConfig
 
 
-class RewardDataConfig(PromptDataConfig):
+class RewardDataConfig(PromptedDataConfig):
     """Preference pairs (every layout ``dpo`` reads: ``prompt``/``chosen``/``rejected``, SiloGen's
     ``*_messages``, ERNIEKit's rows), with TRL's optional ``margin`` column: how much better the chosen answer
     is, subtracted inside the Bradley-Terry loss."""

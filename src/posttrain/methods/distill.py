@@ -32,7 +32,7 @@ from posttrain.dist import all_gather_rows
 from posttrain.errors import UserError
 from posttrain.logs import say
 from posttrain.models.token_logps import chunk_rows, model_inputs, tileable_head, unwrap
-from posttrain.rollout.feed import OnlineSteps, Rollout, completion_records, run_feed, stop_ids
+from posttrain.rollout.feed import GeneratedBatch, OnlineMethod, OnlineSteps, completion_records, stop_ids
 from posttrain.rollout.generation import Completions, TransformersBackend, completion_key, keyed_uniform
 from posttrain.tokenizers.chat_templates import end_of_turn_ids
 from posttrain.tokenizers.padding import input_pad_id
@@ -45,9 +45,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from posttrain.context import RunContext
-    from posttrain.plan import BatchSizes
+    from posttrain.plan import Batches, BatchSizes
     from posttrain.registry import MethodMemory
-    from posttrain.run import Batches
     from posttrain.training.engine import Engine
 
 
@@ -247,7 +246,7 @@ def data_completions(rows: list[dict[str, Any]], tokenizer: Any, stops: list[int
     """Each row's ``completion`` column as the completion tokens the student would have produced: its text
     (an assistant message's content) tokenized without special tokens, then the end-of-turn token (or EOS)
     that ends a sampled completion; cut at ``limit`` tokens (truncated, as a sampled one would be)."""
-    from posttrain.data.grpo import ORIGIN_KEY
+    from posttrain.data.prompts import ORIGIN_KEY
 
     end = stops[0] if stops else tokenizer.eos_token_id
     turn = sorted(end_of_turn_ids(tokenizer))
@@ -269,7 +268,7 @@ def data_completions(rows: list[dict[str, Any]], tokenizer: Any, stops: list[int
     return Completions(ids, truncated)
 
 
-class DistillRollout:
+class DistillMethod(OnlineMethod):
     """distill's ``OnlineMethod``: completions' records for the step (lengths, as TRL logs them), nothing to
     add per completion."""
 
@@ -308,8 +307,8 @@ class DistillRollout:
             return self.teacher.backend.generate(self.teacher.model, prompt_ids, feed.sampling, keys)
         return data_completions(rows, feed.tokenizer, feed.stops, config.max_completion_length)
 
-    def after_generation(self, feed: OnlineSteps, rollout: Rollout) -> dict[str, torch.Tensor]:
-        completions = rollout.completions
+    def after_generation(self, feed: OnlineSteps, generated: GeneratedBatch) -> dict[str, torch.Tensor]:
+        completions = generated.completions
         mine = torch.tensor(
             [
                 [n, float(cut)]
@@ -323,43 +322,28 @@ class DistillRollout:
         return {}
 
     def finish_batches(
-        self, feed: OnlineSteps, rollout: Rollout, micro_batches: list[dict[str, Any]]
+        self, feed: OnlineSteps, generated: GeneratedBatch, micro_batches: list[dict[str, Any]]
     ) -> None:
         for batch in micro_batches:
             batch["num_loss_units"] = int(batch["completion_mask"].sum())
 
-    def log_fields(self, feed: OnlineSteps, rollout: Rollout, index: int) -> dict[str, Any]:
-        return {}
-
 
 class DistillLoss:
-    """The divergence of a rollout's micro-batch (a sum over its completion tokens; see the module
+    """The divergence of a micro-batch of generated completions (a sum over its completion tokens; see the module
     docstring), and for evaluation batches (prompts) the divergence on the student's greedy completions."""
 
-    def __init__(self, config: DistillTrainerConfig, tokenizer: Any) -> None:
-        self.config, self.tokenizer = config, tokenizer
+    def __init__(self, config: DistillTrainerConfig, feed: OnlineSteps, teacher: Teacher) -> None:
+        self.config, self.feed, self.teacher = config, feed, teacher
 
     def __call__(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if "prompt_ids" in batch:
             return self.evaluate(model, batch)
         return self.divergence_sum(model, batch)
 
-    def feed(self) -> OnlineSteps:
-        """The run's online feed (its backend, its teacher)."""
-        feed = run_feed(self.config)
-        if feed is None:
-            raise UserError(
-                "distill evaluates the student against its teacher while training; set skip_train: false"
-            )
-        return feed
-
-    def teacher(self) -> Teacher:
-        return self.feed().method.teacher  # type: ignore[attr-defined,no-any-return]
-
     def divergence_sum(
         self, model: Any, batch: dict[str, Any]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        config, teacher = self.config, self.teacher()
+        config, teacher = self.config, self.teacher
         mask = batch["completion_mask"]
         rows = batch["target_rows"].to(mask.device)  # the feed's micro-batches carry them, found on the host
         teacher_hidden = teacher.hidden(batch)
@@ -408,7 +392,7 @@ class DistillLoss:
         its mean per completion token."""
         from posttrain.data.collate import to_device
 
-        feed = self.feed()
+        feed = self.feed
         mask = batch["prompt_mask"].bool()
         prompts = [ids[keep].tolist() for ids, keep in zip(batch["prompt_ids"], mask, strict=True)]
         module = getattr(model, "module", model)
@@ -423,9 +407,15 @@ class DistillLoss:
         return total, {**metrics, "divergence": total, "divergence" + COUNT: tokens}
 
 
-def make_distill_loss(config: DistillTrainerConfig, tokenizer: PreTrainedTokenizerBase) -> DistillLoss:
-    """distill's ``loss`` hook (``registry.LossBuilder``)."""
-    return DistillLoss(config, tokenizer)
+def make_distill_loss(
+    config: DistillTrainerConfig, tokenizer: PreTrainedTokenizerBase, steps: OnlineSteps
+) -> DistillLoss:
+    """distill's ``loss`` hook (``registry.LossBuilder``): the teacher and the evaluation's generation are the
+    run's feed's (``distill_steps``)."""
+    method = steps.method
+    if not isinstance(method, DistillMethod):
+        raise TypeError(f"distill's loss needs distill's step feed, not {type(method).__name__}")
+    return DistillLoss(config, steps, method.teacher)
 
 
 def distill_steps(
@@ -433,7 +423,7 @@ def distill_steps(
 ) -> OnlineSteps:
     """distill's ``steps`` hook (``registry.StepsBuilder``): one completion per prompt, sampled by the student
     from its current weights, one update per batch."""
-    return OnlineSteps(ctx, engine, batches, tokenizer, DistillRollout(ctx, engine, tokenizer), group=1)
+    return OnlineSteps(ctx, engine, batches, tokenizer, DistillMethod(ctx, engine, tokenizer), group=1)
 
 
 def distill_schedule(config: DistillTrainerConfig, samples: int, sizes: BatchSizes) -> tuple[int, int]:

@@ -28,8 +28,8 @@ from posttrain.training.steps import LoaderSteps, loader_steps
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from posttrain.plan import Batches
     from posttrain.registry import LossFunction
-    from posttrain.run import Batches
     from posttrain.training.engine import Engine
 
 # ------------------------------------------------------------------------------------------------- loss
@@ -59,7 +59,9 @@ def preference_params(config: DPOTrainerConfig) -> PreferenceParams:
     )
 
 
-def make_dpo_loss(config: DPOTrainerConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> LossFunction:
+def make_dpo_loss(
+    config: DPOTrainerConfig, tokenizer: PreTrainedTokenizerBase | None = None, steps: object = None
+) -> LossFunction:
     """dpo's ``loss`` hook (``registry.LossBuilder``): the configured preference loss (or weighted list) of
     each pair, summed; the loop divides by the step's pairs."""
     params = preference_params(config)

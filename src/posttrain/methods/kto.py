@@ -30,8 +30,8 @@ from posttrain.training.steps import LoaderSteps, loader_steps
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from posttrain.plan import Batches
     from posttrain.registry import LossFunction
-    from posttrain.run import Batches
     from posttrain.training.engine import Engine
 
 # ------------------------------------------------------------------------------------------------- loss
@@ -70,7 +70,9 @@ def kl_baseline(sums: torch.Tensor) -> torch.Tensor:
     return (sums[0] / sums[1].clamp(min=1)).clamp(min=0)
 
 
-def make_kto_loss(config: KTOTrainerConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> LossFunction:
+def make_kto_loss(
+    config: KTOTrainerConfig, tokenizer: PreTrainedTokenizerBase | None = None, steps: object = None
+) -> LossFunction:
     """kto's ``loss`` hook (``registry.LossBuilder``): each completion's KTO loss against the step's KL
     baseline, weighted, summed."""
     tiled = config.tiled_loss_compute

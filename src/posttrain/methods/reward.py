@@ -47,7 +47,7 @@ def bradley_terry(
 
 
 def make_reward_loss(
-    config: RewardTrainerConfig, tokenizer: PreTrainedTokenizerBase | None = None
+    config: RewardTrainerConfig, tokenizer: PreTrainedTokenizerBase | None = None, steps: object = None
 ) -> LossFunction:
     """reward's ``loss`` hook (``registry.LossBuilder``): Bradley-Terry on each pair's scores, summed."""
 

@@ -30,7 +30,9 @@ def sft_loss(
     return row_nll(model, batch, tiled).sum(), {}
 
 
-def make_token_loss(config: TrainerConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> LossFunction:
+def make_token_loss(
+    config: TrainerConfig, tokenizer: PreTrainedTokenizerBase | None = None, steps: object = None
+) -> LossFunction:
     """sft's and causal's ``loss`` hook (``registry.LossBuilder``): ``sft_loss`` with the run's
     ``tiled_loss_compute`` (plain, tiled, or chosen by length)."""
     return partial(sft_loss, tiled=config.tiled_loss_compute)

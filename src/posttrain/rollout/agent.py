@@ -31,13 +31,13 @@ from posttrain.config.agents import (
     signature,
     where_defined,
 )
-from posttrain.data.grpo import ORIGIN_KEY, prompt_of, row_tools
-from posttrain.data.grpo import prompt_ids as rendered_prompt
+from posttrain.data.prompts import ORIGIN_KEY, prompt_of, row_tools
+from posttrain.data.prompts import prompt_ids as rendered_prompt
 from posttrain.data.samples import keep_prompt_tokens, render_ids
 from posttrain.errors import UserError
 from posttrain.logs import say
-from posttrain.rollout.generation import Completions, Sampling, completion_key
-from posttrain.rollout.reward_guard import user_frame
+from posttrain.rollout.generation import Completions, GenerationBackend, Sampling, completion_key
+from posttrain.rollout.reward_calls import user_frame
 from posttrain.rollout.tools import ToolCall, ToolRunner, load_tool, parse_calls, tool_format
 
 _HERMES_BLOCK = "<tool_call>"
@@ -127,7 +127,7 @@ class Agent:
 
     def generate(
         self,
-        backend: Any,
+        backend: GenerationBackend,
         module: Any,
         rows: list[dict[str, Any]],
         prompt_ids: list[list[int]],
@@ -137,76 +137,83 @@ class Agent:
         trainer_state: Any = None,
     ) -> Completions:
         """Multi-turn completions of the rows (one per row; ``prompt_ids``: their prompts as the data stage
-        rendered them, tools included); ``keys`` None: greedy (evaluation)."""
+        rendered them, tools included); ``keys`` None: greedy (evaluation). Each turn samples the rollouts
+        still going, then runs the tools their turns called; a rollout ends when its turn calls none."""
         environments = [self.environment_of(row) for row in rows]
-        prompts = [self.prompt(*args) for args in zip(rows, environments, prompt_ids, strict=True)]
-        tables = [self.tables(env) for env in environments]
-        schemas = [row_tools(row, self.config.data.tool_schemas) or [] for row in rows]
-        n = len(rows)
-        ids: list[list[int]] = [[] for _ in range(n)]
-        mask: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] | None = [[] for _ in range(n)] if logprobs else None
-        messages: list[list[dict[str, Any]]] = [[] for _ in range(n)]
-        truncated = [False] * n
-        calls = failures = 0
-        active, turn = list(range(n)), 0
+        paths = [
+            Trajectory(
+                self.prompt(row, env, ids),
+                row_tools(row, self.config.data.tool_schemas) or [],
+                self.tables(env),
+            )
+            for row, env, ids in zip(rows, environments, prompt_ids, strict=True)
+        ]
+        active, turn = list(range(len(rows))), 0
         while active:
-            budget = [self.limit - len(ids[i]) for i in active]
-            turn_sampling = dataclasses.replace(sampling, max_new_tokens=max(budget))
-            turn_keys = (
-                None if keys is None else [completion_key(keys[i], turn) if turn else keys[i] for i in active]
-            )
-            out = backend.generate(
-                module, [prompts[i] + ids[i] for i in active], turn_sampling, turn_keys, logprobs
-            )
-            wanting: list[int] = []
-            wanted: list[list[ToolCall]] = []
-            for j, i in enumerate(active):
-                new = out.ids[j][: budget[j]]
-                cut = out.truncated[j] or len(out.ids[j]) > budget[j]
-                prefix = prompts[i] + ids[i]
-                ids[i] += new
-                mask[i] += [1] * len(new)
-                if logps is not None and out.logps is not None:
-                    logps[i] += list(out.logps[j][: len(new)])
-                text = self._text(new)
-                found = parse_calls(self.tokenizer, self.form, text, new, prefix, schemas[i])
-                messages[i].append(self._assistant(text, found))
-                truncated[i] = cut
-                if found and not cut and turn < self.iterations:
-                    wanting.append(i)
-                    wanted.append(found)
-            results = self.runner.run(wanted, [tables[i] for i in wanting]) if wanting else []
-            for name, line in self.runner.raised.items():
-                if name not in self.said:
-                    self.said.add(name)
-                    say(f"{line}; the model reads the error as the tool's answer (as in TRL)")
-            active = []
-            for i, answers in zip(wanting, results, strict=True):
-                calls += len(answers)
-                failures += sum(failed for _, _, failed in answers)
-                tool_messages = [{"role": "tool", "name": name, "content": text} for name, text, _ in answers]
-                suffix = self.suffix_ids(tool_messages)
-                if len(ids[i]) + len(suffix) >= self.limit:
-                    continue  # no room for the results and an answer: the rollout ends here, as in TRL
-                messages[i] += tool_messages
-                ids[i] += suffix
-                mask[i] += [0] * len(suffix)
-                if logps is not None:
-                    logps[i] += [0.0] * len(suffix)
-                active.append(i)
+            calling = self._turn(backend, module, paths, active, sampling, keys, turn, logprobs)
+            active = self._answer(paths, calling)
             turn += 1
         return Completions(
-            ids,
-            truncated,
-            logps,
-            tool_mask=mask,
-            prompt_ids=prompts,
-            messages=messages,
+            [t.ids for t in paths],
+            [t.truncated for t in paths],
+            [t.logps for t in paths] if logprobs else None,
+            tool_mask=[t.mask for t in paths],
+            prompt_ids=[t.prompt for t in paths],
+            messages=[t.messages for t in paths],
             environments=environments if self.factories else None,
-            tool_calls=calls,
-            tool_failures=failures,
+            tool_calls=sum(t.calls for t in paths),
+            tool_failures=sum(t.failures for t in paths),
         )
+
+    def _turn(
+        self,
+        backend: GenerationBackend,
+        module: Any,
+        paths: list[Trajectory],
+        active: list[int],
+        sampling: Sampling,
+        keys: list[int] | None,
+        turn: int,
+        logprobs: bool,
+    ) -> dict[int, list[ToolCall]]:
+        """One turn of the active rollouts (turn t drawn from the completion's key mixed with t, each within
+        what is left of its ``max_completion_length``); the tool calls of those that go on, by rollout."""
+        budget = [self.limit - len(paths[i].ids) for i in active]
+        out = backend.generate(
+            module,
+            [paths[i].prompt + paths[i].ids for i in active],
+            dataclasses.replace(sampling, max_new_tokens=max(budget)),
+            None if keys is None else [completion_key(keys[i], turn) if turn else keys[i] for i in active],
+            logprobs,
+        )
+        calling = {}
+        for j, i in enumerate(active):
+            path, new = paths[i], out.ids[j][: budget[j]]
+            prefix = path.prompt + path.ids
+            text = self._text(new)
+            found = parse_calls(self.tokenizer, self.form, text, new, prefix, path.schemas)
+            cut = out.truncated[j] or len(out.ids[j]) > budget[j]
+            path.add_turn(new, None if out.logps is None else out.logps[j], self._assistant(text, found), cut)
+            if found and not cut and turn < self.iterations:
+                calling[i] = found
+        return calling
+
+    def _answer(self, paths: list[Trajectory], calling: dict[int, list[ToolCall]]) -> list[int]:
+        """Run the calls (the rollouts in parallel) and append their results as tool messages through the
+        chat template; the rollouts with room left for the results and an answer go on (as in TRL)."""
+        if not calling:
+            return []
+        results = self.runner.run(list(calling.values()), [paths[i].table for i in calling])
+        for name, line in self.runner.raised.items():
+            if name not in self.said:
+                self.said.add(name)
+                say(f"{line}; the model reads the error as the tool's answer (as in TRL)")
+        going = []
+        for i, answers in zip(calling, results, strict=True):
+            tool_messages = [{"role": "tool", "name": name, "content": text} for name, text, _ in answers]
+            if paths[i].add_tools(tool_messages, self.suffix_ids(tool_messages), answers, self.limit):
+                going.append(i)
+        return going
 
     def _text(self, ids: list[int]) -> str:
         """A turn's text, its closing end-of-turn token left out (special tokens kept: some formats' tool
@@ -224,6 +231,52 @@ class Agent:
 
     def close(self) -> None:
         self.runner.close()
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One rollout as it grows: its prompt (as the model saw it), the tools it may call (their schemas, and
+    its table of callables), and turn by turn its tokens, whose they are (``mask``: 1 the model's, 0 the
+    tools'), the engine's log-probabilities, the messages, and the tool calls made and failed."""
+
+    prompt: list[int]
+    schemas: list[dict[str, Any]]
+    table: dict[str, Callable[..., Any]]
+    ids: list[int] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)
+    logps: list[float] = dataclasses.field(default_factory=list)
+    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    truncated: bool = False
+    calls: int = 0
+    failures: int = 0
+
+    def add_turn(self, new: list[int], logps: Any, message: dict[str, Any], cut: bool) -> None:
+        """The model's turn: its tokens (in the loss), their log-probabilities when the engine gave them."""
+        self.ids += new
+        self.mask += [1] * len(new)
+        if logps is not None:
+            self.logps += list(logps[: len(new)])
+        self.messages.append(message)
+        self.truncated = cut
+
+    def add_tools(
+        self,
+        messages: list[dict[str, Any]],
+        suffix: list[int],
+        answers: list[tuple[str, str, bool]],
+        limit: int,
+    ) -> bool:
+        """The tools' answers (``suffix``: their tokens and the next assistant header, out of the loss);
+        False, and nothing added, when they would leave no room for an answer within ``limit`` tokens."""
+        self.calls += len(answers)
+        self.failures += sum(failed for _, _, failed in answers)
+        if len(self.ids) + len(suffix) >= limit:
+            return False
+        self.messages += messages
+        self.ids += suffix
+        self.mask += [0] * len(suffix)
+        self.logps += [0.0] * len(suffix)
+        return True
 
 
 class Environments:
@@ -290,7 +343,7 @@ class HandWritten:
 
     def generate(
         self,
-        backend: Any,
+        backend: GenerationBackend,
         module: Any,
         rows: list[dict[str, Any]],
         prompt_ids: list[list[int]],
@@ -346,7 +399,7 @@ class RolloutTrainer:
 
     def __init__(
         self,
-        backend: Any,
+        backend: GenerationBackend,
         module: Any,
         sampling: Sampling,
         keys: list[int] | None,
@@ -377,7 +430,7 @@ class RolloutTrainer:
         return {"completion_ids": out.ids, "logprobs": out.logps, "truncated": out.truncated}
 
 
-def rollouts(config: Any, tokenizer: Any, stops: list[int]) -> Agent | HandWritten | None:
+def multi_turn(config: Any, tokenizer: Any, stops: list[int]) -> Agent | HandWritten | None:
     """The run's multi-turn rollouts: an ``Agent`` (tools, environments), a ``rollout_func``, or None (the
     backend's single-turn completions). A run that executes model-written code first checks the sandbox."""
     if getattr(config, "runs_model_code", False):

@@ -18,22 +18,22 @@ of this rank, which resumable checkpoints save, so a run killed between two upda
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from posttrain.context import RunContext
-from posttrain.data.grpo import ORIGIN_KEY, decode_row, prompt_of
+from posttrain.data.prompts import ORIGIN_KEY, decode_row, prompt_of
 from posttrain.data.sampler import shard_order
 from posttrain.data.samples import IGNORE_INDEX, pad_rows, target_labels, target_rows
 from posttrain.errors import UserError
 from posttrain.rollout.generation import (
     Completions,
+    GenerationBackend,
     Sampling,
     TransformersBackend,
     completion_key,
@@ -71,7 +71,7 @@ def longest_prompt(data: Any) -> int:
 
 def build_backend(
     config: Any, module: torch.nn.Module, stops: list[int], pad_id: int, data: Any, rows: int, dist: Any
-) -> Any:
+) -> GenerationBackend:
     """The run's generation backend: transformers' ``generate`` on the training weights, or vLLM
     (``use_vllm``): an engine in this process, or the run's server (``vllm_mode: server``)."""
     if not config.use_vllm:
@@ -86,7 +86,7 @@ def build_backend(
 
 
 @dataclass
-class Rollout:
+class GeneratedBatch:
     """One rank's share of a generated batch: its completion slots, the prompts' rows (decoded, with every
     column), the prompts' token ids and the sampled completions."""
 
@@ -99,31 +99,49 @@ class Rollout:
     completions: Completions
 
 
-class OnlineMethod(Protocol):
-    """What an online method adds to the shared feed (``OnlineSteps``)."""
+class OnlineMethod:
+    """What an online method adds to the shared feed (``OnlineSteps``): subclass it and define
+    ``after_generation``. Every other part is declared here with what a method that needs nothing more does."""
 
-    def after_generation(self, feed: OnlineSteps, rollout: Rollout) -> dict[str, torch.Tensor]:
+    #: the engine's log-probabilities of its samples are asked for (a correction of the engine's mismatch)
+    wants_sampling_logps: bool = False
+    #: completions cut at ``max_completion_length`` (no end of turn) are left out of the loss
+    mask_truncated: bool = False
+
+    def completions_for(
+        self,
+        feed: OnlineSteps,
+        epoch: int,
+        batch: int,
+        rows: list[dict[str, Any]],
+        prompt_ids: list[list[int]],
+        keys: list[int],
+    ) -> Completions | None:
+        """The batch's completions from elsewhere (the data's, another model's: distill's GKD mixing); None:
+        the policy samples them."""
+        return None
+
+    def after_generation(self, feed: OnlineSteps, generated: GeneratedBatch) -> dict[str, torch.Tensor]:
         """The rollout's per-completion training values (``[completions]`` tensors, e.g. grpo's advantages),
         after setting ``feed.metrics.latest`` to the generation's records; every rank calls it at once (it may
         gather across ranks)."""
-        ...
+        raise NotImplementedError
 
     def finish_batches(
-        self, feed: OnlineSteps, rollout: Rollout, micro_batches: list[dict[str, Any]]
+        self, feed: OnlineSteps, generated: GeneratedBatch, micro_batches: list[dict[str, Any]]
     ) -> None:
         """Add what the method's loss needs to the micro-batches (log-probabilities of other models...)."""
-        ...
 
-    def log_fields(self, feed: OnlineSteps, rollout: Rollout, index: int) -> dict[str, Any]:
+    def log_fields(self, feed: OnlineSteps, generated: GeneratedBatch, index: int) -> dict[str, Any]:
         """The method's fields of completion ``index``'s line in ``completions.jsonl``."""
-        ...
+        return {}
 
     def describe(self) -> str:
         """One line for the run's start."""
-        ...
+        return type(self).__name__
 
-    # optional: ``completions_for(feed, epoch, batch, rows, prompt_ids, keys) -> Completions | None``, the
-    # batch's completions from elsewhere (the data's, another model's: distill's GKD mixing), None to sample
+    def close(self) -> None:
+        """Release what the method holds (reward workers...) when the run ends."""
 
 
 class RolloutMetrics:
@@ -131,7 +149,7 @@ class RolloutMetrics:
     on every rank), the generation's time and share of the step; it marks the backend's copy of the weights
     stale after every update."""
 
-    def __init__(self, method: OnlineMethod, backend: Any) -> None:
+    def __init__(self, method: OnlineMethod, backend: GenerationBackend) -> None:
         self.method, self.backend = method, backend
         self.latest: dict[str, Any] = {}
         self.generation_time = 0.0
@@ -146,8 +164,7 @@ class RolloutMetrics:
         return None, {}
 
     def step_values(self, sums: dict[str, float], micro_batches: int, report: bool) -> dict[str, list[float]]:
-        if hasattr(self.backend, "mark_stale"):
-            self.backend.mark_stale()  # the update changed the weights: the engine's copy is old
+        self.backend.mark_stale()  # the update changed the weights: an engine's copy is old
         return {}
 
     def metrics(self, reduced: dict[str, list[float]], report: bool) -> dict[str, Any]:
@@ -164,16 +181,6 @@ class RolloutMetrics:
     def close(self) -> None:
         for close in self.closing:
             close()
-
-
-#: each run's step feed by its config object: the evaluation (the loss hook, which sees only the config)
-#: reads the trainer state the feed set and generates through its backend (vLLM's engine too)
-_RUN_FEEDS: weakref.WeakValueDictionary[int, OnlineSteps] = weakref.WeakValueDictionary()
-
-
-def run_feed(config: Any) -> OnlineSteps | None:
-    """The step feed of the run whose config this is, if it has one (an evaluation-only run has none)."""
-    return _RUN_FEEDS.get(id(config))
 
 
 class OnlineSteps:
@@ -211,23 +218,21 @@ class OnlineSteps:
         self.sampling = sampling_of(config)
         self.pad_id = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
         self.stops = stop_ids(tokenizer, engine.module)
-        self.backend: Any = build_backend(
+        self.backend = build_backend(
             config, engine.module, self.stops, self.pad_id, plan.data, self.mine, ctx.dist
         )
-        from posttrain.rollout.agent import rollouts
+        from posttrain.rollout.agent import multi_turn
 
-        self.turns = rollouts(config, tokenizer, self.stops)  # multi-turn rollouts: tools, rollout_func
+        self.turns = multi_turn(config, tokenizer, self.stops)  # multi-turn rollouts: tools, rollout_func
         self.counters: dict[str, float] = {}  # the loop state's (steps() takes them from it)
         self.trainer_state = self._trainer_state(None, 0, 0, 1)  # before the first generation
-        _RUN_FEEDS[id(config)] = self
         self.metrics = RolloutMetrics(method, self.backend)
         self.extras = [self.metrics]
-        self.log = MetricsFile(
-            ctx.output_dir / "completions.jsonl", config.log_completions and ctx.dist.is_main
+        self.log = CompletionsLog(
+            MetricsFile(ctx.output_dir / "completions.jsonl", config.log_completions and ctx.dist.is_main),
+            tokenizer,
         )
-        self.metrics.closing.append(self.close)
-        if hasattr(method, "close"):
-            self.metrics.closing.append(method.close)
+        self.metrics.closing += [self.close, method.close]
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -298,23 +303,22 @@ class OnlineSteps:
         keys = [completion_key(self.config.seed, epoch, batch, s // group, s % group) for s in slots]
         started = time.perf_counter()
         slot_rows = [rows[s // group] for s in slots]
-        given = getattr(self.method, "completions_for", None)
-        completions = given(self, epoch, batch, slot_rows, prompt_ids, keys) if given is not None else None
+        completions = self.method.completions_for(self, epoch, batch, slot_rows, prompt_ids, keys)
         if completions is None:  # the policy's own samples
             completions = self.complete(
                 self.engine.module, slot_rows, prompt_ids, self.sampling, keys, self.logprobs()
             )
         prompt_ids = completions.prompt_ids or prompt_ids
         self.metrics.generation_time = time.perf_counter() - started
-        rollout = Rollout(epoch, batch, first, slots, slot_rows, prompt_ids, completions)
+        generated = GeneratedBatch(epoch, batch, first, slots, slot_rows, prompt_ids, completions)
         started = time.perf_counter()
-        values = self.method.after_generation(self, rollout)
+        values = self.method.after_generation(self, generated)
         self.metrics.scoring_time = time.perf_counter() - started
         if self.turns is not None:
             self.metrics.latest.update(tool_records(completions, self.ctx.dist))
         micro_batches = self.micro_batches(prompt_ids, completions, values)
-        self.method.finish_batches(self, rollout, micro_batches)
-        self._log(rollout)
+        self.method.finish_batches(self, generated, micro_batches)
+        self._log(generated)
         return micro_batches
 
     def complete(
@@ -344,75 +348,22 @@ class OnlineSteps:
     def logprobs(self) -> bool:
         """Whether the engine returns its sampled tokens' log-probabilities (a method that corrects for the
         engine's mismatch asks)."""
-        return bool(getattr(self.method, "wants_sampling_logps", False))
+        return self.method.wants_sampling_logps
 
     def micro_batches(
         self, prompt_ids: list[list[int]], completions: Completions, values: dict[str, torch.Tensor]
     ) -> list[dict[str, Any]]:
-        """Prompt + completion rows in micro-batches, completion tokens in the loss (``completion_mask``; those
-        cut at the limit left out with ``mask_truncated_completions``), each per-completion value sliced in, and
-        the engine's log-probabilities laid out as the trainer's (``sampling_logps``) when it gave them. The
-        tokens tools added (``Completions.tool_mask`` 0) are not in the loss."""
-        prompt_ids = completions.prompt_ids or prompt_ids
-        out = []
-        for start in range(0, len(prompt_ids), self.micro):
-            part = range(start, min(start + self.micro, len(prompt_ids)))
-            rows = [
-                (
-                    prompt_ids[i] + completions.ids[i],
-                    [IGNORE_INDEX] * len(prompt_ids[i]) + model_labels(completions, i),
-                )
-                for i in part
-            ]
-            input_ids, labels, attention = pad_rows(rows, self.pad_id)
-            mask = (target_labels({"labels": labels}) != IGNORE_INDEX).float()
-            if getattr(self.config, "mask_truncated_completions", False):
-                kept = torch.tensor([not completions.truncated[i] for i in part], dtype=torch.float32)
-                mask = mask * kept[:, None]
-            batch: dict[str, Any] = {
-                "input_ids": input_ids,
-                "labels": labels,
-                "attention_mask": attention,
-                "completion_mask": mask,
-                "num_target_tokens": int(mask.sum()),
-                "num_input_tokens": int(attention.sum()),
-                "num_samples": len(part),
-                "num_attention_sq": sum(len(ids) ** 2 for ids, _ in rows),
-            }
-            for name, value in values.items():
-                batch[name] = value[start : start + len(part)]
-            batch["target_rows"] = target_rows(batch)
-            if completions.logps is not None:
-                batch["sampling_logps"] = aligned_logps(
-                    [(len(prompt_ids[i]), completions.logps[i]) for i in part], input_ids.shape[1]
-                )
-            out.append(batch)
-        return out
+        """The completions as training micro-batches (``training_micro_batches``)."""
+        return training_micro_batches(
+            prompt_ids, completions, values, self.micro, self.pad_id, self.method.mask_truncated
+        )
 
-    def _log(self, rollout: Rollout) -> None:
-        """Rank 0's completions of every ``completions_log_interval``-th generated batch of the run, one JSON
-        line each: the prompt, the completion and the method's fields."""
-        generation = rollout.epoch * (len(self.step_plan[0]) // self.updates) + rollout.batch
-        if not self.config.log_completions or generation % self.config.completions_log_interval:
-            return
-        texts = self.tokenizer.batch_decode(rollout.completions.ids, skip_special_tokens=True)
-        # the prompt as the model saw it: the chat template, the tools' schemas, an environment's observation
-        seen = self.tokenizer.batch_decode(rollout.prompt_ids, skip_special_tokens=False)
-        for index, text in enumerate(texts):
-            row = rollout.rows[index]
-            record = {
-                "generation": generation,
-                "epoch": rollout.epoch,
-                "batch": rollout.batch,
-                "prompt": prompt_of(row),
-                "prompt_as_seen": seen[index],
-                "completion": text,
-                "truncated": rollout.completions.truncated[index],
-                **({"messages": rollout.completions.messages[index]} if rollout.completions.messages else {}),
-                **self.method.log_fields(self, rollout, index),
-                "origin": row.get(ORIGIN_KEY),
-            }
-            self.log.write(record)
+    def _log(self, generated: GeneratedBatch) -> None:
+        """Rank 0's completions of every ``completions_log_interval``-th generated batch of the run."""
+        generation = generated.epoch * (len(self.step_plan[0]) // self.updates) + generated.batch
+        if self.config.log_completions and not generation % self.config.completions_log_interval:
+            fields = [self.method.log_fields(self, generated, i) for i in range(len(generated.rows))]
+            self.log.write(generation, generated, fields)
 
     def close(self) -> None:
         self.backend.close()
@@ -467,3 +418,84 @@ def aligned_logps(rows: Sequence[tuple[int, list[float]]], width: int) -> torch.
         if logps:
             out[index, prompt - 1 : prompt - 1 + len(logps)] = torch.tensor(logps, dtype=torch.float32)
     return out
+
+
+def training_micro_batches(
+    prompt_ids: list[list[int]],
+    completions: Completions,
+    values: dict[str, torch.Tensor],
+    micro: int,
+    pad_id: int,
+    mask_truncated: bool,
+) -> list[dict[str, Any]]:
+    """Prompt + completion rows in micro-batches of ``micro``, completion tokens in the loss
+    (``completion_mask``; those cut at the limit left out when ``mask_truncated``), each per-completion value
+    sliced in, and the engine's log-probabilities laid out as the trainer's (``sampling_logps``) when it gave
+    them. The tokens tools added (``Completions.tool_mask`` 0) are not in the loss."""
+    prompt_ids = completions.prompt_ids or prompt_ids
+    out = []
+    for start in range(0, len(prompt_ids), micro):
+        part = range(start, min(start + micro, len(prompt_ids)))
+        rows = [
+            (
+                prompt_ids[i] + completions.ids[i],
+                [IGNORE_INDEX] * len(prompt_ids[i]) + model_labels(completions, i),
+            )
+            for i in part
+        ]
+        input_ids, labels, attention = pad_rows(rows, pad_id)
+        mask = (target_labels({"labels": labels}) != IGNORE_INDEX).float()
+        if mask_truncated:
+            kept = torch.tensor([not completions.truncated[i] for i in part], dtype=torch.float32)
+            mask = mask * kept[:, None]
+        batch: dict[str, Any] = {
+            "input_ids": input_ids,
+            "labels": labels,
+            "attention_mask": attention,
+            "completion_mask": mask,
+            "num_target_tokens": int(mask.sum()),
+            "num_input_tokens": int(attention.sum()),
+            "num_samples": len(part),
+            "num_attention_sq": sum(len(ids) ** 2 for ids, _ in rows),
+        }
+        for name, value in values.items():
+            batch[name] = value[start : start + len(part)]
+        batch["target_rows"] = target_rows(batch)
+        if completions.logps is not None:
+            batch["sampling_logps"] = aligned_logps(
+                [(len(prompt_ids[i]), completions.logps[i]) for i in part], input_ids.shape[1]
+            )
+        out.append(batch)
+    return out
+
+
+class CompletionsLog:
+    """``completions.jsonl``: one JSON line per completion of a logged batch: the prompt (as the data holds
+    it, and as the model saw it: the chat template, the tools' schemas, an environment's observation), the
+    completion, its messages in an agent run, the method's fields and the row it came from."""
+
+    def __init__(self, file: MetricsFile, tokenizer: Any) -> None:
+        self.file, self.tokenizer = file, tokenizer
+
+    def write(self, generation: int, generated: GeneratedBatch, fields: list[dict[str, Any]]) -> None:
+        completions = generated.completions
+        texts = self.tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
+        seen = self.tokenizer.batch_decode(generated.prompt_ids, skip_special_tokens=False)
+        for index, text in enumerate(texts):
+            row = generated.rows[index]
+            record = {
+                "generation": generation,
+                "epoch": generated.epoch,
+                "batch": generated.batch,
+                "prompt": prompt_of(row),
+                "prompt_as_seen": seen[index],
+                "completion": text,
+                "truncated": completions.truncated[index],
+                **({"messages": completions.messages[index]} if completions.messages else {}),
+                **fields[index],
+                "origin": row.get(ORIGIN_KEY),
+            }
+            self.file.write(record)
+
+    def close(self) -> None:
+        self.file.close()

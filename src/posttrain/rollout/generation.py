@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -185,6 +185,32 @@ def generating(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
         module.train(training)
 
 
+class GenerationBackend(Protocol):
+    """Where an online run's completions come from (the feed and the multi-turn rollouts depend on this
+    alone): transformers' ``generate`` on the training weights (``TransformersBackend``), or an engine with
+    its own copy of the weights (``vllm_engine.EngineCopy``: one in this process, or a server)."""
+
+    name: str
+
+    def generate(
+        self,
+        module: torch.nn.Module,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling,
+        keys: list[int] | None,
+        logprobs: bool = False,
+    ) -> Completions:
+        """One completion per prompt (token ids), drawn from ``keys`` (None: greedy); ``logprobs``: the
+        engine's log-probabilities of the sampled tokens too (None where the sampler is the trainer)."""
+        ...
+
+    def mark_stale(self) -> None:
+        """An update changed the training weights (a copy must be pushed before the next generation)."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class TransformersBackend:
     """``generate`` with the KV cache on the training weights in place (PEFT adapters included)."""
 
@@ -237,7 +263,7 @@ class TransformersBackend:
             )
         return split_completions(out[:, ids.shape[1] :].cpu(), stops, self.pad_id)
 
-    def sync_weights(self, module: torch.nn.Module) -> None:
+    def mark_stale(self) -> None:
         """Nothing to push: generation runs on the training weights."""
 
     def close(self) -> None:

@@ -1,360 +1,204 @@
-"""Rewards that cannot stall or kill a run: a time limit per reward call (``reward_timeout``), scoring in worker
-processes (``reward_num_workers``; a worker that dies or runs past its time is killed and replaced), and what a
-failure does (``reward_errors``): ``raise`` stops the run naming the function, its file and line and the rows;
-``unscorable`` scores the call's completions one by one to find those that fail, and marks them unscorable
-(every reward NaN: advantage 0, out of their group's statistics, as TRL treats a completion no reward scored).
-Failures are counted per reward (``rewards/<name>/timeouts``, ``rewards/<name>/errors``: completions).
-
-The time limit in this process is a ``SIGALRM`` timer, which stops Python code (a loop, a ``sleep``) but not a
-C call that ignores signals; a worker process is stopped whatever it runs. An ``async`` reward is given the
-same time with ``asyncio.wait_for``. Environment rewards (``get_reward``) run in this process, where the
-environments are; so does every reward when ``reward_num_workers`` is 0.
-"""
+"""How a run's reward functions are called: a time limit per call (``reward_timeout``), in worker processes
+(``reward_num_workers``), what a failure does (``reward_errors``): ``raise`` stops the run naming the
+function, its file and line and the rows; ``unscorable`` scores the call's completions one by one to find those
+that fail, and marks them unscorable (every reward NaN: advantage 0, out of their group's statistics, as TRL
+treats a completion no reward scored). Failures are counted per reward (``rewards/<name>/timeouts``,
+``rewards/<name>/errors``: completions). Every value is checked as it returns: one number, bool or None per
+completion, else the run stops naming the function, its line and the row. Environment rewards
+(``get_reward``) run in this process, where the environments are; so does every reward when
+``reward_num_workers`` is 0."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
-import multiprocessing
-import signal
-import threading
-import time
-import traceback
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from multiprocessing.connection import wait
-from typing import Any
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from posttrain.errors import UserError
+from posttrain.rollout.reward_calls import (
+    Outcome,
+    RewardContext,
+    RewardError,
+    bounded,
+    call_here,
+    user_frame,
+)
+from posttrain.rollout.reward_workers import RewardWorkers, one_by_one
 
-#: the arguments a worker cannot receive (callables of this process, environment instances)
-LOCAL_ARGUMENTS = ("log_extra", "log_metric", "environments")
-
-
-class RewardTimeout(Exception):
-    pass
+if TYPE_CHECKING:
+    from posttrain.rollout.reward_functions import Reward
 
 
-class RewardError(UserError):
-    """A reward function failed on real data: which function, where, on which row."""
+class RewardGuard:
+    """How reward functions are called (``reward_guard``): the time limit, the worker processes, what a
+    failure does, the failures counted per reward and the completions the last call left unscorable."""
+
+    def __init__(
+        self,
+        timeout: float | None = None,
+        errors: str = "raise",
+        workers: RewardWorkers | None = None,
+    ) -> None:
+        self.timeout, self.errors, self.workers = timeout, errors, workers
+        self.counts: dict[str, dict[str, int]] = {}
+        self.unscorable: set[int] = set()
+
+    def call(
+        self, rewards: Sequence[Reward], calls: list[tuple[int, dict[str, Any]]], width: int | None = None
+    ) -> list[Outcome]:
+        """The outcome of each ``(reward index, arguments)`` call: in the workers (``width`` at a time; but for
+        rewards that must run here), else here, ``async`` ones awaited together as TRL gathers them."""
+        outcomes: list[Outcome | None] = [None] * len(calls)
+        remote = [i for i, (r, _) in enumerate(calls) if self.workers is not None and not rewards[r].local]
+        if remote:
+            assert self.workers is not None
+            for i, outcome in zip(remote, self.workers.run([calls[i] for i in remote], width), strict=True):
+                outcomes[i] = outcome
+        pending: list[tuple[int, Any]] = []
+        for i, (r, arguments) in enumerate(calls):
+            if outcomes[i] is None:
+                outcomes[i] = call_here(rewards[r].function, arguments, self.timeout, defer=True)
+                if inspect.isawaitable(outcomes[i].values):  # type: ignore[union-attr]
+                    pending.append((i, outcomes[i].values))  # type: ignore[union-attr]
+        if pending:
+
+            async def gather() -> list[Any]:
+                limited = [bounded(value, self.timeout) for _, value in pending]
+                return await asyncio.gather(*limited, return_exceptions=True)
+
+            for (i, _), value in zip(pending, asyncio.run(gather()), strict=True):
+                outcomes[i] = _awaited_outcome(value, self.timeout)
+        return [o for o in outcomes if o is not None]
+
+    def count(self, name: str, kind: str) -> None:
+        found = self.counts.setdefault(name, {"timeouts": 0, "errors": 0})
+        found["timeouts" if kind == "timeout" else "errors"] += 1
+
+    def take_counts(self) -> dict[str, dict[str, int]]:
+        counts, self.counts = self.counts, {}
+        return counts
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
 
 
-@dataclass
-class RewardContext:
-    """What a reward function gets besides the data, as TRL gives it: ``trainer_state`` (a transformers
-    ``TrainerState``: ``global_step``, ``max_steps``, ``epoch``... for rewards shaped by progress),
-    ``log_extra(column, values)`` (a column of the completions log, one value per completion of the call) and
-    ``log_metric(name, value)`` (a scalar, averaged over the batch's calls on every rank into the step's
-    record)."""
-
-    trainer_state: Any = None
-    extra: dict[str, list[Any]] = field(default_factory=dict)
-    logged: dict[str, list[float]] = field(default_factory=dict)
-
-    def log_extra(self, column: str, values: Sequence[Any]) -> None:
-        self.extra.setdefault(str(column), []).extend(values)
-
-    def log_metric(self, name: str, value: float) -> None:
-        self.logged.setdefault(str(name), []).append(float(value))
-
-    def arguments(self) -> dict[str, Any]:
-        return {
-            "trainer_state": self.trainer_state,
-            "log_extra": self.log_extra,
-            "log_metric": self.log_metric,
-        }
-
-    def take(self) -> tuple[dict[str, list[Any]], dict[str, list[float]]]:
-        """What the functions logged since the last call, and forget it."""
-        extra, logged = self.extra, self.logged
-        self.extra, self.logged = {}, {}
-        return extra, logged
-
-
-@dataclass
-class Outcome:
-    """One reward call's result: ``values``, or ``failure`` (``timeout``, ``error``, ``died``: its worker
-    process ended) with its text and the place in the user's code (``file:line``)."""
-
-    values: Any = None
-    failure: str | None = None
-    text: str = ""
-    at: str = ""
-    extra: dict[str, list[Any]] | None = None
-    logged: dict[str, list[float]] | None = None
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float | None) -> Iterator[None]:
-    """Raise :class:`RewardTimeout` in this (main) thread after ``seconds``; nothing elsewhere or unlimited."""
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expired(signum: int, frame: Any) -> None:
-        raise RewardTimeout()
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def user_frame(exc: BaseException) -> str:
-    """``file:line`` of the deepest frame outside posttrain's reward calling and asyncio."""
-    import os
-
-    ours = (os.path.dirname(__file__), os.path.dirname(asyncio.__file__))
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(ours)]
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-
-
-def call_here(
-    function: Any, arguments: dict[str, Any], timeout: float | None, defer: bool = False
-) -> Outcome:
-    """Call a reward in this process within ``timeout`` seconds; an ``async`` one is awaited (``defer``: its
-    awaitable is the outcome's values, for the caller to gather with others)."""
-    try:
-        with time_limit(timeout):
-            result = function(**arguments)
-            if inspect.isawaitable(result) and not defer:
-                result = asyncio.run(bounded(result, timeout))
-        return Outcome(values=result)
-    except (RewardTimeout, TimeoutError):
-        return Outcome(failure="timeout", text=f"took more than {timeout:g} s (reward_timeout)")
-    except Exception as exc:
-        if isinstance(exc, RewardError):
-            raise
-        return Outcome(failure="error", text=f"{type(exc).__name__}: {exc}", at=user_frame(exc))
-
-
-async def bounded(awaitable: Any, timeout: float | None) -> Any:
-    return await asyncio.wait_for(awaitable, timeout) if timeout else await awaitable
-
-
-# --------------------------------------------------------------------------------------------- workers
-
-
-def _serve(connection: Any, rewards: list[Any]) -> None:
-    """A worker (forked from the zygote, its rewards built): call them as asked until the pipe closes."""
-    while True:
-        try:
-            index, arguments = connection.recv()
-        except (EOFError, OSError):
-            return
-        context = RewardContext(trainer_state=arguments.get("trainer_state"))
-        arguments.update(log_extra=context.log_extra, log_metric=context.log_metric)
-        outcome = call_here(rewards[index].function, arguments, None)  # the parent keeps the time
-        if outcome.values is not None:
-            outcome.values = (
-                [_plain(v) for v in outcome.values] if _listlike(outcome.values) else outcome.values
-            )
-        outcome.extra, outcome.logged = context.take()
-        try:
-            connection.send(outcome)
-        except Exception as exc:  # a value that does not pickle
-            connection.send(Outcome(failure="error", text=f"its values could not be sent back: {exc}"))
-
-
-def _zygote(control: Any, configs: list[Any], max_completion_length: int, build: Any) -> None:
-    """The process workers are forked from: it imports and builds the rewards once (spawned: no CUDA or
-    thread state of the trainer), then forks a worker for every pipe the trainer sends it, answering with the
-    worker's PID, and tells how a worker ended when asked (``("status", pid)``). A worker therefore starts in
-    milliseconds, however long the imports take."""
-    import os
-
-    import transformers.trainer_callback  # noqa: F401  (the calls' trainer_state unpickles without an import)
-
-    rewards = build(configs, max_completion_length)
-    ended: dict[int, str] = {}
-
-    def reap(signum: int, frame: Any) -> None:
-        with contextlib.suppress(ChildProcessError):
-            while (found := os.waitpid(-1, os.WNOHANG))[0]:
-                pid, status = found
-                code = os.waitstatus_to_exitcode(status)
-                ended[pid] = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
-
-    signal.signal(signal.SIGCHLD, reap)
-    control.send("ready")
-    while True:
-        try:
-            message = control.recv()
-        except (EOFError, OSError):
-            return
-        if isinstance(message, tuple):  # ("status", pid): how that worker ended
-            pid = message[1]
-            for _ in range(100):
-                if pid in ended:
-                    break
-                reap(0, None)
-                time.sleep(0.01)
-            control.send(ended.pop(pid, "still running"))
+def score_all(
+    rewards: Sequence[Reward],
+    prompts: list[Any],
+    completions: list[Any],
+    completion_ids: list[list[int]],
+    columns: dict[str, list[Any]],
+    origins: list[str],
+    context: RewardContext | None = None,
+    guard: RewardGuard | None = None,
+) -> list[list[float]]:
+    """Every reward's values for the completions, each function called with TRL's arguments: the prompts,
+    completions and their ids, every other column of the rows, and the ``context`` (``trainer_state``,
+    ``log_extra``, ``log_metric``). ``guard`` (default: no time limit, in this process, failures raise) says
+    how; under ``reward_errors: unscorable`` a failed call is made again per completion, and the completions
+    that fail alone are left in ``guard.unscorable`` (their values NaN here)."""
+    guard = guard or RewardGuard()
+    context = context or RewardContext()
+    arguments = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+    arguments.update(context.arguments())
+    guard.unscorable = set()
+    outcomes = guard.call(rewards, [(i, arguments) for i in range(len(rewards))])
+    results = []
+    for index, (reward, outcome) in enumerate(zip(rewards, outcomes, strict=True)):
+        _merge_logs(context, outcome)
+        if outcome.failure is None:
+            results.append(_checked(reward, outcome.values, completions, origins))
             continue
-        pid = os.fork()
-        if pid == 0:
-            control.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _serve(message, rewards)
-            os._exit(0)
-        message.close()
-        control.send(pid)
+        if guard.errors == "raise":
+            raise _failed(reward, outcome, origins)
+        count = len(completions)
+        # one call per completion, all at once in the workers: those that hang cost one timeout together
+        alone = guard.call(
+            rewards, [(index, single) for single in one_by_one(arguments, count)], RewardWorkers.RETRY_WIDTH
+        )
+        values = []
+        for position, single in enumerate(alone):
+            _merge_logs(context, single)
+            if single.failure is not None:
+                guard.count(reward.name, single.failure)
+                guard.unscorable.add(position)
+                values.append(math.nan)
+            else:
+                values.append(
+                    _checked(reward, single.values, [completions[position]], [origins[position]])[0]
+                )
+        results.append(values)
+    return results
 
 
-def _listlike(values: Any) -> bool:
-    return (
-        hasattr(values, "__len__")
-        and hasattr(values, "__getitem__")
-        and not isinstance(values, str | bytes | dict)
+def _merge_logs(context: RewardContext, outcome: Outcome) -> None:
+    """What a worker's call logged (``log_extra``, ``log_metric``), into this process's context."""
+    for column, values in (outcome.extra or {}).items():
+        context.log_extra(column, values)
+    for name, values in (outcome.logged or {}).items():
+        for value in values:
+            context.log_metric(name, value)
+
+
+def _awaited_outcome(value: Any, timeout: float | None) -> Outcome:
+    if isinstance(value, TimeoutError):
+        return Outcome(failure="timeout", text=f"took more than {timeout:g} s (reward_timeout)")
+    if isinstance(value, RewardError):
+        raise value
+    if isinstance(value, BaseException):
+        return Outcome(failure="error", text=f"{type(value).__name__}: {value}", at=user_frame(value))
+    return Outcome(values=value)
+
+
+def _failed(reward: Reward, outcome: Outcome, origins: list[str]) -> RewardError:
+    if outcome.failure == "timeout":
+        return RewardError(
+            f"reward {reward.name!r} ({reward.where()}) {outcome.text} scoring the completions of {rows_named(origins)}; "
+            "raise reward_timeout, or set reward_errors: unscorable to leave such completions out"
+        )
+    if outcome.failure == "died":
+        return RewardError(
+            f"reward {reward.name!r} ({reward.where()}): {outcome.text}, scoring the completions of {rows_named(origins)}"
+        )
+    at = f" at {outcome.at}" if outcome.at else ""
+    return RewardError(
+        f"reward {reward.name!r} ({reward.where()}) raised {outcome.text}{at}, scoring the completions of "
+        f"{rows_named(origins)}"
     )
 
 
-def _plain(value: Any) -> Any:
+def _as_number(value: Any) -> float | None:
+    """A reward value as TRL takes it: None, a number or a bool (1.0 / 0.0), a NumPy scalar or a 0-d tensor;
+    None for anything else (the caller says what it was)."""
     if hasattr(value, "ndim") and getattr(value, "ndim", 1) == 0 and hasattr(value, "item"):
-        return value.item()
-    return value
+        value = value.item()  # a NumPy scalar or a 0-d tensor (its value read back to the host)
+    if isinstance(value, bool | int | float):
+        return float(value)
+    return None
 
 
-@dataclass
-class _Worker:
-    pid: int
-    handle: int  # a pidfd: the kill reaches this process, never one that took its PID later
-    pipe: Any
-
-
-class RewardWorkers:
-    """Worker processes that hold the run's reward functions (``configs``, built once in a zygote process and
-    forked from it) and score calls in parallel: ``count`` of them, more for a call's one-by-one retries
-    (up to ``RETRY_WIDTH`` at once, so completions that hang cost about one ``timeout`` together, not one
-    each). A worker that runs past ``timeout`` or dies is killed and replaced by a fresh fork at once."""
-
-    RETRY_WIDTH = 32
-
-    def __init__(
-        self, count: int, configs: list[Any], max_completion_length: int, timeout: float | None, build: Any
-    ) -> None:
-        self.count, self.configs, self.limit, self.timeout = count, configs, max_completion_length, timeout
-        self.build = build
-        self.context = multiprocessing.get_context("spawn")
-        self.zygote: tuple[Any, Any] | None = None
-        self.workers: list[_Worker] = []
-        self.replaced = 0
-
-    def _start_zygote(self) -> None:
-        ours, theirs = self.context.Pipe()
-        process = self.context.Process(
-            target=_zygote,
-            args=(theirs, self.configs, self.limit, self.build),
-            daemon=True,
-            name="posttrain-rewards",
+def _checked(reward: Reward, values: Any, completions: list[Any], origins: list[str]) -> list[float]:
+    array_like = hasattr(values, "__len__") and hasattr(values, "__getitem__")
+    if isinstance(values, str | bytes | dict) or not array_like or len(values) != len(completions):
+        count = len(values) if array_like and not isinstance(values, str | bytes) else type(values).__name__
+        raise RewardError(
+            f"reward {reward.name!r} ({reward.where()}) returned {count} values for {len(completions)} completions "
+            f"(of {rows_named(origins)}); return one float or None per completion"
         )
-        process.start()
-        theirs.close()
-        if not ours.poll(300) or ours.recv() != "ready":
-            raise RuntimeError(f"the reward workers' process did not start (exit code {process.exitcode})")
-        self.zygote = (process, ours)
-
-    def _fork(self) -> _Worker:
-        import os
-
-        if self.zygote is None or not self.zygote[0].is_alive():
-            self._start_zygote()
-        assert self.zygote is not None
-        ours, theirs = self.context.Pipe()
-        self.zygote[1].send(theirs)
-        theirs.close()
-        pid = self.zygote[1].recv()
-        return _Worker(pid, os.pidfd_open(pid), ours)
-
-    def _kill(self, worker: _Worker) -> None:
-        import os
-
-        with contextlib.suppress(OSError):
-            signal.pidfd_send_signal(worker.handle, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            os.close(worker.handle)
-        worker.pipe.close()
-
-    def run(self, tasks: Sequence[tuple[int, dict[str, Any]]], width: int | None = None) -> list[Outcome]:
-        """The outcome of every ``(reward index, arguments)`` call, in order, ``width`` at a time (default
-        ``count``; the workers past ``count`` end with the call)."""
-        import time
-
-        width = max(1, min(width or self.count, len(tasks) or 1))
-        while len(self.workers) < width:
-            self.workers.append(self._fork())
-        outcomes: list[Outcome | None] = [None] * len(tasks)
-        queue = list(range(len(tasks)))[::-1]
-        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (task, deadline)
-        while queue or busy:
-            for slot in range(width):
-                if slot not in busy and queue:
-                    task = queue.pop()
-                    index, arguments = tasks[task]
-                    sent = {k: v for k, v in arguments.items() if k not in LOCAL_ARGUMENTS}
-                    self.workers[slot].pipe.send((index, sent))
-                    busy[slot] = (task, time.monotonic() + (self.timeout or float("inf")))
-            pipes = {self.workers[s].pipe: s for s in busy}
-            nearest = min(deadline for _, deadline in busy.values())
-            ready = wait(list(pipes), timeout=max(0.0, min(nearest - time.monotonic(), 3600.0)))
-            for pipe in ready:
-                slot = pipes[pipe]  # type: ignore[index]
-                task, _ = busy.pop(slot)
-                try:
-                    outcomes[task] = pipe.recv()  # type: ignore[union-attr]
-                except (EOFError, OSError):
-                    outcomes[task] = Outcome(
-                        failure="died", text=f"its worker process died ({self._ended(slot)})"
-                    )
-                    self._replace(slot)
-            now = time.monotonic()
-            for slot, (task, deadline) in list(busy.items()):
-                if now >= deadline:
-                    busy.pop(slot)
-                    outcomes[task] = Outcome(
-                        failure="timeout", text=f"took more than {self.timeout:g} s (reward_timeout)"
-                    )
-                    self._replace(slot)
-        while len(self.workers) > self.count:  # the retries' extra workers
-            self._kill(self.workers.pop())
-        return [o for o in outcomes if o is not None]
-
-    def _ended(self, slot: int) -> str:
-        """How a worker that closed its pipe ended (the zygote, its parent, read the kernel's record)."""
-        assert self.zygote is not None
-        try:
-            self.zygote[1].send(("status", self.workers[slot].pid))
-            return str(self.zygote[1].recv())
-        except (EOFError, OSError):
-            return "exit code unknown"
-
-    def _replace(self, slot: int) -> None:
-        self._kill(self.workers[slot])
-        self.workers[slot] = self._fork()
-        self.replaced += 1
-
-    def close(self) -> None:
-        for worker in self.workers:
-            self._kill(worker)
-        self.workers = []
-        if self.zygote is not None:
-            process, pipe = self.zygote
-            pipe.close()
-            process.kill()
-            process.join(5)
-            self.zygote = None
-
-
-def one_by_one(arguments: dict[str, Any], count: int) -> list[dict[str, Any]]:
-    """The arguments of each completion alone: every per-completion list cut to its item."""
     out = []
-    for index in range(count):
-        single = {}
-        for key, value in arguments.items():
-            single[key] = [value[index]] if isinstance(value, list) and len(value) == count else value
-        out.append(single)
+    for value, origin in zip(list(values), origins, strict=True):
+        number = None if value is None else _as_number(value)
+        if value is not None and number is None:
+            raise RewardError(
+                f"reward {reward.name!r} ({reward.where()}) returned {value!r} ({type(value).__name__}) for a "
+                f"completion of {origin}; return a number, a bool or None"
+            )
+        out.append(math.nan if number is None else number)
     return out
+
+
+def rows_named(origins: list[str]) -> str:
+    unique = list(dict.fromkeys(origins))
+    return ", ".join(unique[:3]) + (f" and {len(unique) - 3} more rows" if len(unique) > 3 else "")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.config.agents import accepts, where_defined
-from posttrain.rollout.reward_guard import user_frame
+from posttrain.rollout.reward_calls import user_frame
 
 
 def load_tool(entry: str) -> Callable[..., Any]:

@@ -257,9 +257,6 @@ class EngineCopy:
         """An update changed the training weights: push them before the next generation."""
         self.stale = True
 
-    def sync_weights(self, module: torch.nn.Module) -> None:
-        self.push(module)
-
 
 class VLLMBackend(EngineCopy):
     """vLLM colocated in this process (see the module docstring)."""

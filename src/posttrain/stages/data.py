@@ -6,48 +6,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from posttrain.config.trainer import TrainerConfig
 from posttrain.context import RunContext
-from posttrain.data.build import Datasets
 from posttrain.data.cache import load_datasets
 from posttrain.logs import get_logger, say
 from posttrain.models.facts import ModelFacts
-from posttrain.plan import BatchSizes, resolve_intervals, step_plan
+from posttrain.plan import BatchSizes, DataPlan, resolve_intervals, step_plan
 from posttrain.registry import MODEL_FACTORIES, TRAINERS, load_component
-
-
-@dataclass
-class DataPlan:
-    config: TrainerConfig  # resolved for the world size (batch sizes, LR)
-    sizes: BatchSizes
-    lr: float
-    tokenizer: Any
-    max_length: int
-    data: Datasets
-    step_plan: list[list[int]]  # micro-batches per optimizer step, per epoch
-    total_steps: int
-    repeats: int = 1  # copies of the training data (min_iterations)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return len(self.step_plan[0])
-
-    def summary(self) -> dict[str, Any]:
-        """The plan's numbers as data (``posttrain preprocess --json``)."""
-        return {
-            "train_sequences": len(self.data.train),
-            "eval_sequences": len(self.data.eval),
-            "max_length": self.max_length,
-            "steps_per_epoch": self.steps_per_epoch,
-            "total_steps": self.total_steps,
-            "global_batch_size": self.sizes.global_batch_size,
-            "micro_batch_size": self.sizes.micro_batch_size,
-            "gradient_accumulation_steps": self.sizes.gradient_accumulation_steps,
-            "learning_rate": self.lr,
-        }
 
 
 def model_facts(config: TrainerConfig) -> ModelFacts | None:

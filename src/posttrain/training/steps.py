@@ -14,7 +14,7 @@ from posttrain.training.extras import StepExtra
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from posttrain.run import Batches
+    from posttrain.plan import Batches
     from posttrain.training.engine import Engine
     from posttrain.training.loop import LoopState
 

@@ -1,10 +1,11 @@
 """Online RL from rewards (``type: grpo``): GRPO and its relatives (DAPO, Dr. GRPO, RLOO, GSPO, REINFORCE).
 
-The method's parts, each in its own module: the config (``config/grpo.py``), the prompt data
-(``data/grpo.py``), generation (``generation.py``: transformers or vLLM, reproducible draws), rewards
-(``rewards.py``), the step feed that turns prompts into training micro-batches (``rollout.py``) and the pure
-objectives (``losses.py``). This module holds what the trainer spec names: the data factory, the loss, the
-schedule and the memory plan's settings.
+grpo's own parts: its keys (``config/grpo.py``), its part of the online feed (``rollout.py``: advantages,
+the old policy's and the reference's log-probabilities, the engine-mismatch correction) and the pure
+objectives (``losses.py``). What every online method shares is elsewhere: the prompts (``data/prompts.py``),
+the reward keys and functions (``config/rewards.py``, ``rollout/scorer.py``), generation and the step feed
+(``rollout/``). This module holds what the trainer spec names: the steps, the loss, the schedule, the memory
+plan's settings and the pre-flight report.
 """
 
 from __future__ import annotations
@@ -14,49 +15,34 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain.config.grpo import GRPOTrainerConfig, ModelReward
-from posttrain.data.build import DataFactory
-from posttrain.data.grpo import COLUMNS, ORIGIN_KEY, fit_prompt, format_grpo_rows
+from posttrain.config.grpo import GRPOTrainerConfig
+from posttrain.config.rewards import ModelReward
 from posttrain.errors import UserError
 from posttrain.methods.grpo.losses import loss_sum, sequence_shares, token_losses
-from posttrain.methods.grpo.rollout import STATE_KEY, GRPORollout, policy_loss
+from posttrain.methods.grpo.method import STATE_KEY, GRPOMethod, policy_loss
 from posttrain.models.token_logps import token_logps
 from posttrain.plan import BatchSizes
-from posttrain.rollout.agent import agent_report, rollouts
-from posttrain.rollout.feed import OnlineSteps, run_feed, sampling_of, stop_ids
-from posttrain.rollout.generation import Completions, TransformersBackend
-from posttrain.rollout.rewards import Scorer
-from posttrain.tokenizers.padding import input_pad_id
+from posttrain.rollout.agent import agent_report
+from posttrain.rollout.feed import OnlineSteps
+from posttrain.rollout.scorer import Scorer
 from posttrain.training.extras import COUNT
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from posttrain.context import RunContext
+    from posttrain.plan import Batches, DataPlan
     from posttrain.registry import MethodMemory
-    from posttrain.run import Batches
-    from posttrain.stages.data import DataPlan
     from posttrain.training.engine import Engine
-
-#: the ``grpo`` data factory (registered in ``posttrain.builtins``)
-DATA = DataFactory(
-    format_batch=format_grpo_rows,
-    columns=COLUMNS,
-    fit=fit_prompt,
-    chat=False,
-    not_chat="prompts: completions are sampled and stop at an end-of-turn token",
-    origin_key=ORIGIN_KEY,
-    revision=2,  # text prompts carry the tokenizer's special tokens (TRL's tokenization)
-)
 
 
 def grpo_steps(
     ctx: RunContext, engine: Engine, batches: Batches, tokenizer: PreTrainedTokenizerBase
 ) -> OnlineSteps:
     """grpo's ``steps`` hook (``registry.StepsBuilder``): the online feed's rollouts from the current weights,
-    scored and turned into advantages by ``GRPORollout``."""
+    scored and turned into advantages by ``GRPOMethod``."""
     config = ctx.config
-    method = GRPORollout(ctx, engine, tokenizer)
+    method = GRPOMethod(ctx, engine, tokenizer)
     return OnlineSteps(
         ctx,
         engine,
@@ -149,17 +135,13 @@ def extreme_clip_shares(stats: dict[str, torch.Tensor], mask: torch.Tensor) -> d
 
 
 class GRPOLoss:
-    """The policy loss of a rollout's micro-batch (``losses.py``), and for evaluation batches (prompts) the
+    """The policy loss of a micro-batch of generated completions (``losses.py``), and for evaluation batches (prompts) the
     greedy completions' rewards: ``eval_reward`` (the weighted sum), ``eval_rewards/<name>``; ``eval_loss`` is
     the negated mean reward."""
 
-    def __init__(self, config: GRPOTrainerConfig, tokenizer: Any) -> None:
-        self.config = config
+    def __init__(self, config: GRPOTrainerConfig, feed: OnlineSteps, scorer: Scorer) -> None:
+        self.config, self.feed, self.scorer = config, feed, scorer
         self.params = policy_loss(config)
-        self.scorer = Scorer(config, tokenizer)
-        pad = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
-        self.greedy = TransformersBackend(stop_ids(tokenizer), pad)
-        self.turns = rollouts(config, tokenizer, stop_ids(tokenizer))
 
     def __call__(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if "prompt_ids" in batch:
@@ -199,34 +181,23 @@ class GRPOLoss:
 
     @torch.no_grad()
     def evaluate(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The rewards of greedy completions of the held-out prompts, generated as the run generates (its
+        backend, vLLM too; its tools) and scored by the run's scorer (its reward workers)."""
         mask = batch["prompt_mask"].bool()
         prompts = [ids[keep].tolist() for ids, keep in zip(batch["prompt_ids"], mask, strict=True)]
         module = getattr(model, "module", model)
-        run = run_feed(self.config)  # the run's generation backend (vLLM too) and its last trainer state
-        sampling = sampling_of(self.config)
-        if run is not None:
-            completions: Completions = run.complete(module, batch["rows"], prompts, sampling, None)
-        elif self.turns is not None:  # an evaluation-only run with tools
-            completions = self.turns.generate(self.greedy, module, batch["rows"], prompts, sampling, None)
-        else:
-            completions = self.greedy.generate(module, prompts, sampling, None)
-        scorer = run.method.scorer if run is not None else self.scorer  # the run's reward workers
-        scorer.context.trainer_state = run.trainer_state if run is not None else None
-        values = scorer(batch["rows"], completions)
-        scorer.context.take()  # what rewards log during evaluation is not recorded
-        scorer.guard.take_counts()
+        feed = self.feed
+        completions = feed.complete(module, batch["rows"], prompts, feed.sampling, None)
         weight = batch["prompt_weight"].double().cpu()
-        totals = scorer.total(values)
-        scored = (~torch.isnan(totals)).double() * weight  # a completion no reward scored is left out
-        metrics = {"reward": (torch.nan_to_num(totals) * scored).sum(), "reward" + COUNT: scored.sum()}
-        for index, reward in enumerate(scorer.rewards):
-            column = values[:, index]
-            seen = (~torch.isnan(column)).double() * weight
-            metrics[f"rewards/{reward.name}"] = (torch.nan_to_num(column) * seen).sum()
-            metrics[f"rewards/{reward.name}{COUNT}"] = seen.sum()
+        metrics = self.scorer.evaluation(batch["rows"], completions, weight, feed.trainer_state)
         return -metrics["reward"], metrics
 
 
-def make_grpo_loss(config: GRPOTrainerConfig, tokenizer: PreTrainedTokenizerBase) -> GRPOLoss:
-    """grpo's ``loss`` hook (``registry.LossBuilder``)."""
-    return GRPOLoss(config, tokenizer)
+def make_grpo_loss(
+    config: GRPOTrainerConfig, tokenizer: PreTrainedTokenizerBase, steps: OnlineSteps
+) -> GRPOLoss:
+    """grpo's ``loss`` hook (``registry.LossBuilder``): evaluates through the run's feed (``grpo_steps``)."""
+    method = steps.method
+    if not isinstance(method, GRPOMethod):
+        raise TypeError(f"grpo's loss needs grpo's step feed, not {type(method).__name__}")
+    return GRPOLoss(config, steps, method.scorer)

@@ -1,5 +1,5 @@
-"""Prompt rows for online RL (``type: grpo``): token ids of the prompt, rendered as the model will continue it,
-and the row itself, which the reward functions read.
+"""The prompts an online method samples from (``data.type: prompts``; grpo's and distill's): token ids of the
+prompt, rendered as the model will continue it, and the row itself, which the reward functions read.
 
 A row holds ``prompt`` (TRL's layout: a list of messages, rendered with the chat template and its generation
 prompt; or plain text, tokenized as it is, no special tokens added, as TRL does), or ``messages`` ending
@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from posttrain.config.grpo import GRPODataConfig
+from posttrain.config.prompts import PromptsDataConfig
+from posttrain.data.build import DataFactory
 from posttrain.data.samples import RowError, Sample, check_messages_shape, keep_prompt_tokens, render_ids
 from posttrain.data.views import PADDING
 
@@ -82,7 +83,7 @@ def row_tools(row: dict[str, Any], schemas: dict[str, list[dict[str, Any]]]) -> 
     return schemas[name]
 
 
-def format_grpo_rows(rows: list[dict[str, Any]], tokenizer: Any, config: GRPODataConfig) -> list[Any]:
+def format_prompt_rows(rows: list[dict[str, Any]], tokenizer: Any, config: PromptsDataConfig) -> list[Any]:
     out: list[Any] = []
     for row in rows:
         try:
@@ -105,7 +106,7 @@ def format_grpo_rows(rows: list[dict[str, Any]], tokenizer: Any, config: GRPODat
     return out
 
 
-def fit_prompt(sample: Sample, max_length: int, config: GRPODataConfig) -> tuple[Sample | None, str, bool]:
+def fit_prompt(sample: Sample, max_length: int, config: PromptsDataConfig) -> tuple[Sample | None, str, bool]:
     """A prompt longer than ``max_length`` is dropped, or (``overlong_samples: truncate``) keeps the part
     ``prompt_truncation`` says."""
     ids = sample["input_ids"]
@@ -155,3 +156,15 @@ class PromptCollator:
             "num_samples": len(items),
             "num_attention_sq": sum(len(x) ** 2 for x in ids),
         }
+
+
+#: the ``prompts`` data factory (registered in ``posttrain.builtins``)
+DATA = DataFactory(
+    format_batch=format_prompt_rows,
+    columns=COLUMNS,
+    fit=fit_prompt,
+    chat=False,
+    not_chat="prompts: completions are sampled and stop at an end-of-turn token",
+    origin_key=ORIGIN_KEY,
+    revision=2,  # text prompts carry the tokenizer's special tokens (TRL's tokenization)
+)

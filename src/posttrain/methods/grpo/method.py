@@ -5,13 +5,12 @@ method shares (prompt order, slots, backends, keyed draws, resume between update
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from posttrain.context import RunContext
-from posttrain.dist import all_gather_rows, all_reduce_sum
+from posttrain.dist import all_gather_rows
 from posttrain.logs import say
 from posttrain.methods.grpo.losses import (
     PolicyLoss,
@@ -25,111 +24,68 @@ from posttrain.methods.grpo.losses import (
     sampling_statistics,
     sampling_weights,
 )
+from posttrain.models.reference import Reference
 from posttrain.models.token_logps import token_logps
-from posttrain.rollout.feed import OnlineSteps, Rollout, completion_records
-from posttrain.rollout.rewards import Scorer
+from posttrain.rollout.feed import GeneratedBatch, OnlineMethod, OnlineSteps, completion_records
+from posttrain.rollout.scorer import Scorer, Scores
 
 STATE_KEY = "grpo"
-#: the fields of a completions.jsonl line a reward's ``log_extra`` column must not take (it is prefixed)
-LOG_FIELDS = (
-    "generation",
-    "epoch",
-    "batch",
-    "prompt",
-    "completion",
-    "truncated",
-    "reward",
-    "rewards",
-    "advantage",
-    "origin",
-)
 
 
-class Reference:
-    """The frozen model the KL penalty compares with: the base model with the adapters off (PEFT), or a
-    separate frozen copy (``ref_model``, or the policy's initial weights)."""
-
-    def __init__(self, config: Any, ctx: RunContext, engine: Any, tokenizer: Any) -> None:
-        self.engine, self.model = engine, None
-        module = engine.module
-        if config.ref_model is None and hasattr(module, "disable_adapter"):
-            return
-        from posttrain.models.embeddings import fit_embeddings
-        from posttrain.models.reference import load_reference_model
-
-        reference = load_reference_model(config.ref_model or config.model, ctx)
-        fit_embeddings(reference, tokenizer)
-        self.model = reference.to(engine.device)
-
-    @torch.no_grad()
-    def logps(self, batch: dict[str, Any], temperature: float) -> torch.Tensor:
-        if self.model is not None:
-            return token_logps(self.model, batch, False, temperature)[0]
-        with self.engine.module.disable_adapter():
-            return token_logps(self.engine, batch, False, temperature)[0]
-
-
-class GRPORollout:
+class GRPOMethod(OnlineMethod):
     """grpo's ``OnlineMethod``: see the module docstring."""
 
     def __init__(self, ctx: RunContext, engine: Any, tokenizer: Any) -> None:
         config = ctx.config
         self.ctx, self.engine, self.config = ctx, engine, config
         self.scorer = Scorer(config, tokenizer)
-        self.reference = Reference(config, ctx, engine, tokenizer) if config.beta > 0 else None
+        self.reference = (
+            Reference(config.model, config.ref_model, ctx, engine, tokenizer) if config.beta > 0 else None
+        )
         self.params = policy_loss(config)
         self.correction = sampling_correction_of(config)
         self.wants_sampling_logps = self.correction is not None
+        self.mask_truncated = config.mask_truncated_completions
         self.updates = config.num_iterations
         self.mismatch_said = False  # the engine-mismatch line, once a run
-        self.none_said = False  # the line for completions no reward scored, once a run
-        self.extra: dict[str, list[Any]] = {}
-        self.values = torch.zeros(0, 0)
+        self.scores = Scores(torch.zeros(0, 0), {}, {}, [])
         self.totals = torch.zeros(0)
         self.advantage = torch.zeros(0)
 
     def close(self) -> None:
-        self.scorer.guard.close()
+        self.scorer.close()
 
     def describe(self) -> str:
-        names = ", ".join(f"{r.name} x {r.weight:g}" for r in self.scorer.rewards)
-        return f"grpo: rewards {names}"
+        return f"grpo: rewards {self.scorer.describe()}"
 
-    def after_generation(self, feed: OnlineSteps, rollout: Rollout) -> dict[str, torch.Tensor]:
+    def after_generation(self, feed: OnlineSteps, generated: GeneratedBatch) -> dict[str, torch.Tensor]:
         """Rewards of this rank's completions, gathered with every rank's into the batch's advantages and
         records (the same on every rank); this rank's advantages and loss units for the micro-batches."""
-        dist, group, completions = self.ctx.dist, feed.group, rollout.completions
-        self.scorer.context.trainer_state = feed.trainer_state
-        values = self.scorer(rollout.rows, completions)
-        self.extra, logged = self.scorer.context.take()
+        dist, group, completions = self.ctx.dist, feed.group, generated.completions
+        self.scores = self.scorer.score(generated.rows, completions, feed.trainer_state)
+        values = self.scores.values
         lengths = torch.tensor(completions.model_lengths(), dtype=torch.float64)
         truncated = torch.tensor(completions.truncated, dtype=torch.float64)
-        prompted = torch.tensor([len(p) for p in rollout.prompt_ids], dtype=torch.float64)
+        prompted = torch.tensor([len(p) for p in generated.prompt_ids], dtype=torch.float64)
         mine = torch.cat([values, prompted[:, None], lengths[:, None], truncated[:, None]], dim=1)
         everyone = all_gather_rows(mine, dist)  # [batch completions, rewards + 3], slot order
         rewards = everyone[:, : values.shape[1]]
         totals = self.scorer.total(rewards)
         advantage = advantages(totals, group, self.config.advantage, self.config.scale_rewards)
-        names = [reward.name for reward in self.scorer.rewards]
         every_length, every_cut, scale = everyone[:, -2], everyone[:, -1], self.config.scale_rewards
-        latest = rollout_records(rewards, totals, every_length, every_cut, names, group, scale)
-        latest.update(self._logged_metrics(logged))
-        latest.update(self.scorer.failure_records(dist))
-        none_line = self.scorer.all_none_line(dist)
-        if none_line and not self.none_said:
-            say(none_line)
-            self.none_said = True
+        latest = batch_records(rewards, totals, every_length, every_cut, self.scorer.names, group, scale)
+        latest.update(self.scorer.step_records(self.scores, dist))
         # TRL's num_tokens: prompt and completion tokens of every generated batch so far, all ranks
         seen = feed.counters.get("num_tokens", 0.0) + float(everyone[:, -3].sum() + everyone[:, -2].sum())
         feed.counters["num_tokens"] = seen
         latest["num_tokens"] = seen
         feed.metrics.latest = latest
-        own = slice(rollout.first, rollout.first + len(rollout.slots))
-        self.values, self.totals, self.advantage = values, totals[own], advantage[own]
+        own = slice(generated.first, generated.first + len(generated.slots))
+        self.totals, self.advantage = totals[own], advantage[own]
         return {"advantages": self.advantage.float()}
 
     def finish_batches(
-        self, feed: OnlineSteps, rollout: Rollout, micro_batches: list[dict[str, Any]]
+        self, feed: OnlineSteps, generated: GeneratedBatch, micro_batches: list[dict[str, Any]]
     ) -> None:
         for batch in micro_batches:
             batch["num_loss_units"] = loss_units(self.params, batch["completion_mask"])
@@ -142,38 +98,13 @@ class GRPORollout:
                 say(line)
                 self.mismatch_said = True
 
-    def log_fields(self, feed: OnlineSteps, rollout: Rollout, index: int) -> dict[str, Any]:
-        """The completion's total reward, each function's, its advantage and the columns the rewards added
-        (``log_extra``, one value per completion; prefixed ``extra/`` where they would take a built-in
-        field's name)."""
-        names = [r.name for r in self.scorer.rewards]
-        fields: dict[str, Any] = {
-            "reward": float(self.totals[index]),
-            "rewards": {n: _plain(float(self.values[index, i])) for i, n in enumerate(names)},
-            "advantage": float(self.advantage[index]),
-        }
-        for column, logged in self.extra.items():
-            key = column if column not in LOG_FIELDS else f"extra/{column}"
-            fields[key] = _json_value(logged[index]) if index < len(logged) else None
-        return fields
-
-    def _logged_metrics(self, logged: dict[str, list[float]]) -> dict[str, float]:
-        """The rewards' ``log_metric`` values: each name's mean over every call on every rank (names gathered
-        from all ranks, so that a name logged on one rank only still reduces)."""
-        dist = self.ctx.dist
-        names = set(logged)
-        if dist.world_size > 1:
-            import torch.distributed as torch_dist
-
-            everyone: list[Any] = [None] * dist.world_size
-            torch_dist.all_gather_object(everyone, sorted(names))
-            names = {name for found in everyone for name in found}
-        names_in_order = sorted(names)
-        local = [x for n in names_in_order for x in (sum(logged.get(n, [])), float(len(logged.get(n, []))))]
-        totals = all_reduce_sum(local, dist) if local else []
+    def log_fields(self, feed: OnlineSteps, generated: GeneratedBatch, index: int) -> dict[str, Any]:
+        """The completion's total reward, its advantage, and the scorer's fields (each function's value, the
+        columns the functions added)."""
         return {
-            name: totals[2 * i] / totals[2 * i + 1] if totals[2 * i + 1] else math.nan
-            for i, name in enumerate(names_in_order)
+            "reward": float(self.totals[index]),
+            "advantage": float(self.advantage[index]),
+            **self.scorer.completion_fields(self.scores, index),
         }
 
     @torch.no_grad()
@@ -208,23 +139,6 @@ class GRPORollout:
         return sampling_statistics(correction, old, sampled, mask, weights.view(1, -1))
 
 
-def _plain(value: float) -> float | None:
-    return None if math.isnan(value) else value
-
-
-def _json_value(value: Any) -> Any:
-    """A value a reward logged, as JSON holds it: numbers (NaN as null), text, bools, lists; others as text."""
-    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
-        value = value.item()
-    if isinstance(value, float):
-        return _plain(value)
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, list | tuple):
-        return [_json_value(v) for v in value]
-    return str(value)
-
-
 def sampling_correction_of(config: Any) -> SamplingCorrection | None:
     """TRL's vLLM importance-sampling correction, when the run generates with vLLM and keeps it on."""
     if not (config.use_vllm and config.vllm_importance_sampling_correction):
@@ -248,7 +162,7 @@ def policy_loss(config: Any) -> PolicyLoss:
     )
 
 
-def rollout_records(
+def batch_records(
     rewards: torch.Tensor,
     totals: torch.Tensor,
     lengths: torch.Tensor,
@@ -257,7 +171,7 @@ def rollout_records(
     group: int,
     scale: str,
 ) -> dict[str, float]:
-    """A rollout's records, as TRL 1.16 logs them, from every rank's completions (``rewards``: ``[completions,
+    """A generated batch's records, as TRL 1.16 logs them, from every rank's completions (``rewards``: ``[completions,
     functions]``, NaN where a function returned None; ``totals``: their weighted sums, NaN where none scored):
     ``reward`` and ``reward_std`` over the scored completions of the whole batch, ``frac_reward_zero_std`` over
     completions from the spread their advantage is scaled by, the lengths of all and of the terminated
