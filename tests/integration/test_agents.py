@@ -9,36 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.testing import tool_task
 from tests.agent_helpers import agent_config, teach_tool_calls, tool_prompts
 from tests.integration.helpers import metrics, train
 from tests.resume_helpers import assert_same_continuation, cli, kill_and_resume, last_metrics
 
 pytestmark = pytest.mark.integration
-
-ENVIRONMENT = '''
-class Calculator:
-    """Multiplies; scores the rollout by whether the last product it gave is the row's answer."""
-
-    def __init__(self):
-        self.last = None
-        self.answer = None
-
-    def reset(self, answer, **row):
-        self.answer = answer  # nothing appended to the prompt (None)
-
-    def multiply(self, a: int, b: int) -> int:
-        """Multiply two integers.
-
-        Args:
-            a: first factor
-            b: second factor
-        """
-        self.last = int(a) * int(b)
-        return self.last
-
-    def get_reward(self) -> float:
-        return float(str(self.last) == self.answer)
-'''
 
 ROLLOUT = """
 def rollout(prompts, trainer):
@@ -148,6 +124,9 @@ def test_one_and_two_processes_draw_the_same_trajectories(
 
 
 OBSERVING = """
+from posttrain.testing.tool_task import Calculator
+
+
 class Observing(Calculator):
     def reset(self, answer, **row):
         super().reset(answer, **row)
@@ -158,8 +137,8 @@ class Observing(Calculator):
 def test_an_environment_gives_tools_and_the_reward(tool_model: dict[str, Path], tmp_path: Path) -> None:
     """The environment's methods are the tools and its get_reward a reward; the completions log holds the
     prompt as the model saw it (the tools' schemas, an observation reset returned) beside the data's."""
-    code = tmp_path / "calculator.py"
-    code.write_text(ENVIRONMENT + OBSERVING)
+    code = tmp_path / "observing.py"  # a user's file: a subclass of the task's environment
+    code.write_text(OBSERVING)
     config = agent_config(
         tool_model["model"],
         tool_model["train"],
@@ -167,7 +146,7 @@ def test_an_environment_gives_tools_and_the_reward(tool_model: dict[str, Path], 
         train_iters=2,
         tools=[],
         rewards=[],
-        environment_factory=f"{code}:Calculator",
+        environment_factory=tool_task.environment_entry(),
     )
     train(config)
     records = [r for r in metrics(config) if "reward" in r]
@@ -308,7 +287,7 @@ def test_the_preflight_report_shows_a_prompt_with_its_tools(
     from posttrain.cli import main
 
     config = agent_config(
-        tool_model["model"], tool_model["train"], tmp_path / "run", tools=[tool_task_entry(), "python"]
+        tool_model["model"], tool_model["train"], tmp_path / "run", tools=[tool_task.tool_entry(), "python"]
     )
     path = tmp_path / "agent.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -326,7 +305,7 @@ def test_the_preflight_report_shows_a_prompt_with_its_tools(
     assert "sandbox: " in out and "tools:" not in out
     # a template that drops the tools: refused in one line naming the presets that render them
     dropped = agent_config(
-        tool_model["model"], tool_model["train"], tmp_path / "dropped", tools=[tool_task_entry()]
+        tool_model["model"], tool_model["train"], tmp_path / "dropped", tools=[tool_task.tool_entry()]
     )
     dropped["tokenizer"] = {"chat_template": "chatml"}
     path.write_text(yaml.safe_dump(dropped))
@@ -335,9 +314,3 @@ def test_the_preflight_report_shows_a_prompt_with_its_tools(
     assert (
         "does not render tools" in err and "tokenizer.chat_template: hermes" in err and "Traceback" not in err
     )
-
-
-def tool_task_entry() -> str:
-    from posttrain.testing import tool_task
-
-    return tool_task.tool_entry()
