@@ -130,7 +130,7 @@ TRAINER_SPECS = (
             steps="posttrain.methods.distill:distill_steps",
             schedule="posttrain.methods.distill:distill_schedule",
             memory="posttrain.methods.distill:distill_memory",
-            report="posttrain.rollout.agent:agent_report",
+            report="posttrain.methods.distill:distill_report",
         ),
         DistillTrainerConfig,
     ),

@@ -8,24 +8,19 @@ push would evaluate later steps with the old weights' keys and values."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
-import os
 import random
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from posttrain.rollout.vllm_engine import free_port
 from posttrain.testing.env import child_env
+from posttrain.testing.served import vllm_server
 from tests.grpo_helpers import DIGITS, write_prompts
 from tests.resume_helpers import assert_same_continuation, cli, kill_and_resume, last_metrics
 
@@ -157,7 +152,7 @@ def test_a_push_reaches_prompts_longer_than_a_kv_block(tmp_path: Path, reset: bo
         assert result["logp_gap"] < 1e-4, result["logp_gap"]
 
 
-def test_a_tied_model_samples_from_its_trained_head_in_the_engine_and_the_server(
+def test_a_tied_model_samples_from_its_trained_head_in_the_engine_and_thevllm_server(
     runs: dict[str, Any], tmp_path: Path
 ) -> None:
     """GRPO on a tied model: at every step the engine's log-probabilities of its samples are the trainer's
@@ -177,7 +172,7 @@ def test_a_tied_model_samples_from_its_trained_head_in_the_engine_and_the_server
     done = cli(config, tmp_path / "colocated.yaml")
     assert done.returncode == 0, done.stderr[-3000:]
     colocated = last_metrics(tmp_path / "colocated")
-    port = _free_port()
+    port = free_port()
     served_config = copy.deepcopy(config)
     served_config.update(
         vllm_mode="server", vllm_server_host="127.0.0.1", vllm_server_port=port,
@@ -185,7 +180,7 @@ def test_a_tied_model_samples_from_its_trained_head_in_the_engine_and_the_server
     )  # fmt: skip
     path = tmp_path / "served.yaml"
     path.write_text(yaml.safe_dump(served_config))
-    with _server(path, tmp_path, port):
+    with vllm_server(path, tmp_path / "server.log", port):
         done = cli(served_config, path)
     assert done.returncode == 0, done.stderr[-3000:]
     served = last_metrics(tmp_path / "served")
@@ -240,54 +235,11 @@ def test_heads_the_cpu_build_cannot_run_are_refused_in_one_line(runs: dict[str, 
     assert "attention heads of 16 dimensions: vLLM's CPU build runs heads of 32, 64" in done.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _wait_for(url: str, server: subprocess.Popen[str], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert server.poll() is None, "the server exited"
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            return
-        except OSError:
-            time.sleep(1)
-    raise AssertionError(f"no server at {url} after {seconds} s")
-
-
-@contextlib.contextmanager
-def _server(config_path: Path, tmp_path: Path, port: int) -> Iterator[subprocess.Popen[str]]:
-    """``posttrain vllm-serve`` for a config, up and answering on ``port`` inside the block, ended after it."""
-    log = (tmp_path / f"server-{port}.log").open("w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "posttrain", "vllm-serve", str(config_path)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=child_env(),
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _wait_for(f"http://127.0.0.1:{port}", server, 240)
-        yield server
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGTERM)  # the server and its engine process
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        log.close()
-
-
 def test_server_mode_generates_what_the_colocated_engine_does(runs: dict[str, Any], tmp_path: Path) -> None:
     """``posttrain vllm-serve`` for the config, the run on localhost: the weights reloaded through the server's
     endpoints after every update give the colocated run's rewards and losses; a server that is not there or
     serves another model stops the run in one line."""
-    port = _free_port()
+    port = free_port()
     config = copy.deepcopy(runs["config"])
     config.update(
         vllm_mode="server",
@@ -300,7 +252,7 @@ def test_server_mode_generates_what_the_colocated_engine_does(runs: dict[str, An
     import yaml
 
     path.write_text(yaml.safe_dump(config))
-    with _server(path, tmp_path, port):
+    with vllm_server(path, tmp_path / "server.log", port):
         done = cli(config, path)
         assert done.returncode == 0, done.stderr[-3000:]
         served, one = last_metrics(tmp_path / "served"), runs["reference_metrics"]
@@ -313,7 +265,7 @@ def test_server_mode_generates_what_the_colocated_engine_does(runs: dict[str, An
         refused = cli(other, tmp_path / "other.yaml")
         assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
         assert f"serves {config['model']['name_or_path']}, not the run's model.name_or_path" in refused.stderr
-    config.update(vllm_server_port=_free_port(), vllm_server_timeout=2)
+    config.update(vllm_server_port=free_port(), vllm_server_timeout=2)
     absent = cli(config, tmp_path / "absent.yaml")
     assert absent.returncode == 2 and "no vLLM server answered" in absent.stderr, absent.stderr[-3000:]
 

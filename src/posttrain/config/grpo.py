@@ -151,6 +151,14 @@ class GRPOTrainerConfig(ScoredConfig):
         if self.ref_model is not None and self.ref_model.peft_config is not None:
             yield Problem("ref_model.peft_config", "the reference model is frozen; adapters belong on model")
         yield from frozen_model_problems(self.ref_model, "ref_model")
+        if self.generates_ahead and not self.vllm_importance_sampling_correction:
+            key = "max_staleness" if self.max_staleness else "weight_sync_steps"
+            yield Problem(
+                "vllm_importance_sampling_correction",
+                f"false with {key}: {getattr(self, key)}: batches generated from older weights are off-policy, "
+                "and the engine's log-probabilities are their behaviour policy only through the correction; "
+                "set it to true",
+            )
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         if self.use_vllm and self.vllm_importance_sampling_correction:
             if low is None and high is None:

@@ -106,6 +106,19 @@ class OnlineTrainerConfig(TrainerConfig):
     """TRL's name and default (``AsyncGRPOConfig``): seconds a weight push to the server may take before the run
     stops naming the server, instead of hanging."""
 
+    max_staleness: HumanInt = Field(default=0, ge=0)
+    """TRL's ``AsyncGRPOConfig`` name, posttrain's meaning: generation runs this many generated batches ahead of
+    training, on the vLLM server while the trainer trains (``vllm_mode: server``). Batch k is generated from the
+    weights after max(0, k - max_staleness) batches were trained, always: the lag is exact, not "at most", so
+    the run is the same whatever the timing (TRL drops samples older than its bound instead; it counts optimizer
+    steps, which differ from batches when ``num_iterations`` > 1). The engine's log-probabilities are the
+    behaviour policy, corrected by ``vllm_importance_sampling_*``. 0 (the default): the synchronous run."""
+
+    weight_sync_steps: HumanInt = Field(default=1, ge=1)
+    """TRL's name: the weights reach the vLLM engine every this many generated batches (with ``max_staleness``
+    N, batch k is generated from the weights after (max(0, k - N) // weight_sync_steps) * weight_sync_steps
+    trained batches: still exact). 1: every batch."""
+
     log_completions: bool = True
     """Write sampled prompts, completions and rewards to ``<output_dir>/completions.jsonl``."""
 
@@ -219,6 +232,7 @@ class OnlineTrainerConfig(TrainerConfig):
                 "load_in_8bit with use_vllm: true: vLLM cannot load 8-bit bitsandbytes weights in flight; use "
                 "load_in_4bit (passed to vLLM as bitsandbytes), or use_vllm: false",
             )
+        yield from self._ahead_problems()
         if self.model.compile:
             yield Problem(
                 "model.compile",
@@ -230,3 +244,27 @@ class OnlineTrainerConfig(TrainerConfig):
                 "sequence_parallel_size",
                 f"{self.sequence_parallel_size}: {self.type} does not support it yet",
             )
+
+    def _ahead_problems(self) -> Iterator[Problem]:
+        """``max_staleness`` needs a server generating beside the trainer; ``weight_sync_steps`` an engine with
+        its own copy of the weights."""
+        if self.max_staleness and not (self.use_vllm and self.vllm_mode == "server"):
+            yield Problem(
+                "max_staleness",
+                f"{self.max_staleness} with "
+                f"{'vllm_mode: colocate' if self.use_vllm else 'use_vllm: false'}: generation overlaps training "
+                "only where another process generates (in this process it would share the trainer's cores or "
+                "GPU, and batches generated ahead would wait for them); set use_vllm: true with vllm_mode: "
+                "server and start it with posttrain vllm-serve, or max_staleness: 0",
+            )
+        if self.weight_sync_steps > 1 and not self.use_vllm:
+            yield Problem(
+                "weight_sync_steps",
+                f"{self.weight_sync_steps} with use_vllm: false: transformers generates from the training "
+                "weights themselves, so they are always in sync; set use_vllm: true, or weight_sync_steps: 1",
+            )
+
+    @property
+    def generates_ahead(self) -> bool:
+        """Whether a batch may be generated from weights older than the current ones."""
+        return self.max_staleness > 0 or self.weight_sync_steps > 1

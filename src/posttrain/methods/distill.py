@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from posttrain.context import RunContext
-    from posttrain.plan import Batches, BatchSizes
+    from posttrain.plan import Batches, BatchSizes, DataPlan
     from posttrain.registry import MethodMemory
     from posttrain.training.engine import Engine
 
@@ -448,3 +448,15 @@ def distill_memory(config: DistillTrainerConfig) -> MethodMemory:
             ("teacher_model_name_or_path", config.teacher_model_name_or_path, str(config.teacher.dtype))
         ],
     }
+
+
+def distill_report(flight: DataPlan) -> list[str]:
+    """distill's ``report`` hook (``registry.ReportHook``): generation ahead of training, and the tools."""
+    from posttrain.rollout.agent import agent_report
+    from posttrain.rollout.ahead import ahead_lines
+
+    sizes = flight.sizes
+    return [
+        *ahead_lines(flight.config, sizes.micro_batch_size * sizes.gradient_accumulation_steps),
+        *agent_report(flight),
+    ]

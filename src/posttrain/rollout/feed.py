@@ -17,6 +17,7 @@ of this rank, which resumable checkpoints save, so a run killed between two upda
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
@@ -31,6 +32,7 @@ from posttrain.data.prompts import ORIGIN_KEY, decode_row, prompt_of
 from posttrain.data.sampler import shard_order
 from posttrain.data.samples import IGNORE_INDEX, pad_rows, target_labels, target_rows
 from posttrain.errors import UserError
+from posttrain.rollout.ahead import STATE_KEY, Ahead, SavedAhead
 from posttrain.rollout.generation import (
     Completions,
     GenerationBackend,
@@ -225,6 +227,9 @@ class OnlineSteps:
 
         self.turns = multi_turn(config, tokenizer, self.stops)  # multi-turn rollouts: tools, rollout_func
         self.counters: dict[str, float] = {}  # the loop state's (steps() takes them from it)
+        self.orders: dict[int, np.ndarray] = {}  # an epoch's prompt order
+        self.orders_lock = threading.Lock()
+        self.lag = 0  # the batch being trained: trained batches since the weights it was generated from
         self.trainer_state = self._trainer_state(None, 0, 0, 1)  # before the first generation
         self.metrics = RolloutMetrics(method, self.backend)
         self.extras = [self.metrics]
@@ -233,18 +238,38 @@ class OnlineSteps:
             tokenizer,
         )
         self.metrics.closing += [self.close, method.close]
+        per_epoch = [len(plan) // updates for plan in self.step_plan]
+        self.offsets = [sum(per_epoch[:e]) for e in range(len(per_epoch) + 1)]  # global batch index
+        self.ahead: Ahead | None = None
+        if config.generates_ahead:  # max_staleness, weight_sync_steps: rollout/ahead.py
+            total = min(self.offsets[-1], -(-self.total_steps // updates))
+            module = engine.module
+            self.ahead = Ahead(
+                self._generate_ahead,
+                self.backend,
+                lambda: self.backend.push(module),  # type: ignore[attr-defined]  # an engine's own copy
+                config.max_staleness,
+                config.weight_sync_steps,
+                total,
+                ctx.dist.world_size,
+                background=config.vllm_mode == "server",  # an engine in this process generates when asked
+            )
 
     # ------------------------------------------------------------------------------------------ the loop
 
     def steps(self, state: Any) -> Iterator[list[dict[str, Any]]]:
         epoch = state.epoch
         batches = len(self.step_plan[epoch]) // self.updates
-        order = shard_order(len(self.prompts), 1, 0, self.config.data.seed, epoch)
         first, done = divmod(state.epoch_step, self.updates)
         self.counters = state.counters  # run-long totals, saved with resumable checkpoints
+        if self.ahead is not None and not isinstance(state.rank_state.get(STATE_KEY), SavedAhead):
+            self.ahead.restore(
+                state.rank_state.get(STATE_KEY)
+            )  # a resumed run's, as its checkpoint saved them
+            state.rank_state[STATE_KEY] = self.ahead.saved()  # a checkpoint saves the batches in flight
         for batch in range(first, batches):
             self.trainer_state = self._trainer_state(state, epoch, batch, batches)
-            micro_batches = self._resumed(state, done) if done else self._generate(epoch, batch, order)
+            micro_batches = self._resumed(state, done) if done else self._generate(epoch, batch)
             if self.updates > 1:  # what the batch's next updates need after a resume
                 state.rank_state[self.state_key] = {
                     "epoch": epoch,
@@ -291,21 +316,45 @@ class OnlineSteps:
 
     # ----------------------------------------------------------------------------------------- a rollout
 
-    def _generate(self, epoch: int, batch: int, order: np.ndarray) -> list[dict[str, Any]]:
-        """This rank's completions of the batch, the method's values for them, and the micro-batches."""
+    def global_batch(self, epoch: int, batch: int) -> int:
+        """A generated batch's index over the whole run."""
+        return self.offsets[epoch] + batch
+
+    def _slots(
+        self, epoch: int, batch: int
+    ) -> tuple[int, range, list[dict[str, Any]], list[list[int]], list[int]]:
+        """This rank's share of a batch: its first slot, its slots, each slot's row, prompt ids and key."""
         group = self.group
         first = self.ctx.dist.rank * self.mine
         slots = range(first, first + self.mine)
+        order = self._order(epoch)
         positions = order[batch * self.per_batch : (batch + 1) * self.per_batch]
         items = {s // group: self.prompts[int(positions[s // group])] for s in slots}
         rows = {p: decode_row(item) for p, item in items.items()}
         prompt_ids = [np.asarray(items[s // group]["input_ids"]).tolist() for s in slots]
         keys = [completion_key(self.config.seed, epoch, batch, s // group, s % group) for s in slots]
+        return first, slots, [rows[s // group] for s in slots], prompt_ids, keys
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """The epoch's prompt order (the two latest kept: a batch generated ahead may be the next epoch's)."""
+        with self.orders_lock:
+            if epoch not in self.orders:
+                self.orders[epoch] = shard_order(len(self.prompts), 1, 0, self.config.data.seed, epoch)
+                for old in sorted(self.orders)[:-2]:
+                    del self.orders[old]
+            return self.orders[epoch]
+
+    def _generate(self, epoch: int, batch: int) -> list[dict[str, Any]]:
+        """This rank's completions of the batch, the method's values for them, and the micro-batches."""
+        first, slots, slot_rows, prompt_ids, keys = self._slots(epoch, batch)
         started = time.perf_counter()
-        slot_rows = [rows[s // group] for s in slots]
+        index, version, ahead = self.global_batch(epoch, batch), self.global_batch(epoch, batch), None
+        if self.ahead is not None:  # generated ahead, from older weights (rollout/ahead.py)
+            self.ahead.advance(index)
+            ahead, version = self.ahead.take(index)
         completions = self.method.completions_for(self, epoch, batch, slot_rows, prompt_ids, keys)
         if completions is None:  # the policy's own samples
-            completions = self.complete(
+            completions = ahead or self.complete(
                 self.engine.module, slot_rows, prompt_ids, self.sampling, keys, self.logprobs()
             )
         prompt_ids = completions.prompt_ids or prompt_ids
@@ -316,10 +365,27 @@ class OnlineSteps:
         self.metrics.scoring_time = time.perf_counter() - started
         if self.turns is not None:
             self.metrics.latest.update(tool_records(completions, self.ctx.dist))
+        self.lag = index - version  # batches trained since the weights the completions come from
+        if self.ahead is not None:
+            self.metrics.latest.update(self.ahead.records(index, version))
         micro_batches = self.micro_batches(prompt_ids, completions, values)
         self.method.finish_batches(self, generated, micro_batches)
-        self._log(generated)
+        self._log(generated, version)
         return micro_batches
+
+    def _generate_ahead(self, index: int, backend: GenerationBackend) -> Completions:
+        """Batch ``index``'s completions for this rank, generated ahead (on the background thread) from what the
+        engine holds; the trainer state user functions see is the one of the weights it comes from."""
+        assert self.ahead is not None
+        epoch = max(e for e in range(len(self.offsets) - 1) if self.offsets[e] <= index)
+        batch = index - self.offsets[epoch]
+        _, _, rows, prompt_ids, keys = self._slots(epoch, batch)
+        batches = self.offsets[epoch + 1] - self.offsets[epoch]
+        state = self._trainer_state(None, epoch, batch, batches)
+        state.global_step = self.ahead.version(index) * self.updates
+        return self.complete(
+            self.engine.module, rows, prompt_ids, self.sampling, keys, self.logprobs(), backend, state
+        )
 
     def complete(
         self,
@@ -329,21 +395,29 @@ class OnlineSteps:
         sampling: Sampling,
         keys: list[int] | None,
         logprobs: bool = False,
+        backend: GenerationBackend | None = None,
+        trainer_state: Any = None,
     ) -> Completions:
-        """Completions of the rows' prompts with the run's backend: multi-turn (tools, environments, a
-        ``rollout_func``: ``rollout.agent``), or one turn each; ``keys`` None: greedy (evaluation)."""
+        """Completions of the rows' prompts: multi-turn (tools, environments, a ``rollout_func``:
+        ``rollout.agent``), or one turn each; ``keys`` None: greedy (evaluation). ``backend`` None: the run's,
+        from the current weights (an evaluation first waits for the batches in flight)."""
+        if backend is None:
+            backend = self.backend
+            if self.ahead is not None:  # the engine is given the current weights
+                self.ahead.settle()
+                self.ahead.forget_weights()
         if self.turns is not None:
             return self.turns.generate(
-                self.backend,
+                backend,
                 module,
                 rows,
                 prompt_ids,
                 sampling,
                 keys,
                 logprobs,
-                trainer_state=self.trainer_state,
+                trainer_state=self.trainer_state if trainer_state is None else trainer_state,
             )
-        return self.backend.generate(module, prompt_ids, sampling, keys, logprobs)
+        return backend.generate(module, prompt_ids, sampling, keys, logprobs)
 
     def logprobs(self) -> bool:
         """Whether the engine returns its sampled tokens' log-probabilities (a method that corrects for the
@@ -358,14 +432,20 @@ class OnlineSteps:
             prompt_ids, completions, values, self.micro, self.pad_id, self.method.mask_truncated
         )
 
-    def _log(self, generated: GeneratedBatch) -> None:
-        """Rank 0's completions of every ``completions_log_interval``-th generated batch of the run."""
-        generation = generated.epoch * (len(self.step_plan[0]) // self.updates) + generated.batch
+    def _log(self, generated: GeneratedBatch, version: int) -> None:
+        """Rank 0's completions of every ``completions_log_interval``-th generated batch of the run, each with
+        the policy version it was sampled from (the batches trained before its weights)."""
+        generation = self.global_batch(generated.epoch, generated.batch)
         if self.config.log_completions and not generation % self.config.completions_log_interval:
-            fields = [self.method.log_fields(self, generated, i) for i in range(len(generated.rows))]
+            fields = [
+                {**self.method.log_fields(self, generated, i), "policy_version": version}
+                for i in range(len(generated.rows))
+            ]
             self.log.write(generation, generated, fields)
 
     def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
         self.backend.close()
         if self.turns is not None:
             self.turns.close()

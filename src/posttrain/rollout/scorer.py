@@ -47,6 +47,7 @@ LOG_FIELDS = (
     "reward",
     "rewards",
     "advantage",
+    "policy_version",
     "origin",
 )
 

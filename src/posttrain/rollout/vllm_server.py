@@ -346,8 +346,10 @@ class VLLMServerBackend(EngineCopy):
 
     def push(self, module: torch.nn.Module) -> None:
         """The training weights to the server (every rank takes part in the gathers; rank 0 writes and
-        reloads), then its prefix cache emptied."""
+        reloads), then its prefix cache emptied. Every rank's requests have ended first (a barrier): the weights
+        never change under another rank's generation."""
         pushing = f"taking the new weights (weight_sync_timeout {self.weight_sync_timeout:g} s)"
+        self._barrier()
         if self.nccl is not None:
             self.nccl.push()
             if self.dist.is_main:

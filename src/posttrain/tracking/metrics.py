@@ -55,6 +55,9 @@ def format_line(record: dict[str, Any], total_steps: int, eta: float | None = No
         ("expert_imbalance", ".2f"),
         ("eval_loss", ".4f"),
         *((key, ".4f") for key in JUDGED_BY),
+        ("sample/staleness_max", ".0f"),  # generation ahead of training (rollout/ahead.py)
+        ("time_waiting_generation", ".2f"),
+        ("time_waiting_weights", ".2f"),
         ("lr", ".3e"),
         ("grad_norm", ".3f"),
     )

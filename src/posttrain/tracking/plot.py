@@ -1,5 +1,6 @@
-"""``posttrain plot``: loss (train and eval), the reward of online RL runs, learning rate and throughput
-against steps, several runs overlaid, from metrics JSON-lines files."""
+"""``posttrain plot``: loss (train and eval), the reward of online RL runs, generation ahead of training
+(staleness, the trainer's and the generator's waits), learning rate and throughput against steps, several runs
+overlaid, from metrics JSON-lines files."""
 
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ def plot_metrics(paths: list[Path], out: Path) -> Path:
 
     runs = [(path, read_metrics(path)) for path in paths]
     rewards = any(r.get("reward") is not None for _, records in runs for r in records)
-    figure, axes = plt.subplots(4 if rewards else 3, 1, figsize=(9, 13 if rewards else 10), sharex=True)
+    ahead = any(r.get("sample/staleness_max") is not None for _, records in runs for r in records)
+    panels = 3 + rewards + ahead
+    figure, axes = plt.subplots(panels, 1, figsize=(9, 3.3 * panels), sharex=True)
     loss_axis, *middle, lr_axis, speed_axis = axes
     for index, (path, records) in enumerate(runs):
         color, label = f"C{index}", _label(path, paths)
@@ -52,11 +55,16 @@ def plot_metrics(paths: list[Path], out: Path) -> Path:
         )
         speed = [r for r in train if r.get("tokens_per_second") is not None]
         speed_axis.plot([r["iter"] for r in speed], [r["tokens_per_second"] for r in speed], color=color)
+        if ahead:
+            _ahead(middle[-1], records, color, label)
     loss_axis.set_ylabel("loss")
     loss_axis.legend(fontsize="small")
     if rewards:
         middle[0].set_ylabel("reward")
         middle[0].legend(fontsize="small")
+    if ahead:
+        middle[-1].set_ylabel("seconds waited / staleness")
+        middle[-1].legend(fontsize="small")
     lr_axis.set_ylabel("learning rate")
     speed_axis.set_ylabel("tokens / s")
     speed_axis.set_xlabel("optimizer step")
@@ -65,6 +73,34 @@ def plot_metrics(paths: list[Path], out: Path) -> Path:
         return atomic_write(out, lambda tmp: figure.savefig(tmp, dpi=100))
     finally:
         plt.close(figure)
+
+
+def _ahead(axis: Any, records: list[dict[str, Any]], color: str, label: str) -> None:
+    """Generation ahead of training: the batches' staleness, the trainer's wait for generation (solid) and
+    the generator's wait for weights (dotted)."""
+    steps = [r for r in records if r.get("sample/staleness_max") is not None]
+    x = [r["iter"] for r in steps]
+    axis.step(
+        x,
+        [r["sample/staleness_max"] for r in steps],
+        where="post",
+        color=color,
+        alpha=0.4,
+        label=f"{label} staleness",
+    )
+    axis.plot(
+        x,
+        [r.get("time_waiting_generation", 0.0) for r in steps],
+        color=color,
+        label=f"{label} trainer waited",
+    )
+    axis.plot(
+        x,
+        [r.get("time_waiting_weights", 0.0) for r in steps],
+        ":",
+        color=color,
+        label=f"{label} generator waited",
+    )
 
 
 def _curve(axis: Any, records: list[dict[str, Any]], key: str, held_out: str, color: str, label: str) -> None:

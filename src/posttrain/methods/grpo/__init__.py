@@ -23,6 +23,7 @@ from posttrain.methods.grpo.method import STATE_KEY, GRPOMethod, policy_loss
 from posttrain.models.token_logps import token_logps
 from posttrain.plan import BatchSizes
 from posttrain.rollout.agent import agent_report
+from posttrain.rollout.ahead import ahead_lines
 from posttrain.rollout.feed import OnlineSteps
 from posttrain.rollout.scorer import Scorer
 from posttrain.training.extras import COUNT
@@ -104,6 +105,7 @@ def grpo_report(flight: DataPlan) -> list[str]:
         f"prompts: {len(lengths)}, {int(lengths.min())} to {int(lengths.max())} tokens (mean {lengths.mean():.1f})"
         + (limit if config.data.max_prompt_length else "")
         + cut,
+        *ahead_lines(config, sizes.micro_batch_size * sizes.gradient_accumulation_steps),
         *agent_report(flight),
     ]
 

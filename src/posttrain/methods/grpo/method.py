@@ -93,7 +93,9 @@ class GRPOMethod(OnlineMethod):
         if statistics is not None:
             records = sampling_records(all_gather_rows(statistics[None], self.ctx.dist))
             feed.metrics.latest.update(records)
-            line = engine_mismatch(records, self.config.model.dtype)
+            line = (
+                engine_mismatch(records, self.config.model.dtype) if not feed.lag else ""
+            )  # lag: off-policy
             if line and not self.mismatch_said:
                 say(line)
                 self.mismatch_said = True

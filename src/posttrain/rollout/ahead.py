@@ -1,0 +1,257 @@
+"""Generation ahead of training (``max_staleness``, ``weight_sync_steps``): the vLLM server generates the next
+batches while the trainer trains, and the run stays exact.
+
+Batches are counted over the whole run (k = 0, 1, ...). Batch k is generated from the weights after
+``weights_version(k) = (max(0, k - N) // W) * W`` trained batches (N: ``max_staleness``, W:
+``weight_sync_steps``), always, whatever the timing: when the trainer reaches a version (k batches trained, k a
+multiple of W), it waits for the generations in flight to end (the weights never change under a request),
+pushes its weights, and hands the server every batch that version is for; then it trains while they generate.
+Each completion is drawn from its own key (``generation.completion_key``), so a batch's completions depend
+only on the weights it was generated from: the run is a function of its config, on any number of processes.
+With N = 1 this is the one-step-off overlap (a batch trains while the next is generated).
+
+The generations run on one background thread per process (HTTP requests, tools, environments: nothing that
+takes part in a collective or touches the training weights); scoring, the micro-batches and every collective
+stay on the training thread when the batch is trained. A resumable checkpoint waits for the batches in flight
+and saves their completions (``Ahead.saved``), so a resumed run trains on exactly what it would have.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.errors import UserError
+from posttrain.rollout.generation import Completions, Sampling
+
+#: where a process's batches generated ahead are kept in the loop state (saved with resumable checkpoints)
+STATE_KEY = "ahead"
+
+
+def weights_version(batch: int, staleness: int, every: int) -> int:
+    """The trained batches whose weights batch ``batch`` is generated from (see the module docstring)."""
+    return max(0, batch - staleness) // every * every
+
+
+class Pinned:
+    """A generation backend's view for the background thread: it samples from the weights the engine holds and
+    never pushes (the training thread pushes, between batches)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend, self.name = backend, backend.name
+
+    def generate(
+        self,
+        module: torch.nn.Module,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling,
+        keys: list[int] | None,
+        logprobs: bool = False,
+    ) -> Completions:
+        completions: Completions = self.backend.sample(prompts, sampling, keys, logprobs)
+        return completions
+
+    def mark_stale(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class InFlight:
+    """A batch generated ahead: the weights it comes from and its completions (this process's slots)."""
+
+    version: int
+    future: Future[Completions]
+
+
+class Ahead:
+    """One process's batches generated ahead (see the module docstring). ``generate(k, backend)``: this
+    process's completions of batch k from ``backend``; ``push()``: the training weights to the engine (every
+    process takes part); ``total``: the run's generated batches."""
+
+    def __init__(
+        self,
+        generate: Callable[[int, Any], Completions],
+        backend: Any,
+        push: Callable[[], None],
+        staleness: int,
+        every: int,
+        total: int,
+        world_size: int,
+        background: bool = True,
+    ) -> None:
+        self.generate, self.push, self.pinned = generate, push, Pinned(backend)
+        self.staleness, self.every, self.total, self.world_size = staleness, every, total, world_size
+        self.pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-ahead") if background else None
+        )
+        self.pending: dict[int, InFlight] = {}
+        self.launched = -1  # the last batch handed to the engine
+        self.engine_version: int | None = None  # the trained batches whose weights the engine holds
+        self.waited = 0.0  # the trainer's wait for generations, since the last batch was taken
+        self.idle_since: float | None = None  # when the generator last ran out of work
+        self.idle = 0.0  # the generator's wait for weights, since the last batch was taken
+
+    def version(self, batch: int) -> int:
+        return weights_version(batch, self.staleness, self.every)
+
+    # ------------------------------------------------------------------------------- the training thread
+
+    def advance(self, trained: int) -> None:
+        """``trained`` batches are trained: when that is a version some batches are generated from, wait for the
+        generations in flight, push the weights and hand the engine those batches."""
+        first = self.launched + 1
+        due = [k for k in range(first, self.total) if self.version(k) == trained]
+        due = due[: next((i for i, k in enumerate(due) if k != first + i), len(due))]  # in order, no gap
+        if not due:
+            return
+        if self.engine_version != trained:
+            self.settle()
+            self.push()
+            self.engine_version = trained
+        for batch in due:
+            self.pending[batch] = InFlight(trained, self._submit(batch))
+            self.launched = batch
+
+    def _submit(self, batch: int) -> Future[Completions]:
+        """Batch ``batch`` to generate: on the background thread (a server), or when it is taken (an engine in
+        this process, which the training thread must not share)."""
+        if self.pool is not None:
+            return self.pool.submit(self._run, batch)
+        return Deferred(lambda: self._run(batch))
+
+    def take(self, batch: int) -> tuple[Completions, int]:
+        """Batch ``batch``'s completions (waiting for them when they are not ready) and the weights' version
+        they come from."""
+        found = self.pending.pop(batch, None)
+        if found is None:
+            raise UserError(
+                f"generated batch {batch} was neither generated ahead nor saved in the checkpoint this run resumed "
+                "from; resume from the checkpoint with max_staleness and weight_sync_steps as they were"
+            )
+        started = time.perf_counter()
+        completions = found.future.result()
+        self.waited += time.perf_counter() - started
+        return completions, found.version
+
+    def records(self, batch: int, version: int) -> dict[str, float]:
+        """The step's records of generating ahead (TRL's ``sample/staleness_*``: batches, here the same for
+        every completion of the batch; the trainer's and the generator's waits in seconds)."""
+        out = {
+            "sample/staleness_mean": float(batch - version),
+            "sample/staleness_max": float(batch - version),
+            "time_waiting_generation": self.waited,
+            "time_waiting_weights": self.idle,
+        }
+        self.waited = self.idle = 0.0
+        return out
+
+    def settle(self) -> None:
+        """Wait until no generation is in flight (before the weights change, or an evaluation generates)."""
+        started = time.perf_counter()
+        for found in self.pending.values():
+            found.future.result()
+        self.waited += time.perf_counter() - started
+
+    def forget_weights(self) -> None:
+        """The engine was given other weights (an evaluation's): the next version is pushed again."""
+        self.engine_version = None
+
+    # ---------------------------------------------------------------------------------- resumable state
+
+    def saved(self) -> SavedAhead:
+        """What a resumable checkpoint keeps of this process's batches in flight (it waits for them)."""
+        return SavedAhead(self)
+
+    def restore(self, saved: dict[str, Any] | None) -> None:
+        """The batches a resumed run finds generated ahead in its checkpoint."""
+        if not saved or not saved.get("batches"):
+            return
+        if saved["world_size"] != self.world_size:
+            raise UserError(
+                f"the checkpoint holds batches generated ahead by {saved['world_size']} processes (max_staleness); "
+                f"resume with {saved['world_size']} processes, or from a checkpoint written with max_staleness: 0"
+            )
+        for batch, (version, completions) in sorted(saved["batches"].items()):
+            done: Future[Completions] = Future()
+            done.set_result(completions)
+            self.pending[batch] = InFlight(version, done)
+            self.launched = max(self.launched, batch)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---------------------------------------------------------------------------------- the background
+
+    def _run(self, batch: int) -> Completions:
+        if self.idle_since is not None:
+            self.idle += time.perf_counter() - self.idle_since
+        try:
+            return self.generate(batch, self.pinned)
+        finally:
+            self.idle_since = time.perf_counter()
+
+
+class Deferred(Future):  # type: ignore[type-arg]
+    """A generation run on the training thread when its result is first asked for."""
+
+    def __init__(self, work: Callable[[], Completions]) -> None:
+        super().__init__()
+        self.work: Callable[[], Completions] | None = work
+
+    def result(self, timeout: float | None = None) -> Completions:
+        if self.work is not None:
+            work, self.work = self.work, None
+            try:
+                self.set_result(work())
+            except BaseException as exc:
+                self.set_exception(exc)
+        return super().result(timeout)
+
+
+class SavedAhead:
+    """Pickled into a checkpoint as a plain dict of the batches in flight (waiting for them first):
+    ``{"world_size": W, "batches": {k: (version, completions)}}``."""
+
+    def __init__(self, ahead: Ahead) -> None:
+        self.ahead = ahead
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        ahead = self.ahead
+        batches = {k: (f.version, f.future.result()) for k, f in sorted(ahead.pending.items())}
+        for completions in (c for _, c in batches.values()):
+            for environment in completions.environments or []:
+                try:
+                    pickle.dumps(environment)
+                except Exception as exc:
+                    raise UserError(
+                        f"a resumable checkpoint saves the batches generated ahead (max_staleness) with their "
+                        f"environments, and {type(environment).__name__} cannot be pickled ({exc}); make it "
+                        "picklable, or save checkpoints with max_staleness: 0"
+                    ) from None
+        return (dict, ({"world_size": ahead.world_size, "batches": batches},))
+
+
+def ahead_lines(config: Any, completions_per_process: int) -> list[str]:
+    """The pre-flight report's line for a run that generates ahead (none otherwise)."""
+    if not config.generates_ahead:
+        return []
+    staleness, every = config.max_staleness, config.weight_sync_steps
+    in_flight = staleness + every - 1
+    tokens = completions_per_process * config.max_completion_length * in_flight
+    return [
+        f"generation ahead: batch k from the weights after ({f'max(0, k - {staleness})' if staleness else 'k'}"
+        f"{f' // {every}) * {every}' if every > 1 else ')'} trained batches (exact, whatever the timing); up to "
+        f"{in_flight} batch(es) in flight, their completions in this process's memory: at most "
+        f"{completions_per_process * in_flight} completions of {config.max_completion_length} tokens "
+        f"(about {tokens * 8 / 2**20:.1f} MiB of token ids and log-probabilities)"
+    ]

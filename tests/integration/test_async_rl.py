@@ -1,0 +1,124 @@
+"""Generation ahead of training on vLLM's CPU build (``make test-vllm``): a ``posttrain vllm-serve`` server
+generates the next batches while the trainer trains (``max_staleness``), and the run stays exact: the same
+records on every run, after a SIGKILL and ``auto_resume``, and on two trainer processes; ``max_staleness: 0``
+is the synchronous run; each batch comes from the weights the rule names (``policy_version``)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from posttrain.rollout.vllm_engine import free_port
+from posttrain.testing.served import vllm_server
+from tests.grpo_helpers import DIGITS, write_prompts
+from tests.resume_helpers import assert_same_continuation, cli, kill_and_resume, last_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One server for every run of the module (each run pushes its own weights before it generates)."""
+    from posttrain.tiny_model import write_tiny_model
+
+    root = tmp_path_factory.mktemp("async")
+    (root / "digits.py").write_text(DIGITS)
+    model = write_tiny_model(root / "model", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2)
+    config: dict[str, Any] = {
+        "type": "grpo",
+        "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": True},
+        "data": {
+            "sources": [str(write_prompts(root / "train.jsonl", 64))],
+            "max_length": 96,
+            "dl_num_workers": 0,
+        },
+        "rewards": [f"{root / 'digits.py'}:digit_share"],
+        "num_generations": 8,
+        "max_completion_length": 16,
+        "micro_batch_size": 16,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 3e-3},
+        "scheduler": {"name": "constant", "warmup_ratio": 0},
+        "loss_log_interval": 1,
+        "completions_log_interval": 1,
+        "train_iters": STEPS,
+        "use_vllm": True,
+        "vllm_mode": "server",
+        "vllm_server_host": "127.0.0.1",
+        "vllm_server_port": free_port(),
+        "max_staleness": 1,
+    }
+    path = root / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with vllm_server(path, root / "server.log", config["vllm_server_port"]):
+        yield {"root": root, "config": config}
+
+
+def _run(served: dict[str, Any], out: Path, nproc: int = 1, **changes: Any) -> dict[int, dict[str, Any]]:
+    config = copy.deepcopy(served["config"])
+    config.update(logger={"output_dir": str(out)}, **changes)
+    done = cli(config, out.with_suffix(".yaml"), nproc)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return last_metrics(out)
+
+
+def _versions(out: Path) -> dict[int, set[int]]:
+    lines = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    found: dict[int, set[int]] = {}
+    for line in lines:
+        found.setdefault(line["generation"], set()).add(line["policy_version"])
+    return found
+
+
+def test_a_lag_is_exact_and_visible(served: dict[str, Any], tmp_path: Path) -> None:
+    """Two runs with max_staleness 1 give the same records; batch k comes from the weights after k - 1
+    batches; the staleness and both waits are in every step's record; max_staleness 0 is the run without the
+    key, and the lag changes the numbers from the second batch on."""
+    one = _run(served, tmp_path / "one")
+    again = _run(served, tmp_path / "again")
+    for step in range(1, STEPS + 1):
+        assert one[step]["reward"] == again[step]["reward"], step
+        assert one[step]["loss"] == again[step]["loss"], step
+        assert one[step]["sample/staleness_max"] == min(step - 1, 1), step
+        assert one[step]["time_waiting_generation"] >= 0 and one[step]["time_waiting_weights"] >= 0
+    assert _versions(tmp_path / "one") == {k: {max(0, k - 1)} for k in range(STEPS)}
+    synchronous = _run(served, tmp_path / "sync", max_staleness=0)
+    config = copy.deepcopy(served["config"])
+    del config["max_staleness"]
+    config.update(logger={"output_dir": str(tmp_path / "plain")})
+    assert cli(config, tmp_path / "plain.yaml").returncode == 0
+    plain = last_metrics(tmp_path / "plain")
+    for step in range(1, STEPS + 1):
+        assert synchronous[step]["reward"] == plain[step]["reward"], step
+        assert "sample/staleness_max" not in synchronous[step]
+    assert one[1]["reward"] == plain[1]["reward"] and one[2]["reward"] != plain[2]["reward"]
+
+
+def test_resumed_and_two_processes_give_the_same_records(served: dict[str, Any], tmp_path: Path) -> None:
+    """SIGKILLed after a checkpoint (the batch generated ahead saved in it) and resumed: the uninterrupted
+    records; two trainer processes (each generating its own slots ahead): the one-process records."""
+    results = kill_and_resume(served["config"], tmp_path, nproc=1, kill_at=3, total=STEPS)
+    assert_same_continuation(results, 3, STEPS)
+    for step in range(4, STEPS + 1):
+        assert results["resumed_metrics"][step]["reward"] == results["reference_metrics"][step]["reward"], (
+            step
+        )
+    two = _run(served, tmp_path / "two", nproc=2, micro_batch_size=8)
+    one = results["reference_metrics"]
+    for step in range(1, STEPS + 1):
+        assert two[step]["reward"] == one[step]["reward"], step
+        assert two[step]["loss"] == pytest.approx(one[step]["loss"], abs=1e-6), step
+
+
+def test_a_longer_lag_and_weights_synced_every_other_batch(served: dict[str, Any], tmp_path: Path) -> None:
+    """max_staleness 2 with weight_sync_steps 2: batch k from the weights after (max(0, k - 2) // 2) * 2
+    batches, as the pre-flight report says."""
+    _run(served, tmp_path / "lag2", max_staleness=2, weight_sync_steps=2)
+    assert _versions(tmp_path / "lag2") == {k: {max(0, k - 2) // 2 * 2} for k in range(STEPS)}

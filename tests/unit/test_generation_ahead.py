@@ -1,0 +1,133 @@
+"""Generation ahead of training on its own (``rollout/ahead.py``): the keys' checks, the rule saying which
+weights each batch comes from, the order in which batches are handed to the engine and the weights pushed,
+and the off-policy correction of a known lag computed by hand on a real update of the tiny model."""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from posttrain.config import load_config
+from posttrain.config.errors import ConfigError
+from posttrain.rollout.ahead import Ahead, weights_version
+from posttrain.rollout.generation import Completions
+
+
+def _grpo(tmp_path: Path, **changes: object) -> dict:
+    return {
+        "type": "grpo",
+        "model": {"name_or_path": "m"},
+        "data": {"sources": [str(tmp_path / "p.jsonl")]},
+        "rewards": [{"type": "exact_match"}],
+        **changes,
+    }
+
+
+def test_the_keys_are_checked(tmp_path: Path) -> None:
+    for changes, said in (
+        ({"max_staleness": 1}, "max_staleness: 1 with use_vllm: false"),
+        ({"max_staleness": 2, "use_vllm": True}, "max_staleness: 2 with vllm_mode: colocate"),
+        ({"weight_sync_steps": 2}, "weight_sync_steps: 2 with use_vllm: false"),
+        (
+            {
+                "max_staleness": 1,
+                "use_vllm": True,
+                "vllm_mode": "server",
+                "vllm_importance_sampling_correction": False,
+            },
+            "vllm_importance_sampling_correction: false with max_staleness: 1",
+        ),
+        ({"max_staleness": -1}, "max_staleness"),
+    ):
+        with pytest.raises(ConfigError) as found:
+            load_config(data=_grpo(tmp_path, **changes))
+        assert said in str(found.value), str(found.value)
+    config = load_config(data=_grpo(tmp_path, max_staleness=1, use_vllm=True, vllm_mode="server"))
+    assert config.generates_ahead and not load_config(data=_grpo(tmp_path)).generates_ahead
+
+
+def test_which_weights_each_batch_comes_from() -> None:
+    assert [weights_version(k, 0, 1) for k in range(5)] == [0, 1, 2, 3, 4]  # the synchronous run
+    assert [weights_version(k, 1, 1) for k in range(5)] == [0, 0, 1, 2, 3]  # one batch behind
+    assert [weights_version(k, 2, 1) for k in range(6)] == [0, 0, 0, 1, 2, 3]
+    assert [weights_version(k, 0, 3) for k in range(7)] == [0, 0, 0, 3, 3, 3, 6]  # weight_sync_steps 3
+    assert [weights_version(k, 1, 2) for k in range(7)] == [0, 0, 0, 2, 2, 4, 4]
+
+
+@pytest.mark.parametrize(("staleness", "every", "background"), [(1, 1, True), (2, 1, True), (1, 2, False)])
+def test_batches_are_handed_over_after_their_weights_and_never_under_a_push(
+    staleness: int, every: int, background: bool
+) -> None:
+    """Trained as the feed trains (advance to k, take batch k): each batch is generated from the weights
+    the rule names, a push waits until no generation is in flight, and every batch is generated once."""
+    trained = [0]  # the weights the engine holds: the trained batches at the last push
+    held: list[int] = []
+    running = threading.Event()
+    log: list[tuple[str, int]] = []
+
+    def generate(batch: int, backend: object) -> Completions:
+        running.set()
+        log.append(("generate", batch))
+        held.append(trained[0])
+        running.clear()
+        return Completions([[batch]], [False])
+
+    def push() -> None:
+        assert not running.is_set(), "a push while a generation ran"
+        log.append(("push", now[0]))
+        trained[0] = now[0]
+
+    now = [0]
+    engine = SimpleNamespace(name="engine")  # generate() above stands for its sampling
+    ahead = Ahead(generate, engine, push, staleness, every, total=9, world_size=1, background=background)
+    for batch in range(9):
+        now[0] = batch
+        ahead.advance(batch)
+        completions, version = ahead.take(batch)
+        assert completions.ids == [[batch]] and version == weights_version(batch, staleness, every)
+    ahead.close()
+    generated = [b for kind, b in log if kind == "generate"]
+    assert sorted(generated) == list(range(9))
+    assert held == [weights_version(b, staleness, every) for b in generated]
+    assert [b for kind, b in log if kind == "push"] == sorted(
+        {weights_version(b, staleness, every) for b in range(9)}
+    )
+
+
+def test_a_known_lag_is_corrected_by_the_engines_log_probabilities(tiny_model_dir: Path) -> None:
+    """The engine sampled from the weights before an update (a lag of one); the trainer's log-probabilities
+    are the weights after it. The correction's weights are min(exp(l_new - l_engine), C) per token, computed by
+    hand here on a real SGD step of the tiny model: not 1, so the lag is corrected, not ignored."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.methods.grpo.losses import SamplingCorrection, sampling_weights
+    from posttrain.models.token_logps import token_logps
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 23, 42, 8, 99, 3], [7, 7, 19, 64, 2, 11, 5]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    batch["labels"][:, :3] = -100  # the prompt
+    from posttrain.data.samples import target_labels
+
+    mask = (target_labels(batch) != -100).float()
+    with torch.no_grad():
+        engine = token_logps(model, batch)[0]  # the weights the batch was generated from
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss = -(token_logps(model, batch)[0] * mask).sum()
+    loss.backward()
+    optimizer.step()
+    with torch.no_grad():
+        trainer = token_logps(model, batch)[0]  # one update later
+    correction = SamplingCorrection("token_truncate", None, 3.0)
+    weights = sampling_weights(correction, trainer, engine, mask)
+    for row in range(2):
+        for position in range(mask.shape[1]):
+            if mask[row, position]:
+                expected = min(math.exp(float(trainer[row, position] - engine[row, position])), 3.0)
+                assert float(weights[row, position]) == pytest.approx(expected, rel=1e-6)
+    assert float((weights[mask.bool()] - 1).abs().max()) > 1e-3  # the lag shows
