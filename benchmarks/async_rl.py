@@ -3,14 +3,13 @@ its own cores and the trainer on the others, synchronous against ``max_staleness
 synchronous layout on all the cores (vLLM colocated in the trainer, and transformers' ``generate``), measured in
 one run.
 
-    .venv-vllm/bin/python benchmarks/async_rl.py [--steps 14] [--lags 1,2] [--json out.json]
+    .venv-vllm/bin/python benchmarks/async_rl.py [--steps 14] [--completion 64] [--lags 1,2] [--json out.json]
 
 Needs vLLM (its CPU build here: ``make vllm-env`` makes ``.venv-vllm``). The work: a random LLaMA written locally
-(hidden 256, 4 layers, 4 heads of 64, vocabulary 8,192), float32; 8 prompts ``reverse <digits>`` per step, 8
-completions each (64, micro-batch 32 x accumulation 2), completions of up to 48 tokens at temperature 1, the
-share of digit characters as the reward, AdamW at a constant lr 1e-5, loss ``dapo`` with TRL's
-importance-sampling correction (on, its default). At this size one step's generation and its training take
-about the same time on one core each of this 2-core CPU, the case the overlap is for.
+(hidden 128, 4 layers, 4 heads of 32, vocabulary 4,096), float32; 8 prompts ``reverse <digits>`` per step, 8
+completions each (64, micro-batch 32 x accumulation 2), completions of ``--completion`` tokens (64; a random
+model never stops early) at temperature 1, the share of digit characters as the reward, AdamW at a constant lr
+1e-5, loss ``dapo`` with TRL's importance-sampling correction (on, its default).
 
 The split: the server's threads on the first half of the cores (``--cores``), the trainer on the rest
 (``taskset`` and as many torch threads). One server serves every split run: each run pushes its weights before
@@ -42,8 +41,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-SHAPE = {"hidden_size": 256, "layers": 4, "heads": 4, "vocab_size": 8192}
-GROUP, PROMPTS_PER_STEP, MICRO, ACCUMULATION, COMPLETION, LR = 8, 8, 32, 2, 48, 1e-5
+SHAPE = {"hidden_size": 128, "layers": 4, "heads": 4, "vocab_size": 4096}
+GROUP, PROMPTS_PER_STEP, MICRO, ACCUMULATION, LR = 8, 8, 32, 2, 1e-5
 WARMUP = 2  # steps left out of the step time: compilation, first pushes, the pipeline filling
 
 REWARD = """
@@ -59,7 +58,7 @@ def environment(threads: int) -> dict[str, str]:
     return env
 
 
-def write_inputs(work: Path, steps: int) -> dict[str, Any]:
+def write_inputs(work: Path, steps: int, completion: int) -> dict[str, Any]:
     """The model, the prompts and the reward file, and the run's config (without its layout)."""
     from posttrain.tiny_model import write_tiny_model
 
@@ -77,7 +76,7 @@ def write_inputs(work: Path, steps: int) -> dict[str, Any]:
         "data": {"sources": [str(prompts)], "max_length": 80, "dl_num_workers": 0},
         "rewards": [f"{work / 'reward.py'}:digit_share"],
         "num_generations": GROUP,
-        "max_completion_length": COMPLETION,
+        "max_completion_length": completion,
         "temperature": 1.0,
         "beta": 0.0,
         "loss_type": "dapo",
@@ -141,6 +140,7 @@ def main() -> None:
     parser.add_argument(
         "--steps", type=int, default=14, help="optimizer steps per run (the first two warm up)"
     )
+    parser.add_argument("--completion", type=int, default=64, help="max_completion_length (tokens)")
     parser.add_argument("--lags", default="1,2", help="the max_staleness values against the synchronous run")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -156,7 +156,7 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="async-rl-") as scratch:
         work = Path(scratch)
-        base = write_inputs(work, args.steps)
+        base = write_inputs(work, args.steps, args.completion)
         split = {**base, "use_vllm": True, "vllm_mode": "server", "vllm_server_host": "127.0.0.1"}
         split["vllm_server_port"] = free_port()
         print(f"server on cores {serving}, trainer on {training}", file=sys.stderr, flush=True)
