@@ -1,4 +1,4 @@
-"""After training: ``chat`` with an export, ``merge`` an adapter into its base; beside a run: ``vllm-serve``,
+"""After training: ``chat`` with an export, ``merge`` an adapter into its base, ``eval`` it with the harness; beside a run: ``vllm-serve``,
 the generation server of online RL's server mode."""
 
 from __future__ import annotations
@@ -56,6 +56,69 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from posttrain.inference.merge import merge_adapter
 
     print(f"wrote {merge_adapter(args.adapter, args.out)}")
+    return 0
+
+
+def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", type=Path, help="an export or any local model directory (a LoRA export too)")
+    parser.add_argument(
+        "--tasks", required=True, help="harness task names, comma-separated (lm-eval ls tasks)"
+    )
+    parser.add_argument("--include-path", type=Path, help="a directory (or file) of local task YAMLs")
+    parser.add_argument("--limit", type=float, help="at most N documents per task (a fraction when < 1)")
+    parser.add_argument("--batch-size", default="1", help="documents per batch, or auto (default 1)")
+    parser.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: the task's)")
+    parser.add_argument(
+        "--backend", default="hf", choices=["hf", "vllm"], help="transformers, or vLLM where it is installed"
+    )
+    parser.add_argument(
+        "--apply-chat-template", action="store_true", help="render prompts with the model's chat template"
+    )
+    parser.add_argument("--device", help="cpu, cuda, cuda:1... (default: a GPU when there is one)")
+    parser.add_argument(
+        "--output-path", type=Path, help="write the results JSON there (a .json file or a directory)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the harness's results dict, not its table")
+
+
+@command(
+    "eval",
+    "evaluate a model directory with EleutherAI's lm-evaluation-harness (its tasks or local ones)",
+    _eval_arguments,
+    """Run lm-evaluation-harness tasks (lm_eval's own simple_evaluate, so its numbers) on an export or any local
+    model directory; a LoRA export runs on its base. Tasks are checked before the model loads: an unknown name
+    (with the close ones), a local task YAML that does not parse, a Hub dataset on an offline machine (HF_HUB_OFFLINE).
+    The device is a GPU when there is one, else the CPU. Prints the harness's table, or its results dict with
+    --json; --output-path writes the JSON. Needs pip install 'posttrain[eval]'.""",
+)
+def cmd_eval(args: argparse.Namespace) -> int:
+    import sys
+
+    from posttrain.inference.harness import Evaluation, as_json, evaluate, table, write_results
+
+    batch = (
+        args.batch_size
+        if args.batch_size == "auto" or not args.batch_size.isdigit()
+        else int(args.batch_size)
+    )
+    limit = args.limit if args.limit is None or args.limit < 1 else int(args.limit)
+    evaluation = Evaluation(
+        model=args.model,
+        tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
+        include_path=args.include_path,
+        limit=limit,
+        batch_size=batch,
+        num_fewshot=args.num_fewshot,
+        backend=args.backend,
+        apply_chat_template=args.apply_chat_template,
+        device=args.device,
+    )
+    results = evaluate(evaluation)
+    if not results:
+        return 0
+    if args.output_path:
+        print(f"wrote {write_results(results, args.output_path)}", file=sys.stderr)
+    print(as_json(results) if args.json else table(results))
     return 0
 
 

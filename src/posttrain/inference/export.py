@@ -31,11 +31,9 @@ def _device(name: str | None) -> str:
     return name or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_export(path: Path, *, device: str | None = None, merge: bool = False) -> Export:
-    """The model and tokenizer of ``path`` (``dtype="auto"``: as saved), on ``device`` (a GPU when there
-    is one), in eval mode; an adapter is applied to its base, and merged into it with ``merge``."""
-    import torch
-
+def export_parts(path: Path) -> tuple[bool, str]:
+    """Whether ``path`` is an adapter, and the base model it applies to (``path`` itself for a full model);
+    a directory that is neither is one clean line."""
     if not path.is_dir():
         raise UserError(f"{path}: no such export directory (a posttrain export: <output_dir>/final)")
     if not (path / "config.json").is_file() and not is_adapter(path):
@@ -43,15 +41,24 @@ def load_export(path: Path, *, device: str | None = None, merge: bool = False) -
             f"{path}: neither a model (config.json) nor an adapter (adapter_config.json); "
             "point at an export directory such as <checkpoint output_dir>/final"
         )
-    adapter = is_adapter(path)
-    base = str(path)
+    if not is_adapter(path):
+        return False, str(path)
+    base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    if not base:
+        raise UserError(f"{path}/adapter_config.json names no base_model_name_or_path")
+    return True, base
+
+
+def load_export(path: Path, *, device: str | None = None, merge: bool = False) -> Export:
+    """The model and tokenizer of ``path`` (``dtype="auto"``: as saved), on ``device`` (a GPU when there
+    is one), in eval mode; an adapter is applied to its base, and merged into it with ``merge``."""
+    import torch
+
+    adapter, base = export_parts(path)
     if adapter:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
-        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
-        if not base:
-            raise UserError(f"{path}/adapter_config.json names no base_model_name_or_path")
         loaded = load_or_explain(
             "the adapter's base_model_name_or_path",
             base,

@@ -1,0 +1,221 @@
+"""EleutherAI's lm-evaluation-harness (``lm_eval``) on an export or any local model directory, through the
+harness's own Python API (``simple_evaluate``), so the numbers are the harness's: ``posttrain eval``.
+
+What posttrain adds is what a user gets wrong or gets a traceback for: the model directory checked (a LoRA
+export evaluated on its base), the device picked (a CPU-only machine needs it said: the harness's default is
+CUDA), tasks checked before the model loads (an unknown name with the close ones, a local YAML that does not
+parse, a Hub dataset on an offline machine), each a line, and the results written whole."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.errors import UserError
+from posttrain.inference.export import export_parts
+
+#: the ``dataset_path`` values the harness reads from local files (``datasets``' packaged builders)
+LOCAL_BUILDERS = frozenset({"json", "csv", "parquet", "text", "arrow", "pandas"})
+BACKENDS = ("hf", "vllm")
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One harness run: what ``posttrain eval``'s options say."""
+
+    model: Path
+    tasks: tuple[str, ...]
+    include_path: Path | None = None
+    limit: float | None = None
+    batch_size: int | str = 1
+    num_fewshot: int | None = None
+    backend: str = "hf"
+    apply_chat_template: bool = False
+    device: str | None = None
+    gen_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def harness_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+
+
+def _require_harness() -> None:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "posttrain eval needs EleutherAI's lm-evaluation-harness: pip install 'posttrain[eval]'"
+        ) from None
+
+
+def _yaml_problem(path: Path) -> str | None:
+    """Why ``path`` is not a YAML file the harness can read (its ``!function`` tags are accepted), else None."""
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    _Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    try:
+        loaded = yaml.load(path.read_text(), Loader=_Loader)
+    except yaml.YAMLError as error:
+        return " ".join(str(error).split())
+    if not isinstance(loaded, dict):
+        return "not a mapping of task settings"
+    return None
+
+
+def _offline() -> bool:
+    return any(
+        os.environ.get(name, "") in {"1", "true", "TRUE", "yes"}
+        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+
+
+def check(evaluation: Evaluation) -> Any:
+    """Every problem with ``evaluation`` at once (a :class:`UserError`), before any model loads; the harness's
+    task manager for the run."""
+    _require_harness()
+    problems: list[str] = []
+    try:
+        export_parts(evaluation.model)
+    except UserError as error:
+        problems.append(str(error))
+    if evaluation.backend not in BACKENDS:
+        problems.append(f"--backend {evaluation.backend}: one of {', '.join(BACKENDS)}")
+    elif evaluation.backend == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            problems.append(
+                "--backend vllm: vLLM is not installed here (pip install 'posttrain[vllm]'), use hf"
+            )
+    include = evaluation.include_path
+    if include is not None:
+        if not include.exists():
+            problems.append(f"--include-path {include}: no such file or directory")
+        else:
+            for path in sorted([include] if include.is_file() else include.rglob("*.y*ml")):
+                problem = _yaml_problem(path)
+                if problem:
+                    problems.append(f"{path}: not a task YAML the harness can read: {problem}")
+    if problems:
+        raise UserError("cannot evaluate:\n  - " + "\n  - ".join(problems))
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(include) if include else None)
+    known = set(manager.all_tasks)
+    for name in evaluation.tasks:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+            hint = f" (close: {', '.join(close)})" if close else ""
+            where = "" if include else "; a local task needs --include-path DIR"
+            problems.append(f"--tasks {name}: no such harness task{hint}; lm-eval ls tasks lists them{where}")
+            continue
+        entry = manager.task_index[name]
+        source = (entry.cfg or {}).get("dataset_path") if hasattr(entry, "cfg") else None
+        if source and source not in LOCAL_BUILDERS and not Path(source).is_dir() and _offline():
+            problems.append(
+                f"--tasks {name}: its dataset {source} is on the Hugging Face Hub and this machine is offline "
+                "(HF_HUB_OFFLINE/HF_DATASETS_OFFLINE); fetch it where there is a network or use a local task"
+            )
+    if problems:
+        raise UserError("cannot evaluate:\n  - " + "\n  - ".join(problems))
+    return manager
+
+
+def _device(name: str | None) -> str:
+    import torch
+
+    return name or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def model_arguments(evaluation: Evaluation) -> tuple[str, dict[str, Any]]:
+    """The harness's model name and ``model_args`` for the directory: an adapter as its base plus the
+    adapter (``peft`` for transformers, ``lora_local_path`` for vLLM), the tokenizer saved beside it."""
+    adapter, base = export_parts(evaluation.model)
+    path = str(evaluation.model)
+    arguments: dict[str, Any] = {"pretrained": base if adapter else path, "dtype": "auto"}
+    if (evaluation.model / "tokenizer_config.json").is_file():
+        arguments["tokenizer"] = path
+    if adapter:
+        arguments["peft" if evaluation.backend == "hf" else "lora_local_path"] = path
+    if evaluation.backend == "vllm" and adapter:
+        arguments["enable_lora"] = True
+    return evaluation.backend, arguments
+
+
+def _network_error(error: BaseException) -> bool:
+    names = {"ConnectionError", "OfflineModeIsEnabled", "LocalEntryNotFoundError", "MaxRetryError"}
+    while error is not None:
+        if type(error).__name__ in names:
+            return True
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return False
+
+
+def evaluate(evaluation: Evaluation) -> dict[str, Any]:
+    """The harness's results dict for ``evaluation`` (``simple_evaluate``), checked first."""
+    manager = check(evaluation)
+    from lm_eval import simple_evaluate
+
+    name, arguments = model_arguments(evaluation)
+    try:
+        results = simple_evaluate(
+            model=name,
+            model_args=arguments,
+            tasks=list(evaluation.tasks),
+            num_fewshot=evaluation.num_fewshot,
+            batch_size=evaluation.batch_size,
+            device=_device(evaluation.device),
+            limit=evaluation.limit,
+            task_manager=manager,
+            apply_chat_template=evaluation.apply_chat_template,
+            gen_kwargs=evaluation.gen_kwargs or None,
+            log_samples=False,
+        )
+    except Exception as error:
+        if _network_error(error):
+            raise UserError(
+                f"--tasks {','.join(evaluation.tasks)}: a dataset or model had to come from the Hugging Face Hub, "
+                f"which cannot be reached ({type(error).__name__}); fetch it where there is a network or use a "
+                "local task"
+            ) from None
+        raise
+    if results is None:  # not rank 0 of a distributed harness run
+        return {}
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    """The harness's own table of the results (and of its groups)."""
+    from lm_eval.utils import make_table
+
+    text = make_table(results)
+    if results.get("groups"):
+        text += "\n" + make_table(results, "groups")
+    return text
+
+
+def as_json(results: dict[str, Any]) -> str:
+    """The results dict as the harness's command line writes it."""
+    from lm_eval.utils import handle_non_serializable
+
+    return json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False)
+
+
+def write_results(results: dict[str, Any], out: Path) -> Path:
+    """The results JSON at ``out`` (a ``.json`` file, else ``out/results.json``), written whole: a temporary
+    file renamed into place."""
+    target = out if out.suffix == ".json" else out / "results.json"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    partial.write_text(as_json(results))
+    os.replace(partial, target)
+    return target
