@@ -126,3 +126,30 @@ def test_an_adapter_is_evaluated_on_its_base(tmp_path: Path) -> None:
     )
     name, arguments = model_arguments(Evaluation(adapter, ("t",), backend="vllm"))
     assert name == "vllm" and arguments["lora_local_path"] == str(adapter) and arguments["enable_lora"]
+
+
+def test_the_card_shows_each_task_before_and_after_with_the_base_cached(
+    tiny_model_dir: Path, tasks: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
+) -> None:
+    import shutil
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    export = tmp_path / "export"
+    shutil.copytree(tiny_model_dir, export)
+    (export / "README.md").write_text(
+        f"---\nbase_model: {tiny_model_dir}\n---\n\n# fine-tuned\n\n## Use\n\nload it\n"
+    )
+    options = ["--tasks", "reverse_choice", "--include-path", str(tasks), "--limit", "8", "--card"]
+    assert main(["eval", str(export), *options]) == 0
+    assert "from the cache" not in capsys.readouterr().err
+    assert main(["eval", str(export), *options]) == 0  # the base's scores now come from the cache
+    assert "(before: reverse_choice from the cache)" in capsys.readouterr().err
+    card = (export / "README.md").read_text()
+    assert card.count("## Evaluation (lm-evaluation-harness)") == 1 and "## Use\n\nload it" in card
+    assert "lm-evaluation-harness 0.4" in card and "limit 8" in card
+    rows = [line for line in card.splitlines() if line.startswith("| reverse_choice | acc |")]
+    assert len(rows) == 1 and rows[0].split("|")[3] == rows[0].split("|")[4]  # the same weights: equal
+
+    (export / "README.md").write_text("---\nbase_model: org/not-here\n---\n")
+    assert main(["eval", str(export), *options]) == 2
+    assert "the base model org/not-here is not a local directory" in capsys.readouterr().err

@@ -79,6 +79,15 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
         "--output-path", type=Path, help="write the results JSON there (a .json file or a directory)"
     )
     parser.add_argument("--json", action="store_true", help="print the harness's results dict, not its table")
+    parser.add_argument(
+        "--card",
+        action="store_true",
+        help="write each task before training (the base, evaluated once and cached) and after into the "
+        "export's model card",
+    )
+    parser.add_argument(
+        "--base", type=Path, help="the model before training for --card (default: the card's)"
+    )
 
 
 @command(
@@ -89,12 +98,22 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     model directory; a LoRA export runs on its base. Tasks are checked before the model loads: an unknown name
     (with the close ones), a local task YAML that does not parse, a Hub dataset on an offline machine (HF_HUB_OFFLINE).
     The device is a GPU when there is one, else the CPU. Prints the harness's table, or its results dict with
-    --json; --output-path writes the JSON. Needs pip install 'posttrain[eval]'.""",
+    --json; --output-path writes the JSON; --card writes each task before training (the base model, evaluated once
+    and cached by model, task and settings) and after into the export's model card. Needs pip install
+    'posttrain[eval]'.""",
 )
 def cmd_eval(args: argparse.Namespace) -> int:
     import sys
 
-    from posttrain.inference.harness import Evaluation, as_json, evaluate, table, write_results
+    from posttrain.inference.harness import (
+        Evaluation,
+        as_json,
+        before_and_after,
+        evaluate,
+        resolve_base,
+        table,
+        write_results,
+    )
 
     batch = (
         args.batch_size
@@ -113,11 +132,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         apply_chat_template=args.apply_chat_template,
         device=args.device,
     )
+    base = resolve_base(args.model, args.base) if args.card else None
     results = evaluate(evaluation)
     if not results:
         return 0
     if args.output_path:
         print(f"wrote {write_results(results, args.output_path)}", file=sys.stderr)
+    if base is not None:
+        card, cached = before_and_after(evaluation, results, base)
+        reused = f" (before: {', '.join(cached)} from the cache)" if cached else ""
+        print(f"wrote {card}: before training ({base}) and after{reused}", file=sys.stderr)
     print(as_json(results) if args.json else table(results))
     return 0
 

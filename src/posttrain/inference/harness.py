@@ -234,3 +234,162 @@ def write_results(results: dict[str, Any], out: Path) -> Path:
     partial.write_text(as_json(results))
     os.replace(partial, target)
     return target
+
+
+# ------------------------------------------------------------------------------ before/after in the card
+
+CARD_HEADING = "## Evaluation (lm-evaluation-harness)"
+
+
+def card_base(model: Path) -> str | None:
+    """The ``base_model`` of the export's model card (``README.md``'s front matter), if it names one."""
+    import yaml
+
+    card = model / "README.md"
+    if not card.is_file():
+        return None
+    text = card.read_text()
+    if not text.startswith("---\n") or "\n---" not in text[4:]:
+        return None
+    front = yaml.safe_load(text[4 : text.index("\n---", 4)]) or {}
+    base = front.get("base_model") if isinstance(front, dict) else None
+    return str(base) if base else None
+
+
+def _fingerprint(model: Path) -> list[tuple[str, int, int]]:
+    """The weights and config of a model directory by name, size and modification time: a changed file is
+    another model."""
+    names = [p for p in sorted(model.iterdir()) if p.suffix in {".safetensors", ".bin", ".json"}]
+    return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in names]
+
+
+def cache_file(model: Path, evaluation: Evaluation, task: str) -> Path:
+    """Where one task's results on ``model`` with these settings are kept: the key is the model's files,
+    the task (a local task's YAML text too), the settings and the harness's version."""
+    import hashlib
+
+    local = ""
+    if evaluation.include_path is not None and evaluation.include_path.exists():
+        found = [evaluation.include_path] if evaluation.include_path.is_file() else []
+        found += sorted(evaluation.include_path.rglob("*.y*ml")) if evaluation.include_path.is_dir() else []
+        local = "".join(p.read_text() for p in found)
+    key = json.dumps(
+        [
+            str(model.resolve()),
+            _fingerprint(model),
+            task,
+            local,
+            evaluation.limit,
+            evaluation.num_fewshot,
+            evaluation.apply_chat_template,
+            evaluation.backend,
+            harness_version(),
+        ],
+        default=str,
+    )
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "posttrain" / "harness"
+    return root / f"{task}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _write_whole(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def scores_before(base: Path, evaluation: Evaluation) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Each task's results on ``base`` (the model before training), from the cache where it has them, the
+    others evaluated in one harness run and cached; and the tasks that came from the cache."""
+    found: dict[str, dict[str, Any]] = {}
+    for task in evaluation.tasks:
+        path = cache_file(base, evaluation, task)
+        if path.is_file():
+            found[task] = json.loads(path.read_text())
+    cached = list(found)
+    missing = tuple(t for t in evaluation.tasks if t not in found)
+    if missing:
+        from dataclasses import replace
+
+        results = evaluate(replace(evaluation, model=base, tasks=missing)).get("results", {})
+        for task in missing:
+            found[task] = results.get(task, {})
+            _write_whole(cache_file(base, evaluation, task), as_json(found[task]))
+    return found, cached
+
+
+def _metrics(task_results: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: value
+        for key, value in task_results.items()
+        if "," in key and "_stderr" not in key and isinstance(value, (int, float))
+    }
+
+
+def card_section(
+    before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]], evaluation: Evaluation
+) -> str:
+    """The card's evaluation section: each task's metrics before and after training, with the settings."""
+    lines = [
+        CARD_HEADING,
+        "",
+        f"lm-evaluation-harness {harness_version()}, backend {evaluation.backend}, few-shot "
+        f"{evaluation.num_fewshot if evaluation.num_fewshot is not None else 'as the task says'}, limit "
+        f"{evaluation.limit or 'none'}, chat template {'on' if evaluation.apply_chat_template else 'off'} "
+        "(`posttrain eval --card`).",
+        "",
+        "| task | metric | before training | after |",
+        "|---|---|---|---|",
+    ]
+    for task in evaluation.tasks:
+        now = _metrics(after.get(task, {}))
+        then = _metrics(before.get(task, {}))
+        for key in now:
+            metric = key.replace(",none", "").replace(",", " (") + (")" if ",none" not in key else "")
+            earlier = then.get(key)
+            shown = f"{earlier:.4g}" if isinstance(earlier, (int, float)) else "-"
+            lines.append(f"| {task} | {metric} | {shown} | {now[key]:.4g} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_card(model: Path, section: str) -> Path:
+    """The export's ``README.md`` with ``section`` in place of an earlier one (or appended), written whole."""
+    card = model / "README.md"
+    text = card.read_text() if card.is_file() else ""
+    if CARD_HEADING in text:
+        start = text.index(CARD_HEADING)
+        following = text.find("\n## ", start + len(CARD_HEADING))
+        text = text[:start] + section + (text[following + 1 :] if following != -1 else "")
+    else:
+        text = text.rstrip("\n") + ("\n\n" if text else "") + section
+    _write_whole(card, text)
+    return card
+
+
+def resolve_base(model: Path, base: Path | None) -> Path:
+    """The model before training: ``base`` when given, else the base its card (or its adapter) names, which
+    must be a local model directory."""
+    named = str(base) if base is not None else card_base(model)
+    if named is None:
+        adapter, adapter_base = export_parts(model)
+        named = adapter_base if adapter else None
+    if named is None:
+        raise UserError(
+            f"--card: {model}/README.md names no base_model; pass --base DIR (the model before training)"
+        )
+    path = Path(named)
+    if not path.is_dir():
+        raise UserError(
+            f"--card: the base model {named} is not a local directory (this machine evaluates local models); "
+            "pass --base DIR"
+        )
+    export_parts(path)
+    return path
+
+
+def before_and_after(evaluation: Evaluation, after: dict[str, Any], base: Path) -> tuple[Path, list[str]]:
+    """The export's card with each task before training (``base``, cached) and after (``after``); the card's
+    path and the tasks whose before-scores came from the cache."""
+    before, cached = scores_before(base, evaluation)
+    section = card_section(before, after.get("results", {}), evaluation)
+    return write_card(evaluation.model, section), cached
