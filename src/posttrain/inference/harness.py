@@ -93,6 +93,8 @@ def check(evaluation: Evaluation) -> Any:
     task manager for the run."""
     _require_harness()
     problems: list[str] = []
+    if not evaluation.tasks:
+        problems.append("--tasks: name at least one harness task (lm-eval ls tasks lists them)")
     try:
         export_parts(evaluation.model)
     except UserError as error:
