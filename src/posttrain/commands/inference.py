@@ -105,44 +105,20 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     import sys
 
-    from posttrain.inference.harness import (
-        Evaluation,
-        as_json,
-        before_and_after,
-        evaluate,
-        resolve_base,
-        table,
-        write_results,
-    )
+    from posttrain.inference import harness
 
-    batch = (
-        args.batch_size
-        if args.batch_size == "auto" or not args.batch_size.isdigit()
-        else int(args.batch_size)
-    )
-    limit = args.limit if args.limit is None or args.limit < 1 else int(args.limit)
-    evaluation = Evaluation(
-        model=args.model,
-        tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
-        include_path=args.include_path,
-        limit=limit,
-        batch_size=batch,
-        num_fewshot=args.num_fewshot,
-        backend=args.backend,
-        apply_chat_template=args.apply_chat_template,
-        device=args.device,
-    )
-    base = resolve_base(args.model, args.base) if args.card else None
-    results = evaluate(evaluation)
+    evaluation = harness.evaluation_of(args)
+    base = harness.resolve_base(args.model, args.base) if args.card else None
+    results = harness.evaluate(evaluation)
     if not results:
         return 0
     if args.output_path:
-        print(f"wrote {write_results(results, args.output_path)}", file=sys.stderr)
+        print(f"wrote {harness.write_results(results, args.output_path)}", file=sys.stderr)
     if base is not None:
-        card, cached = before_and_after(evaluation, results, base)
+        card, cached = harness.before_and_after(evaluation, results, base)
         reused = f" (before: {', '.join(cached)} from the cache)" if cached else ""
         print(f"wrote {card}: before training ({base}) and after{reused}", file=sys.stderr)
-    print(as_json(results) if args.json else table(results))
+    print(harness.as_json(results) if args.json else harness.table(results))
     return 0
 
 

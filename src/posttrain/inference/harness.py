@@ -39,6 +39,24 @@ class Evaluation:
     gen_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+def evaluation_of(options: Any) -> Evaluation:
+    """The evaluation ``posttrain eval``'s options describe, in the harness's own forms: a batch size as a
+    number or ``auto``, a limit as a count (>= 1) or a share of each task (< 1)."""
+    batch = options.batch_size
+    limit = options.limit
+    return Evaluation(
+        model=options.model,
+        tasks=tuple(t.strip() for t in options.tasks.split(",") if t.strip()),
+        include_path=options.include_path,
+        limit=limit if limit is None or limit < 1 else int(limit),
+        batch_size=int(batch) if str(batch).isdigit() else batch,
+        num_fewshot=options.num_fewshot,
+        backend=options.backend,
+        apply_chat_template=options.apply_chat_template,
+        device=options.device,
+    )
+
+
 def harness_version() -> str:
     from importlib.metadata import version
 
