@@ -40,16 +40,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # grpo_step beside this script
 
 SHAPE = {"hidden_size": 128, "layers": 4, "heads": 4, "vocab_size": 4096}
 GROUP, PROMPTS_PER_STEP, MICRO, ACCUMULATION, LR = 8, 8, 32, 2, 1e-5
 WARMUP = 2  # steps left out of the step time: compilation, first pushes, the pipeline filling
-
-REWARD = """
-def digit_share(completions, **kwargs):
-    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
-    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
-"""
 
 
 def environment(threads: int) -> dict[str, str]:
@@ -69,7 +64,9 @@ def write_inputs(work: Path, steps: int, completion: int) -> dict[str, Any]:
         for _ in range(PROMPTS_PER_STEP * (steps + 4)):
             digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 6)))
             out.write(json.dumps({"prompt": [{"role": "user", "content": f"reverse {digits}"}]}) + "\n")
-    (work / "reward.py").write_text(REWARD)
+    from grpo_step import REWARD_FILE  # the same reward as the GRPO step benchmark
+
+    (work / "reward.py").write_text(REWARD_FILE)
     return {
         "type": "grpo",
         "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": True},
