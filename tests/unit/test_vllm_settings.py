@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,7 +35,7 @@ from posttrain.rollout.vllm_server import (
     completion_body,
     completions_from,
     server_command,
-    server_url,
+    server_urls_of,
 )
 
 DIMS = Dimensions(
@@ -169,10 +170,12 @@ def test_the_importance_sampling_correction_is_trls(mode: str, bounds: tuple[Any
 
 def test_the_server_is_started_and_called_with_the_runs_settings() -> None:
     run = config(vllm_mode="server", vllm_server_port=8123)
-    assert server_url(run) == "http://0.0.0.0:8123"
-    assert (
-        server_url(config(vllm_mode="server", vllm_server_base_url="http://gen:9000/")) == "http://gen:9000"
-    )
+    assert server_urls_of(run) == ["http://0.0.0.0:8123"]
+    assert server_urls_of(config(vllm_mode="server", vllm_server_base_url="http://gen:9000/")) == [
+        "http://gen:9000"
+    ]
+    pool = config(vllm_mode="server", vllm_server_base_url=["http://gen:9000", "http://gen2:9000/"])
+    assert server_urls_of(pool) == ["http://gen:9000", "http://gen2:9000"]
     command, env = server_command(cpu(run, where="a server"), "127.0.0.1", 8123)
     line = " ".join(command)
     assert "--model /models/tiny --tokenizer /models/tiny --dtype float32" in line
@@ -299,7 +302,7 @@ class _Misbehaving:
 def test_every_way_a_server_fails_is_one_line_naming_it() -> None:
     import socket
 
-    from posttrain.rollout.vllm_server import ServerClient, ServerError
+    from posttrain.rollout.server_pool import ServerClient, ServerError, ServerPool
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -315,27 +318,26 @@ def test_every_way_a_server_fails_is_one_line_naming_it() -> None:
             client.call("/slow", doing="asking")
         with pytest.raises(ServerError, match="answered HTTP 500"):
             client.call("/boom", {}, doing="pushing")
-        with pytest.raises(
-            UserError, match=r"no vLLM server answered .* within 1 s .* refused|no vLLM server"
-        ):
-            ServerClient(nobody, 1.0).wait_until_up()
+        with pytest.raises(UserError, match=rf"no vLLM server answered at {nobody} within 1 s"):
+            ServerPool([nobody], 1.0, 1.0, 1.0, main=True).start(lambda client: "m")
     finally:
         server.close()
 
 
-def test_a_server_that_dies_during_a_push_stops_the_run_in_one_line(tmp_path: Any) -> None:
-    """The weight push to a server that closes the connection mid-push: one line naming the server and the
-    push (a real push of a real model's weights to a socket that drops it)."""
+def test_a_server_that_dies_during_a_push_and_stays_away_stops_the_run_in_one_line(tmp_path: Any) -> None:
+    """The weight push to a server that closes the connection mid-push: out of the pool; with no other and
+    none back within vllm_server_timeout, one line naming the server, what happened and the command that starts
+    one (a real push of a real model's weights to a socket that drops it)."""
     from types import SimpleNamespace
 
-    from posttrain.rollout.vllm_server import ServerError, VLLMServerBackend
+    from posttrain.rollout.vllm_server import VLLMServerBackend
     from posttrain.tiny_model import build_model
 
     server = _Misbehaving({"/collective_rpc": "reset"})
     server.answers["/v1/models"] = {"data": [{"id": "m", "root": "m", "max_model_len": 4096}]}
     config = SimpleNamespace(
         vllm_server_base_url=server.url,
-        vllm_server_timeout=5.0,
+        vllm_server_timeout=2.0,
         request_timeout=5.0,
         weight_sync_timeout=5.0,
         model=SimpleNamespace(name_or_path="m"),
@@ -343,10 +345,15 @@ def test_a_server_that_dies_during_a_push_stops_the_run_in_one_line(tmp_path: An
     dist = SimpleNamespace(is_main=True, rank=0, world_size=1)
     try:
         backend = VLLMServerBackend(config, build_model(256), [2], dist, needed=64)
-        with pytest.raises(
-            ServerError, match=r"closed the connection .* while taking the new weights \(weight_sync"
-        ):
+        with pytest.raises(UserError) as caught:
             backend.push(build_model(256))
+        line = str(caught.value)
+        assert f"every vLLM server of the run is lost ({server.url} closed the connection" in line
+        assert (
+            "within 2 s (vllm_server_timeout)" in line and "posttrain vllm-serve CONFIG --port PORT" in line
+        )
+        backend.close()
+        assert not list(Path(backend.folder()).glob(f"posttrain-weights-{backend.nonce}-*"))
     finally:
         server.close()
 
@@ -363,3 +370,27 @@ def test_servers_on_one_machine_take_the_cores_they_are_given() -> None:
         parse_cores("a-b")
     with pytest.raises(UserError, match="are not this process's"):
         parse_cores("4096")
+
+
+def test_a_pool_of_servers_is_a_list_of_addresses_each_named_once() -> None:
+    from posttrain.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        config(vllm_mode="server", vllm_server_base_url=["http://gen:9000", "gen2:9000", "http://gen:9000/"])
+    text = str(caught.value)
+    assert (
+        "vllm_server_base_url" in text
+        and "'gen2:9000' is not an address (write it as http://host:port)" in text
+    )
+    assert "http://gen:9000 named twice: each server of a pool once" in text
+    with pytest.raises(ConfigError, match="an empty list: name one server or more"):
+        config(vllm_mode="server", vllm_server_base_url=[])
+
+
+def test_vllm_serve_listens_on_the_port_of_the_runs_address() -> None:
+    from posttrain.rollout.vllm_server import serve_port
+
+    assert serve_port(config(vllm_mode="server", vllm_server_port=8123)) == 8123
+    assert serve_port(config(vllm_mode="server", vllm_server_base_url="http://gen:9001")) == 9001
+    pool = config(vllm_mode="server", vllm_server_base_url=["http://gen:9001", "http://gen:9002"])
+    assert serve_port(pool) == 8000  # a pool's servers are each given --port

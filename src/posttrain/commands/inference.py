@@ -128,7 +128,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _vllm_serve_arguments(parser: argparse.ArgumentParser) -> None:
     config_arguments(parser)
     parser.add_argument("--host", help="the address to listen on (default: the config's vllm_server_host)")
-    parser.add_argument("--port", type=int, help="the port (default: the config's vllm_server_port)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        help="the port (default: that of the config's vllm_server_base_url when it names one server, else "
+        "vllm_server_port); each server of a pool on one machine its own",
+    )
     parser.add_argument(
         "--cores",
         help="CPU cores for its threads, as taskset writes them (0-3,6); default every core it may use: give "
@@ -154,13 +159,13 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
     import torch
 
     from posttrain.rollout.vllm_engine import require_vllm
-    from posttrain.rollout.vllm_server import parse_cores, server_command, server_settings
+    from posttrain.rollout.vllm_server import parse_cores, serve_port, server_command, server_settings
 
     config = load(args.config, args.overrides)
     cores = parse_cores(args.cores) if args.cores else None
     settings = server_settings(config, "cuda" if torch.cuda.is_available() else "cpu", cores)
     host = args.host or config.vllm_server_host
-    port = args.port or config.vllm_server_port
+    port = args.port or serve_port(config)
     command_line, env = server_command(settings, host, port)
     shown = " ".join(f"{k}={v}" for k, v in env.items())
     print(f"{settings.said}\n{shown} {shlex.join(command_line)}", flush=True)

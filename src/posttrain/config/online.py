@@ -4,6 +4,7 @@ engine (``use_vllm`` and the ``vllm_*`` keys, TRL's names and defaults) and the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import ClassVar, Literal
 
@@ -12,6 +13,12 @@ from pydantic import Field, field_validator, model_validator
 from posttrain.config.base import ModeKeys, Problem
 from posttrain.config.human import HumanFloat, HumanInt
 from posttrain.config.trainer import TrainerConfig
+
+
+def server_urls(value: str | list[str] | None) -> list[str]:
+    """``vllm_server_base_url`` as a list of addresses without a trailing slash."""
+    urls = [value] if isinstance(value, str) else list(value or [])
+    return [url.strip().rstrip("/") for url in urls]
 
 
 class OnlineTrainerConfig(TrainerConfig):
@@ -28,6 +35,7 @@ class OnlineTrainerConfig(TrainerConfig):
         ModeKeys(
             (
                 "vllm_server_base_url",
+                "vllm_server_weights_dir",
                 "vllm_server_host",
                 "vllm_server_port",
                 "vllm_server_timeout",
@@ -86,8 +94,17 @@ class OnlineTrainerConfig(TrainerConfig):
     """TRL's name and default: release a colocated engine's memory while the model trains (level 2: its
     weights are dropped, not copied, since the next push overwrites them) and wake it to generate. GPUs only."""
 
-    vllm_server_base_url: str | None = None
-    """TRL's name: the server's address (``http://host:8000``); set, it replaces host and port."""
+    vllm_server_base_url: str | list[str] | None = None
+    """TRL's name: the server's address (``http://host:8000``); set, it replaces host and port. A list is a pool
+    of servers (one ``posttrain vllm-serve`` each, on this or other machines): every process spreads its
+    completions over them, the weights go to each, a lost server's requests go to the others and a server that
+    comes back at its address is given the current weights and rejoins; the numbers are those of one server."""
+
+    vllm_server_weights_dir: str | None = None
+    """Where rank 0 writes the pushed weights for the servers to read (one safetensors file per update, the
+    latest kept for a server that comes back). Null: ``/dev/shm`` (else the temporary directory), which servers
+    on this machine read; servers on other machines need a shared file system here, or GPUs (the weights then
+    go over NCCL)."""
 
     vllm_server_host: str = "0.0.0.0"
     """TRL's name: the server's host when no base URL is given."""
@@ -169,6 +186,24 @@ class OnlineTrainerConfig(TrainerConfig):
         from posttrain.config.agents import tool_problems
 
         problems = tool_problems(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    @field_validator("vllm_server_base_url")
+    @classmethod
+    def _server_urls(cls, value: str | list[str] | None) -> str | list[str] | None:
+        urls = [value] if isinstance(value, str) else list(value or [])
+        problems = [
+            f"{url!r} is not an address (write it as http://host:port)"
+            for url in urls
+            if not re.fullmatch(r"https?://[^/\s:]+(:\d{1,5})?/?", url.strip())
+        ]
+        if isinstance(value, list) and not value:
+            problems.append("an empty list: name one server or more, or leave the key out (host and port)")
+        twice = sorted({u for u in server_urls(urls) if server_urls(urls).count(u) > 1})
+        if twice:
+            problems.append(f"{', '.join(twice)} named twice: each server of a pool once")
         if problems:
             raise ValueError("; ".join(problems))
         return value

@@ -1,49 +1,46 @@
-"""``vllm_mode: server``: one vLLM server generates for every training process (TRL's server mode), the way
-past one machine's memory for generation.
+"""``vllm_mode: server``: vLLM servers generate for every training process (TRL's server mode), the way past
+one machine's memory for generation; one server, or a pool of them (``vllm_server_base_url`` as a list: which
+server serves what, a lost server, one that comes back: ``server_pool.py``).
 
-- The server: ``posttrain vllm-serve CONFIG`` starts vLLM's OpenAI-compatible server for the run's model with
+- A server: ``posttrain vllm-serve CONFIG`` starts vLLM's OpenAI-compatible server for the run's model with
   the settings the colocated engine would take (:func:`server_command`: the context, dtype, processed
   log-probabilities, the model's generation defaults off, and on a CPU eager mode and a KV cache), its
   development endpoints on (``/collective_rpc``, ``/reset_prefix_cache``: ``VLLM_SERVER_DEV_MODE=1``).
-- The run: rank 0 waits up to ``vllm_server_timeout`` seconds for ``/health``, then checks that the server
-  serves the run's model with a context that holds the longest prompt plus ``max_completion_length`` (one
-  line otherwise, exit 2). Every rank sends its own completions to ``/v1/completions``, one request each with
-  the completion's key as its seed, so draws are those of its key whatever the process count.
+- The run: rank 0 waits up to ``vllm_server_timeout`` seconds for the servers' ``/health``, then checks that
+  each serves the run's model with a context that holds the longest prompt plus ``max_completion_length`` (one
+  line otherwise, exit 2). Every rank sends its own completions, one request each with the completion's key as
+  its seed, so draws are those of its key whatever the process count or the server that draws them.
 - Weights after every update: the pushed weights (``vllm_backend.named_weights``, every rank taking part in
-  the ZeRO-3 gathers) are written by rank 0 as one safetensors file under a directory the server reads
-  (``/dev/shm`` when there is one: a server on the same machine, or a shared file system), reloaded in place
-  through ``POST /collective_rpc`` (``reload_weights`` from that path), then ``POST /reset_prefix_cache``; the
-  other ranks wait at a barrier. Training on GPUs, the weights go GPU to GPU instead, through vLLM's NCCL
-  weight transfer (:class:`NcclWeights`: its trainer engine and HTTP client, the server started with
+  the ZeRO-3 gathers) are written by rank 0 once, as one safetensors file under a directory the servers read
+  (``vllm_server_weights_dir``; ``/dev/shm`` when there is one), tagged, reloaded in place by every server
+  through ``POST /collective_rpc`` (posttrain's worker method, which keeps the tag), then
+  ``POST /reset_prefix_cache``; the other ranks wait at a barrier, then ask each server which tag it holds.
+  Training on GPUs, the weights go GPU to GPU instead, through vLLM's NCCL weight transfer
+  (:class:`NcclWeights`: its trainer engine and HTTP client, one per server, the server started with
   ``--weight-transfer-config '{"backend": "nccl"}'``), written against vLLM 0.32's API and not yet measured:
-  no GPU has been lent to run it.
+  no GPU has been lent to run it (a server lost there does not rejoin: its NCCL group is gone).
 """
 
 from __future__ import annotations
 
-import contextlib
-import http.client
 import json
 import os
-import shutil
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from posttrain.config.online import server_urls
 from posttrain.errors import UserError
 from posttrain.logs import say
 from posttrain.rollout.generation import Completions, Sampling
+from posttrain.rollout.server_pool import ServerClient, ServerPool
 from posttrain.rollout.vllm_engine import (
     EngineCopy,
     EngineSettings,
-    check_reload,
     engine_settings,
     free_port,
     model_context,
@@ -79,11 +76,21 @@ SERVER_SWITCHES = {
 COLOCATED_ONLY = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_LOGGING_LEVEL")
 
 
-def server_url(config: Any) -> str:
-    """TRL's rule: ``vllm_server_base_url`` when set, else ``http://host:port``."""
-    if config.vllm_server_base_url:
-        return config.vllm_server_base_url.rstrip("/")
-    return f"http://{config.vllm_server_host}:{config.vllm_server_port}"
+def server_urls_of(config: Any) -> list[str]:
+    """TRL's rule: ``vllm_server_base_url`` when set (one address, or a pool's), else ``http://host:port``."""
+    return server_urls(config.vllm_server_base_url) or [
+        f"http://{config.vllm_server_host}:{config.vllm_server_port}"
+    ]
+
+
+def serve_port(config: Any) -> int:
+    """The port ``posttrain vllm-serve`` listens on without ``--port``: that of ``vllm_server_base_url`` when
+    it names one server with a port, else ``vllm_server_port``."""
+    from urllib.parse import urlparse
+
+    urls = server_urls(config.vllm_server_base_url)
+    port = urlparse(urls[0]).port if len(urls) == 1 else None
+    return int(port or config.vllm_server_port)
 
 
 def server_command(settings: EngineSettings, host: str, port: int) -> tuple[list[str], dict[str, str]]:
@@ -156,77 +163,6 @@ def server_settings(config: Any, device_type: str, cores: Sequence[int] | None =
     return settings
 
 
-def why_failed(error: BaseException) -> str:
-    """A failed request to a server, in words: refused, reset, timed out, an HTTP status, or what it said."""
-    if isinstance(error, urllib.error.HTTPError):
-        body = ""
-        with contextlib.suppress(Exception):
-            body = error.read().decode(errors="replace").strip()[:300]
-        return f"answered HTTP {error.code} {error.reason}" + (f" ({body})" if body else "")
-    reason = getattr(error, "reason", error)  # URLError wraps the socket's error
-    if isinstance(reason, ConnectionRefusedError):
-        return "refused the connection (nothing listens there)"
-    if isinstance(reason, ConnectionResetError | BrokenPipeError):  # http.client.RemoteDisconnected too
-        return "closed the connection before answering (it died or was restarted)"
-    if isinstance(reason, TimeoutError):  # socket.timeout too
-        return "did not answer in time"
-    if isinstance(error, ValueError):
-        return f"answered something that is not JSON ({error})"
-    return f"failed: {reason}"
-
-
-class ServerClient:
-    """JSON over HTTP to one server (the standard library's client: no dependency for a handful of calls);
-    every failure is a :class:`UserError` naming the server and what the run was asking of it."""
-
-    def __init__(self, url: str, timeout: float, request_timeout: float = 600.0) -> None:
-        self.url, self.timeout, self.request_timeout = url, timeout, request_timeout
-
-    def call(
-        self,
-        path: str,
-        body: dict[str, Any] | None = None,
-        timeout: float | None = None,
-        doing: str = "",
-        fix: str = "",
-    ) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + path, data=data, headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout or self.request_timeout) as response:
-                text = response.read().decode()
-            return json.loads(text) if text.strip() else None
-        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as error:
-            raise ServerError(self.url, doing or f"POST {path}", why_failed(error), fix) from None
-
-    def wait_until_up(self) -> None:
-        """``/health`` answering within the timeout, or one line saying how to start the server."""
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                self.call("/health", timeout=5)
-                return
-            except ServerError as error:
-                if time.monotonic() > deadline:
-                    raise UserError(
-                        f"vllm_mode: server: no vLLM server answered at {self.url} within {self.timeout:g} s "
-                        f"(vllm_server_timeout; it {error.why}); start it with `posttrain vllm-serve CONFIG` (same "
-                        "config), or set vllm_server_base_url / vllm_server_host / vllm_server_port to where it runs"
-                    ) from None
-                time.sleep(1.0)
-
-
-class ServerError(UserError):
-    """A request to a vLLM server that failed: which server, what the run asked, what happened."""
-
-    def __init__(self, url: str, doing: str, why: str, fix: str = "") -> None:
-        self.url, self.doing, self.why = url, doing, why
-        advice = fix or "check the server's log; restart it with posttrain vllm-serve CONFIG"
-        super().__init__(f"vllm_mode: server: the vLLM server at {url} {why} while {doing}; {advice}")
-
-
 def check_served_model(served: dict[str, Any], model: str, needed: int, url: str) -> str:
     """The served model's name, after checking it is the run's model with a context long enough."""
     entries = served.get("data") or []
@@ -294,7 +230,7 @@ def completions_from(choices: Sequence[dict[str, Any]], stops: Sequence[int], lo
 
 
 class VLLMServerBackend(EngineCopy):
-    """Generation on the run's vLLM server (see the module docstring)."""
+    """Generation on the run's vLLM servers (see the module docstring and ``server_pool``'s)."""
 
     name = "vllm-server"
 
@@ -302,30 +238,43 @@ class VLLMServerBackend(EngineCopy):
         self, config: Any, module: torch.nn.Module, stop_ids: Sequence[int], dist: Any, needed: int
     ) -> None:
         self.stop_ids, self.dist = list(stop_ids), dist
-        self.client = ServerClient(
-            server_url(config), float(config.vllm_server_timeout), float(config.request_timeout)
+        urls = server_urls_of(config)
+        self.servers = ServerPool(
+            urls,
+            float(config.vllm_server_timeout),
+            float(config.request_timeout),
+            float(config.weight_sync_timeout),
+            dist.is_main,
         )
         self.weight_sync_timeout = float(config.weight_sync_timeout)
+        self.weights_dir = getattr(config, "vllm_server_weights_dir", None)
         self.model = config.model.name_or_path
         self.served = self.model
         if dist.is_main:
-            self.client.wait_until_up()
-            self.served = check_served_model(
-                self.client.call("/v1/models", doing="asking which model it serves"),
-                self.model,
-                needed,
-                self.client.url,
+            self.served = self.servers.start(
+                lambda client: check_served_model(
+                    client.call("/v1/models", doing="asking which model it serves"),
+                    self.model,
+                    needed,
+                    client.url,
+                )
             )
-            say(f"vLLM server at {self.client.url}: {self.served}, weights pushed through {self.folder()}")
+            where = f"server at {urls[0]}" if len(urls) == 1 else f"{len(urls)} servers ({', '.join(urls)})"
+            say(f"vLLM {where}: {self.served}, weights pushed through {self.folder()}")
+        self.nonce, self.pushes = shared_nonce(), 0
+        #: rank 0's last push: seconds to gather the weights, write them, and for every server to load them
+        self.push_seconds: dict[str, float] = {}
         self._barrier()
         self.stale = True
-        self.pool = ThreadPoolExecutor(max_workers=32)
-        self.nccl: NcclWeights | None = None
+        self.nccl: list[NcclWeights] | None = None
         if next(module.parameters()).device.type == "cuda":
-            self.nccl = NcclWeights(self.client, module, dist)
+            self.nccl = [NcclWeights(s.client, module, dist) for s in self.servers.servers if not s.lost]
 
     def folder(self) -> Path:
-        """Where rank 0 writes the weights for the server to read (memory-backed when the machine has one)."""
+        """Where rank 0 writes the weights for the servers to read: ``vllm_server_weights_dir``, else
+        memory-backed when the machine has one."""
+        if self.weights_dir:
+            return Path(self.weights_dir)
         shm = Path("/dev/shm")
         return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
@@ -338,46 +287,52 @@ class VLLMServerBackend(EngineCopy):
             )
             for i, prompt in enumerate(prompts)
         ]
-        doing = f"generating {len(bodies)} completions (request_timeout {self.client.request_timeout:g} s)"
-        answers = list(
-            self.pool.map(lambda body: self.client.call("/v1/completions", body, doing=doing), bodies)
+        timeout = self.servers.servers[0].client.request_timeout
+        answers = self.servers.complete(
+            bodies, f"generating {len(bodies)} completions (request_timeout {timeout:g} s)"
         )
         return completions_from([answer["choices"][0] for answer in answers], self.stop_ids, logprobs)
 
     def push(self, module: torch.nn.Module) -> None:
-        """The training weights to the server (every rank takes part in the gathers; rank 0 writes and
-        reloads), then its prefix cache emptied. Every rank's requests have ended first (a barrier): the weights
-        never change under another rank's generation."""
+        """The training weights to every server (every rank takes part in the gathers; rank 0 writes them once
+        and every server reloads them), then their prefix caches emptied. Every rank's requests have ended
+        first (a barrier): the weights never change under another rank's generation."""
         pushing = f"taking the new weights (weight_sync_timeout {self.weight_sync_timeout:g} s)"
         self._barrier()
+        self.pushes += 1
+        tag = f"{self.nonce}-{self.pushes}"
         if self.nccl is not None:
-            self.nccl.push()
+            for engine in self.nccl:
+                engine.push()
             if self.dist.is_main:
-                self.client.call("/reset_prefix_cache", {}, doing=pushing)
+                for server in self.servers.servers:
+                    server.client.call("/reset_prefix_cache", {}, doing=pushing)
             self._barrier()
+            self.servers.confirm(tag, ask=False)
             self.stale = False
             return
         from safetensors.torch import save_file
 
+        started = time.perf_counter()
         weights = {name: tensor.detach().cpu().contiguous() for name, tensor in named_weights(module)}
+        gathered = time.perf_counter()
         if self.dist.is_main:
-            folder = Path(tempfile.mkdtemp(prefix="posttrain-weights-", dir=self.folder()))
-            fix = "it must be a server posttrain vllm-serve started (its weight-update endpoints on); check its log"
-            try:
-                save_file(weights, str(folder / "model.safetensors"))
-                answer = self.client.call(
-                    "/collective_rpc",
-                    {"method": "posttrain_reload", "kwargs": {"weights_path": str(folder)}},
-                    timeout=self.weight_sync_timeout,
-                    doing=pushing,
-                    fix=fix,
-                )
-                check_reload((answer or {}).get("results", []), f"the vLLM server at {self.client.url}")
-                self.client.call("/reset_prefix_cache", {}, doing=pushing, fix=fix)
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
+            folder = self.folder() / f"posttrain-weights-{tag}"
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            partial = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", dir=folder.parent))
+            save_file(weights, str(partial / "model.safetensors"))
+            partial.rename(folder)  # a server never reads half a file
+            written = time.perf_counter()
+            self.servers.reload_all(folder, tag, pushing)
+            self.push_seconds = {
+                "gather": gathered - started,
+                "write": written - gathered,
+                "load": time.perf_counter() - written,
+                "bytes": float(sum(t.numel() * t.element_size() for t in weights.values())),
+            }
         del weights
         self._barrier()
+        self.servers.confirm(tag)
         self.stale = False
 
     def _barrier(self) -> None:
@@ -387,7 +342,20 @@ class VLLMServerBackend(EngineCopy):
             torch_dist.barrier()
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False)
+        self.servers.close()
+
+
+def shared_nonce() -> str:
+    """A token rank 0 draws and every rank receives: the run's pushes are told apart from any other run's
+    (a server that outlives a run holds its last weights' tag)."""
+    import secrets
+
+    import torch.distributed as torch_dist
+
+    box = [secrets.token_hex(6)]
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.broadcast_object_list(box, src=0)
+    return str(box[0])
 
 
 class NcclWeights:

@@ -56,11 +56,13 @@ class PosttrainWorker:
     """Mixed into vLLM's worker class (``worker_extension_cls``); ``self`` is the worker."""
 
     def posttrain_reload(
-        self, weights_iterator: Any = None, weights_path: str | None = None
+        self, weights_iterator: Any = None, weights_path: str | None = None, tag: str | None = None
     ) -> dict[str, list[str]]:
         """Reload the weights in place (an iterator of ``(name, tensor)``, or a checkpoint directory), prepare
         tied layers again, and return ``{"refreshed": [...], "missing": [...]}``: the tied layers prepared
-        again, and the classes of the other layers that took no weight."""
+        again, and the classes of the other layers that took no weight. ``tag`` names the weights (a pool's
+        servers: :meth:`posttrain_tag` says which weights a server holds)."""
+        self.posttrain_weights = None  # mid-reload: no weights anyone may sample from
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         tied = tied_layers(model)
         failed = _Failed({type(layer).__name__ for layer in tied.values()} | set(WEIGHTLESS))
@@ -76,4 +78,9 @@ class PosttrainWorker:
             method = getattr(layer, "quant_method", None)
             if method is not None and hasattr(method, "process_weights_after_loading"):
                 method.process_weights_after_loading(layer)
+        self.posttrain_weights = tag
         return {"refreshed": list(tied), "missing": sorted(set(failed.names) - failed.quiet)}
+
+    def posttrain_tag(self) -> str | None:
+        """The tag of the weights this worker holds (None: the files' weights, or a reload in progress)."""
+        return getattr(self, "posttrain_weights", None)

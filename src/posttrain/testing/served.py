@@ -41,7 +41,16 @@ def vllm_server(
 ) -> Iterator[subprocess.Popen]:
     """``posttrain vllm-serve`` for a config (its threads on ``cores`` when given), up on ``port`` of
     127.0.0.1 inside the block; its output in ``log_path``."""
-    command = [sys.executable, "-m", "posttrain", "vllm-serve", str(config_path), *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "posttrain",
+        "vllm-serve",
+        str(config_path),
+        *overrides,
+        "--port",
+        str(port),
+    ]
     if cores:
         command += ["--cores", ",".join(map(str, cores))]
     with open(log_path, "w") as log:

@@ -1,0 +1,360 @@
+"""The run's vLLM servers (``vllm_mode: server``): one, or a pool (``vllm_server_base_url`` as a list), each a
+``posttrain vllm-serve`` on this or another machine. What the run needs of them is here: the HTTP client,
+which servers may serve a batch, what happens when one is lost and when it comes back.
+
+- Every server serves a batch only from the weights that batch must come from. Each push of the training
+  weights has a tag (the run's nonce and the push's count) that the server's workers keep
+  (``vllm_worker.PosttrainWorker.posttrain_tag``); a process sends a request only to servers it has seen hold
+  the current tag.
+- Each process spreads its completions over those servers (request i to server i mod n). A completion is drawn
+  from its own key (the request's seed), so it does not depend on the server that draws it: a pool gives the
+  numbers of one server.
+- A lost server (the connection refused or reset, a request past ``request_timeout``, an HTTP 5xx): its
+  requests go to the others and the run goes on, said in one line. Every few seconds, and at every push, the
+  run looks at it again: when it answers (restarted at its address), rank 0 gives it the current weights
+  (kept in the weights folder until the next push) and it serves again. Every server lost: the run waits
+  ``vllm_server_timeout`` for one to come back, then stops naming them and the command that starts one.
+- A weight push that stalls (no answer within ``weight_sync_timeout``) stops the run naming the server and the
+  push, never a silent hang; a server that dies during a push is lost like any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from posttrain.errors import UserError
+from posttrain.logs import get_logger
+from posttrain.rollout.vllm_engine import check_reload
+
+#: seconds between two looks at a lost server while the others generate
+LOOK_AGAIN = 5.0
+#: how a request failed, for :attr:`ServerError.kind`
+REFUSED, RESET, TIMEOUT, SERVER_FAILED, ANSWERED_NO, OTHER = (
+    "refused",
+    "reset",
+    "timeout",
+    "5xx",
+    "4xx",
+    "other",
+)
+#: failures after which a server is out of the pool (its requests go to the others)
+LOST_KINDS = {REFUSED, RESET, TIMEOUT, SERVER_FAILED}
+START_COMMAND = "posttrain vllm-serve CONFIG --port PORT"
+
+
+def failure(error: BaseException) -> tuple[str, str]:
+    """A failed request, as (kind, words): refused, reset, timed out, an HTTP status, or what it said."""
+    if isinstance(error, urllib.error.HTTPError):
+        body = ""
+        with contextlib.suppress(Exception):
+            body = error.read().decode(errors="replace").strip()[:300]
+        kind = SERVER_FAILED if error.code >= 500 else ANSWERED_NO
+        return kind, f"answered HTTP {error.code} {error.reason}" + (f" ({body})" if body else "")
+    reason = getattr(error, "reason", error)  # URLError wraps the socket's error
+    if isinstance(reason, ConnectionRefusedError):
+        return REFUSED, "refused the connection (nothing listens there)"
+    if isinstance(reason, ConnectionResetError | BrokenPipeError) or isinstance(
+        error, http.client.RemoteDisconnected
+    ):
+        return RESET, "closed the connection before answering (it died or was restarted)"
+    if isinstance(reason, TimeoutError):  # socket.timeout too
+        return TIMEOUT, "did not answer in time"
+    if isinstance(error, ValueError):
+        return OTHER, f"answered something that is not JSON ({error})"
+    return OTHER, f"failed: {reason}"
+
+
+class ServerError(UserError):
+    """A request to a vLLM server that failed: which server, what the run asked, what happened."""
+
+    def __init__(self, url: str, doing: str, why: str, fix: str = "", kind: str = OTHER) -> None:
+        self.url, self.doing, self.why, self.kind = url, doing, why, kind
+        advice = fix or "check the server's log; restart it with posttrain vllm-serve CONFIG"
+        super().__init__(f"vllm_mode: server: the vLLM server at {url} {why} while {doing}; {advice}")
+
+    @property
+    def lost(self) -> bool:
+        """Whether the server is gone or broken (rather than refusing what was asked)."""
+        return self.kind in LOST_KINDS
+
+
+class ServerClient:
+    """JSON over HTTP to one server (the standard library's client: no dependency for a handful of calls);
+    every failure is a :class:`ServerError` naming the server and what the run was asking of it."""
+
+    def __init__(self, url: str, timeout: float, request_timeout: float = 600.0) -> None:
+        self.url, self.timeout, self.request_timeout = url, timeout, request_timeout
+
+    def call(
+        self,
+        path: str,
+        body: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        doing: str = "",
+        fix: str = "",
+    ) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout or self.request_timeout) as response:
+                text = response.read().decode()
+            return json.loads(text) if text.strip() else None
+        except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as error:
+            kind, why = failure(error)
+            raise ServerError(self.url, doing or f"POST {path}", why, fix, kind) from None
+
+    def answers(self, seconds: float = 2.0) -> bool:
+        """Whether ``/health`` answers within ``seconds``."""
+        try:
+            self.call("/health", timeout=seconds)
+            return True
+        except ServerError:
+            return False
+
+    def rpc(self, method: str, timeout: float | None = None, doing: str = "", **kwargs: Any) -> list[Any]:
+        """One of posttrain's worker methods (``vllm_worker.PosttrainWorker``) on every worker: their results."""
+        fix = (
+            "it must be a server posttrain vllm-serve started (its weight-update endpoints on); check its log"
+        )
+        answer = self.call(
+            "/collective_rpc", {"method": method, "kwargs": kwargs}, timeout=timeout, doing=doing, fix=fix
+        )
+        return list((answer or {}).get("results", []))
+
+
+@dataclass
+class Server:
+    """One server of the pool as this process sees it: the weights it was seen to hold, why it is out."""
+
+    client: ServerClient
+    holds: str | None = None
+    lost: str = ""  # why it is out of the pool ("" while in)
+    looked: float = 0.0  # when the run last looked whether a lost server is back
+
+
+class ServerPool:
+    """The run's servers (see the module docstring). Rank 0 pushes (:meth:`reload_all`) and rejoins servers;
+    every process confirms which servers hold a push (:meth:`confirm`) and spreads its requests
+    (:meth:`complete`)."""
+
+    def __init__(
+        self, urls: Sequence[str], timeout: float, request_timeout: float, sync_timeout: float, main: bool
+    ) -> None:
+        self.servers = [Server(ServerClient(url, timeout, request_timeout)) for url in urls]
+        self.timeout, self.sync_timeout, self.main = timeout, sync_timeout, main
+        self.tag: str | None = None  # the current push's tag
+        self.folder: Path | None = None  # rank 0: the current weights (kept for a server that comes back)
+        self.lock = threading.RLock()
+        self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="posttrain-server")
+        self.lost_events = self.rejoined_events = 0
+        self.gave_up: UserError | None = None
+
+    @property
+    def urls(self) -> list[str]:
+        return [server.client.url for server in self.servers]
+
+    # ------------------------------------------------------------------------------------------ start
+
+    def start(self, check: Callable[[ServerClient], str]) -> str:
+        """Rank 0: wait up to ``vllm_server_timeout`` for every server, check each that answers
+        (``check``: the served model's name); go on without those that did not answer (they may join later),
+        or stop when none did."""
+        deadline = time.monotonic() + self.timeout
+        waiting = list(self.servers)
+        names: list[str] = []
+        while waiting:
+            for server in list(waiting):
+                if server.client.answers(5.0):
+                    names.append(check(server.client))
+                    waiting.remove(server)
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        if len(waiting) == len(self.servers):
+            raise UserError(
+                f"vllm_mode: server: no vLLM server answered at {', '.join(self.urls)} within {self.timeout:g} s "
+                f"(vllm_server_timeout); start it with `posttrain vllm-serve CONFIG` (same config), or set "
+                "vllm_server_base_url / vllm_server_host / vllm_server_port to where it runs"
+            )
+        for server in waiting:
+            server.lost = "did not answer at the start"
+            get_logger().warning(
+                f"vLLM server at {server.client.url} did not answer within {self.timeout:g} s: the run starts "
+                f"without it and gives it the weights when it answers ({START_COMMAND})"
+            )
+        return names[0]
+
+    # ---------------------------------------------------------------------------------------- weights
+
+    def reload_all(self, folder: Path, tag: str, pushing: str) -> None:
+        """Rank 0: every server reloads the weights in ``folder`` (the previous folder is removed after);
+        a lost one that answers again takes them too. Waits for one when none took them."""
+        previous, self.folder, self.tag = self.folder, folder, tag
+        list(self.pool.map(lambda server: self._reload(server, pushing), self.servers))
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+        if not self._serving():
+            self._wait_for_one()
+
+    def _reload(self, server: Server, pushing: str) -> None:
+        if server.lost and not server.client.answers():
+            return
+        assert self.folder is not None
+        try:
+            results = server.client.rpc(
+                "posttrain_reload",
+                timeout=self.sync_timeout,
+                doing=pushing,
+                weights_path=str(self.folder),
+                tag=self.tag,
+            )
+            check_reload(results, f"the vLLM server at {server.client.url}")
+            server.client.call("/reset_prefix_cache", {}, doing=pushing)
+        except ServerError as error:
+            if error.kind not in (REFUSED, RESET):  # a stall or a failed reload is the run's error
+                raise
+            self._lose(server, error)
+            return
+        self._back(server)
+
+    def confirm(self, tag: str, ask: bool = True) -> None:
+        """Every process after a push: which servers hold ``tag`` (``ask`` false: all that are in, for
+        weights sent another way than a reload)."""
+        self.tag = tag
+        if not ask:
+            for server in self.servers:
+                if not server.lost:
+                    server.holds = tag
+        elif not self.main:
+            list(self.pool.map(self._ask, self.servers))
+
+    def _ask(self, server: Server) -> None:
+        try:
+            tags = set(
+                server.client.rpc("posttrain_tag", timeout=30.0, doing="saying which weights it holds")
+            )
+        except ServerError as error:
+            if not error.lost:
+                raise
+            self._lose(server, error)
+            return
+        server.holds = tags.pop() if len(tags) == 1 else None
+        if server.holds == self.tag:
+            self._back(server)
+        elif not server.lost:  # rank 0 could not give it the weights: looked at again as a lost one
+            server.lost, server.looked = "does not hold the current weights", time.monotonic()
+
+    # ------------------------------------------------------------------------------------- generation
+
+    def complete(self, bodies: Sequence[dict[str, Any]], doing: str) -> list[dict[str, Any]]:
+        """Every body to ``/v1/completions``, spread over the servers holding the current weights; a lost
+        server's requests sent again to the others."""
+        self.gave_up = None
+        serving = self._serving(look=True) or self._wait_for_one()
+        jobs = [(body, serving[i % len(serving)]) for i, body in enumerate(bodies)]
+        return list(self.pool.map(lambda job: self._complete(job[0], job[1], doing), jobs))
+
+    def _complete(self, body: dict[str, Any], server: Server, doing: str) -> dict[str, Any]:
+        while True:
+            try:
+                answer: dict[str, Any] = server.client.call("/v1/completions", body, doing=doing)
+                return answer
+            except ServerError as error:
+                if not error.lost:
+                    raise
+                self._lose(server, error)
+                server = self._another(server)
+
+    def _another(self, after: Server) -> Server:
+        """The next server holding the current weights after ``after`` (waiting for one when none)."""
+        with self.lock:
+            serving = self._serving() or self._wait_for_one()
+            order = self.servers.index(after)
+            return min(serving, key=lambda s: (self.servers.index(s) - order - 1) % len(self.servers))
+
+    def _serving(self, look: bool = False) -> list[Server]:
+        """The servers in the pool that hold the current weights (``look``: first look again at lost ones
+        not looked at for :data:`LOOK_AGAIN` seconds)."""
+        if look:
+            now = time.monotonic()
+            for server in self.servers:
+                if server.lost and now - server.looked > LOOK_AGAIN:
+                    self._look(server)
+        return [s for s in self.servers if not s.lost and s.holds == self.tag]
+
+    def _look(self, server: Server) -> None:
+        """Whether a lost server is back: rank 0 gives it the current weights, the others ask what it holds."""
+        server.looked = time.monotonic()
+        if not server.client.answers():
+            return
+        if not self.main:
+            self._ask(server)
+        elif self.folder is not None:
+            self._reload(
+                server,
+                f"taking the current weights as it rejoins (weight_sync_timeout {self.sync_timeout:g} s)",
+            )
+
+    def _wait_for_one(self) -> list[Server]:
+        """Every server is lost: look at them every second for ``vllm_server_timeout``, then stop (the
+        other requests of the call stop with the same error, without a wait of their own)."""
+        if self.gave_up is not None:
+            raise self.gave_up
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            for server in self.servers:
+                if server.lost:
+                    self._look(server)
+            serving = self._serving()
+            if serving:
+                return serving
+            time.sleep(1.0)
+        why = "; ".join(f"{s.client.url} {s.lost or 'holds other weights'}" for s in self.servers)
+        self.gave_up = UserError(
+            f"vllm_mode: server: every vLLM server of the run is lost ({why}) and none came back within "
+            f"{self.timeout:g} s (vllm_server_timeout); start them again with `{START_COMMAND}` on their "
+            "machines (the run gives a server the current weights when it answers), then resume the run"
+        )
+        raise self.gave_up
+
+    def _lose(self, server: Server, error: ServerError) -> None:
+        with self.lock:
+            if server.lost:
+                return
+            server.lost, server.holds, server.looked = error.why, None, time.monotonic()
+            self.lost_events += 1
+            others = len([s for s in self.servers if not s.lost])
+        get_logger().warning(
+            f"vLLM server at {server.client.url} {error.why} while {error.doing}: out of the pool, its requests "
+            f"go to the {others} other(s); it rejoins when it answers again"
+        )
+
+    def _back(self, server: Server) -> None:
+        with self.lock:
+            was, server.lost, server.holds = server.lost, "", self.tag
+            if not was:
+                return
+            self.rejoined_events += 1
+        get_logger().warning(
+            f"vLLM server at {server.client.url} is back with the current weights: it serves again"
+        )
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None

@@ -1,0 +1,180 @@
+"""A pool of ``posttrain vllm-serve`` servers on vLLM's CPU build (``make test-vllm``), on 127.0.0.1: two
+servers give the numbers of one, on one trainer process and on two trainer "nodes" (two ``posttrain train``
+commands joined by ``--launcher-args``, generating ahead with ``max_staleness``); a server SIGKILLed mid-run
+changes no number, and started again at its address it is given the current weights and serves again."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from posttrain.rollout.vllm_engine import free_port
+from posttrain.testing.env import child_env
+from posttrain.testing.served import vllm_server
+from tests.grpo_helpers import DIGITS, write_prompts
+from tests.resume_helpers import cli, last_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+STEPS = 6
+TRAIN = [sys.executable, "-m", "posttrain", "train"]
+NODES = "--nnodes 2 --master_addr 127.0.0.1"
+#: a reward that holds the run after 3 steps while the file `hold` exists, until the file `go` does
+HOLDING = """
+import os, time
+
+def held_digit_share(completions, trainer_state=None, **kwargs):
+    if trainer_state is not None and trainer_state.global_step == 3 and os.path.exists(HOLD):
+        while not os.path.exists(GO):
+            time.sleep(0.2)
+    return digit_share(completions)
+"""
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Two servers, one core each; every run pushes its own weights before it generates."""
+    from posttrain.tiny_model import write_tiny_model
+
+    root = tmp_path_factory.mktemp("pool")
+    (root / "digits.py").write_text(
+        f"HOLD = {str(root / 'hold')!r}\nGO = {str(root / 'go')!r}\n" + DIGITS + HOLDING
+    )
+    model = write_tiny_model(root / "model", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2)
+    ports = [free_port(), free_port()]
+    config: dict[str, Any] = {
+        "type": "grpo",
+        "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": True},
+        "data": {
+            "sources": [str(write_prompts(root / "train.jsonl", 64))],
+            "max_length": 96,
+            "dl_num_workers": 0,
+        },
+        "rewards": [f"{root / 'digits.py'}:held_digit_share"],
+        "num_generations": 8,
+        "max_completion_length": 16,
+        "micro_batch_size": 16,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 3e-3},
+        "scheduler": {"name": "constant", "warmup_ratio": 0},
+        "loss_log_interval": 1,
+        "log_completions": False,
+        "train_iters": STEPS,
+        "use_vllm": True,
+        "vllm_mode": "server",
+        "vllm_server_base_url": [f"http://127.0.0.1:{port}" for port in ports],
+        "vllm_server_timeout": 60,
+    }
+    path = root / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with (
+        vllm_server(path, root / "a.log", ports[0], cores=[0]),
+        vllm_server(path, root / "b.log", ports[1], cores=[1]) as second,
+    ):
+        yield {"root": root, "config": config, "path": path, "ports": ports, "second": second}
+
+
+def _config(pool: dict[str, Any], out: Path, servers: int = 2, **changes: Any) -> dict[str, Any]:
+    config = copy.deepcopy(pool["config"])
+    config["vllm_server_base_url"] = config["vllm_server_base_url"][:servers]
+    config.update(logger={"output_dir": str(out)}, **changes)
+    return config
+
+
+def _run(pool: dict[str, Any], out: Path, servers: int = 2, **changes: Any) -> dict[int, dict[str, Any]]:
+    done = cli(_config(pool, out, servers, **changes), out.with_suffix(".yaml"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return last_metrics(out)
+
+
+def _completions_served(log: Path) -> int:
+    return log.read_text().count("POST /v1/completions")
+
+
+def _same(one: dict[int, dict[str, Any]], other: dict[int, dict[str, Any]], exact_loss: bool = True) -> None:
+    for step in range(1, STEPS + 1):
+        assert one[step]["reward"] == other[step]["reward"], step
+        if exact_loss:
+            assert one[step]["loss"] == other[step]["loss"], step
+        else:
+            assert one[step]["loss"] == pytest.approx(other[step]["loss"], abs=1e-6), step
+
+
+def test_two_servers_give_one_servers_numbers_on_one_and_on_two_trainer_nodes(
+    pool: dict[str, Any], tmp_path: Path
+) -> None:
+    root = pool["root"]
+    one = _run(pool, tmp_path / "one", servers=1)
+    before = _completions_served(root / "b.log")
+    two = _run(pool, tmp_path / "two")
+    _same(one, two)
+    assert _completions_served(root / "b.log") - before == STEPS * 32 // 2  # half of every batch
+    lagged = _run(pool, tmp_path / "lag-one", servers=1, max_staleness=1)
+    config = _config(pool, tmp_path / "nodes", max_staleness=1, micro_batch_size=8)
+    path = tmp_path / "nodes.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    nodes = [
+        subprocess.Popen(
+            [
+                *TRAIN,
+                str(path),
+                "--nproc",
+                "1",
+                "--launcher-args",
+                f"{NODES} --node_rank {rank} --master_port {port}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=child_env(),
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "world size 2" in outputs[0] and "2 servers (" in outputs[0]
+    _same(lagged, last_metrics(tmp_path / "nodes"), exact_loss=False)
+
+
+def test_a_server_killed_mid_run_changes_no_number_and_rejoins_when_started_again(
+    pool: dict[str, Any], tmp_path: Path
+) -> None:
+    root, second = pool["root"], pool["second"]
+    reference = _run(pool, tmp_path / "reference", servers=1)
+    (root / "hold").touch()
+    out = tmp_path / "killed"
+    path = tmp_path / "killed.yaml"
+    path.write_text(yaml.safe_dump(_config(pool, out)))
+    run = subprocess.Popen(
+        [sys.executable, "-m", "posttrain", "train", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=child_env(),
+    )
+    metrics = out / "train-log-metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 1):
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before its first step"
+        time.sleep(0.2)
+    os.killpg(second.pid, signal.SIGKILL)  # the second server and its engine, mid-run
+    second.wait()
+    with vllm_server(pool["path"], root / "b-again.log", pool["ports"][1], cores=[1]):
+        (root / "go").touch()  # the run goes on past step 3 once the server is back
+        output = run.communicate(timeout=600)[0]
+        served_again = _completions_served(root / "b-again.log")
+    assert run.returncode == 0, output[-4000:]
+    _same(reference, last_metrics(out))
+    assert f"vLLM server at http://127.0.0.1:{pool['ports'][1]}" in output and "out of the pool" in output
+    assert "is back with the current weights: it serves again" in output, output[-3000:]
+    assert served_again > 0

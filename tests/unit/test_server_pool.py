@@ -1,0 +1,236 @@
+"""A pool of vLLM servers (``server_pool.ServerPool``) against servers on 127.0.0.1 that speak the endpoints the
+run uses (``/health``, ``/collective_rpc`` with posttrain's worker methods, ``/v1/completions``): real sockets,
+real threads, servers killed and started again at their port. A fake server's completion is a function of the
+request's seed and of the weights it holds, so an answer from the wrong weights shows. The same pool against
+vLLM's CPU build: ``tests/integration/test_server_pool_vllm.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from posttrain.errors import UserError
+from posttrain.rollout import server_pool
+from posttrain.rollout.server_pool import ServerPool
+
+
+class _Quiet(http.server.ThreadingHTTPServer):
+    """A client that gave up on an answer (a stalled push) is not a traceback in the test's output."""
+
+    allow_reuse_address = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass
+
+
+class FakeServer:
+    """Answers like ``posttrain vllm-serve``: its weights are the tag of the last reload; ``stall`` seconds
+    spent in every reload; :meth:`stop` closes its port, :meth:`start` opens it again (weights gone)."""
+
+    def __init__(self, port: int = 0, stall: float = 0.0, die_after: int | None = None) -> None:
+        self.port, self.stall, self.die_after = port, stall, die_after
+        self.tag: str | None = None
+        self.served = 0
+        self.reloads: list[str] = []
+        self.start()
+
+    def start(self) -> None:
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._json({"data": [{"id": "m", "root": "m", "max_model_len": 4096}]})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                if self.path == "/collective_rpc" and body["method"] == "posttrain_reload":
+                    time.sleep(outer.stall)
+                    outer.tag = body["kwargs"]["tag"]
+                    outer.reloads.append(outer.tag or "")
+                    return self._json({"results": [{"refreshed": [], "missing": []}]})
+                if self.path == "/collective_rpc":
+                    return self._json({"results": [outer.tag]})
+                if self.path == "/v1/completions":
+                    outer.served += 1
+                    if outer.die_after is not None and outer.served > outer.die_after:
+                        self.connection.shutdown(2)  # killed while generating
+                        threading.Thread(target=outer.stop).start()
+                        return
+                    weights = zlib.crc32((outer.tag or "files").encode()) % 1000
+                    return self._json({"choices": [{"token_ids": [body["seed"] % 1000, weights]}]})
+                self._json({})
+
+            def _json(self, answer: Any) -> None:
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = _Quiet(("127.0.0.1", self.port), Handler)
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.tag, self.die_after = None, None if self.served else self.die_after
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def servers() -> Any:
+    started: list[FakeServer] = []
+
+    def make(count: int, **kw: Any) -> list[FakeServer]:
+        started.extend(FakeServer(**kw) for _ in range(count))
+        return started[-count:]
+
+    yield make
+    for server in started:
+        with contextlib.suppress(OSError):
+            server.stop()
+
+
+def pool_of(urls: list[str], main: bool = True, timeout: float = 3.0, sync: float = 10.0) -> ServerPool:
+    return ServerPool(urls, timeout, request_timeout=5.0, sync_timeout=sync, main=main)
+
+
+def push(pool: ServerPool, tmp_path: Path, tag: str) -> None:
+    folder = tmp_path / f"{id(pool)}-{tag}"
+    folder.mkdir(parents=True)
+    pool.reload_all(folder, tag, "taking the new weights (weight_sync_timeout 10 s)")
+    pool.confirm(tag)
+
+
+BODIES = [{"seed": 1000 + i, "prompt": [1, 2]} for i in range(24)]
+
+
+def tokens(answers: list[dict[str, Any]]) -> list[list[int]]:
+    return [answer["choices"][0]["token_ids"] for answer in answers]
+
+
+def test_a_pool_gives_one_servers_answers_and_spreads_the_work(servers: Any, tmp_path: Path) -> None:
+    one, *three = servers(4)
+    alone = pool_of([one.url])
+    assert alone.start(lambda client: "m") == "m"
+    push(alone, tmp_path, "run-1")
+    expected = tokens(alone.complete(BODIES, "generating"))
+    pool = pool_of([s.url for s in three])
+    pool.start(lambda client: "m")
+    push(pool, tmp_path, "run-1")
+    assert tokens(pool.complete(BODIES, "generating")) == expected
+    assert [s.served for s in three] == [8, 8, 8] and all(s.reloads == ["run-1"] for s in three)
+    alone.close(), pool.close()
+
+
+def test_a_server_killed_while_generating_costs_no_answer_and_rejoins_when_back(
+    servers: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    reference, steady = servers(2)
+    dying = servers(1, die_after=3)[0]
+    alone = pool_of([reference.url])
+    alone.start(lambda client: "m")
+    push(alone, tmp_path, "run-1")
+    expected = tokens(alone.complete(BODIES, "generating"))
+
+    pool = pool_of([steady.url, dying.url])
+    pool.start(lambda client: "m")
+    push(pool, tmp_path, "run-1")
+    with caplog.at_level("WARNING", logger="posttrain"):
+        assert tokens(pool.complete(BODIES, "generating")) == expected  # the lost server's requests resent
+    assert (
+        f"vLLM server at {dying.url} closed the connection" in caplog.text
+        and "out of the pool" in caplog.text
+    )
+    assert steady.served == len(BODIES) - 3 and pool.lost_events == 1
+
+    push(pool, tmp_path, "run-2")  # pushed while it is away: the others take the weights
+    assert dying.reloads == ["run-1"]
+    dying.start()  # back at its address, with the files' weights
+    monkeypatch.setattr(server_pool, "LOOK_AGAIN", 0.0)
+    before = dying.served
+    with caplog.at_level("WARNING", logger="posttrain"):
+        again = tokens(pool.complete(BODIES, "generating"))
+    assert (
+        dying.reloads == ["run-1", "run-2"] and dying.served > before
+    )  # given the current weights, it serves
+    assert f"vLLM server at {dying.url} is back with the current weights" in caplog.text
+    assert len({pair[1] for pair in again}) == 1  # every answer from the same weights
+    pool.close(), alone.close()
+
+
+def test_another_rank_uses_only_servers_that_hold_the_current_weights(servers: Any, tmp_path: Path) -> None:
+    """Rank 1 asks each server which weights it holds after a push: one rank 0 could not reach is left out
+    until rank 0 gives it the weights, then rank 1 sees it back."""
+    good, behind = servers(2)
+    main = pool_of([good.url])
+    main.start(lambda client: "m")
+    push(main, tmp_path, "run-1")  # only `good` takes run-1
+    other = pool_of([good.url, behind.url], main=False)
+    other.confirm("run-1")
+    assert [s.holds for s in other.servers] == ["run-1", None] and other.servers[1].lost
+    other.complete(BODIES, "generating")
+    assert behind.served == 0
+    behind.tag = "run-1"  # rank 0 gives it the weights
+    other.servers[1].looked = 0.0
+    server_pool.LOOK_AGAIN, kept = 0.0, server_pool.LOOK_AGAIN
+    try:
+        other.complete(BODIES, "generating")
+    finally:
+        server_pool.LOOK_AGAIN = kept
+    assert behind.served == len(BODIES) // 2
+    main.close(), other.close()
+
+
+def test_a_stalled_push_and_every_server_lost_are_each_one_line(servers: Any, tmp_path: Path) -> None:
+    (stalled,) = servers(1, stall=3.0)
+    pool = pool_of([stalled.url], sync=0.5)
+    pool.start(lambda client: "m")
+    with pytest.raises(UserError) as caught:
+        push(pool, tmp_path, "run-1")
+    assert f"the vLLM server at {stalled.url} did not answer in time while taking the new weights" in str(
+        caught.value
+    )
+    a, b = servers(2)
+    pool = pool_of([a.url, b.url], timeout=1.5)
+    pool.start(lambda client: "m")
+    push(pool, tmp_path, "run-1")
+    a.stop(), b.stop()
+    started = time.monotonic()
+    with pytest.raises(UserError) as caught:
+        pool.complete(BODIES, "generating")
+    line = str(caught.value)
+    assert time.monotonic() - started < 10
+    assert f"every vLLM server of the run is lost ({a.url} refused the connection" in line
+    assert b.url in line and "within 1.5 s (vllm_server_timeout)" in line and "posttrain vllm-serve" in line
+
+
+def test_a_server_absent_at_the_start_is_said_and_joins_later(
+    servers: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (up,) = servers(1)
+    late = servers(1)[0]
+    late.stop()
+    pool = pool_of([up.url, late.url], timeout=1.0)
+    with caplog.at_level("WARNING", logger="posttrain"):
+        pool.start(lambda client: "m")
+    assert f"vLLM server at {late.url} did not answer within 1 s: the run starts without it" in caplog.text
+    push(pool, tmp_path, "run-1")
+    late.start()
+    monkeypatch.setattr(server_pool, "LOOK_AGAIN", 0.0)
+    pool.complete(BODIES, "generating")
+    assert late.reloads == ["run-1"] and late.served == len(BODIES) // 2
+    pool.close()
