@@ -4,12 +4,15 @@
    gather (the training weights as host tensors, ``named_weights``), write (one safetensors file under
    ``/dev/shm``) and load (the server's reload through posttrain's worker method and its prefix-cache reset),
    to one server and to two; the median of ``--pushes`` pushes after a first one.
-2. Generation: completions per second and tokens per second through ``ServerPool.complete`` with one server
+2. Generation (on ``--generation-sizes``): completions per second and tokens per second through ``ServerPool.complete`` with one server
    on every core, and with two servers on half the cores each (the same cores in all), each completion
    ``--tokens`` tokens long (no stop token), from ``--completions`` prompts of 16 random tokens, seeded as a
    run seeds them. The ratio is two servers over one.
+3. A LoRA run's push (on ``--lora-size``, r 16 on every linear layer): the adapter alone through vLLM's LoRA
+   loading against the merged weights, bytes and seconds, to one server started for the LoRA config.
 
     .venv-vllm/bin/python benchmarks/server_pool.py [--sizes 100m,1b] [--completions 256] [--tokens 64]
+        [--generation-sizes 100m] [--lora-size 100m]
 
 Models: random LLaMAs written locally, float32 (``100m``: hidden 640, 12 layers, vocabulary 32,768, the 108M
 model of ``grpo_step.py``; ``1b``: hidden 2048, 16 layers, vocabulary 32,768, the largest whose trainer copy,
@@ -59,26 +62,40 @@ def serve_config(work: Path, model: Path, ports: list[int]) -> Path:
     return path
 
 
-def pushes(model_dir: Path, urls: list[str], count: int) -> dict[str, float]:
-    """Median seconds of each part of a push to ``urls`` (after one first push)."""
+def pushes(
+    model_dir: Path, urls: list[str], count: int, lora: dict[str, Any] | None = None, adapter: bool = True
+) -> dict[str, float]:
+    """Median seconds of each part of a push to ``urls`` (after one first push); ``lora``: a LoRA model with
+    that PEFT config, its adapter pushed alone (``adapter``) or merged."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from posttrain.rollout.vllm_server import VLLMServerBackend
 
+    model = SimpleNamespace(
+        name_or_path=str(model_dir), peft_config=lora, peft_pretrained=None, quantization_config=None
+    )
     config = SimpleNamespace(
         vllm_server_base_url=urls,
         vllm_server_timeout=600.0,
         request_timeout=600.0,
         weight_sync_timeout=1800.0,
-        model=SimpleNamespace(name_or_path=str(model_dir)),
+        vllm_push_adapter=adapter,
+        vllm_enable_sleep_mode=False,
+        model=model,
     )
     module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if lora is not None:
+        from peft import get_peft_model
+
+        from posttrain.config.peft import peft_config_from_dict
+
+        module = get_peft_model(module, peft_config_from_dict(lora))
     backend = VLLMServerBackend(config, module, [], SimpleNamespace(is_main=True, rank=0, world_size=1), 64)
     parts: dict[str, list[float]] = {}
     for index in range(count + 1):
-        with torch.no_grad():
-            next(module.parameters()).add_(1e-6)  # new weights each time, as after an update
+        with torch.no_grad():  # new weights each time, as after an update
+            next(p for p in module.parameters() if p.requires_grad).add_(1e-6)
         backend.push(module)
         if index:
             for key, value in backend.push_seconds.items():
@@ -100,7 +117,7 @@ def generation(urls: list[str], completions: int, tokens: int) -> dict[str, floa
     rng = random.Random(0)
     sampling = Sampling(tokens, 1.0)
     bodies = [
-        completion_body(served, [rng.randrange(32000) for _ in range(16)], sampling, [], 1000 + i, False)
+        completion_body(served, [rng.randrange(3, 500) for _ in range(16)], sampling, [], 1000 + i, False)
         for i in range(completions)
     ]
     for body in bodies:
@@ -122,6 +139,8 @@ def main() -> None:
     parser.add_argument("--pushes", type=int, default=3)
     parser.add_argument("--completions", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--generation-sizes", default="100m", help="the sizes generation is measured on")
+    parser.add_argument("--lora-size", default="100m", help="the size the LoRA push is measured on")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -142,13 +161,14 @@ def main() -> None:
             print(f"{size}: pushes and generation ...", file=sys.stderr, flush=True)
             with vllm_server(path, work / f"{size}-one.log", ports[0], cores=cores):
                 one_push = pushes(model, urls[:1], args.pushes)
-                one_gen = generation(urls[:1], args.completions, args.tokens)
+                generates = size in args.generation_sizes.split(",")
+                one_gen = generation(urls[:1], args.completions, args.tokens) if generates else {}
             with (
                 vllm_server(path, work / f"{size}-a.log", ports[0], cores=halves[0]),
                 vllm_server(path, work / f"{size}-b.log", ports[1], cores=halves[1]),
             ):
                 two_push = pushes(model, urls, args.pushes)
-                two_gen = generation(urls, args.completions, args.tokens)
+                two_gen = generation(urls, args.completions, args.tokens) if generates else {}
             results[size] = {
                 "push_one": one_push,
                 "push_two": two_push,
@@ -156,8 +176,45 @@ def main() -> None:
                 "gen_two": two_gen,
             }
             report(size, results[size], cores, halves)
+            if size == args.lora_size:
+                results["lora"] = lora_pushes(work, model, args.pushes, cores)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+
+
+def lora_pushes(work: Path, model: Path, count: int, cores: list[int]) -> dict[str, Any]:
+    """A LoRA model's push to one server: the adapter alone against the merged weights."""
+    import yaml
+
+    from posttrain.rollout.vllm_engine import free_port
+    from posttrain.testing.served import vllm_server
+
+    lora = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
+    port = free_port()
+    config = yaml.safe_load((work / "serve.yaml").read_text())
+    config["model"]["peft_config"] = lora
+    config["vllm_server_base_url"] = f"http://127.0.0.1:{port}"
+    path = work / "serve-lora.yaml"
+    path.write_text(yaml.safe_dump(config))
+    url = [f"http://127.0.0.1:{port}"]
+    with vllm_server(path, work / "lora.log", port, cores=cores):
+        found = {
+            "adapter": pushes(model, url, count, lora, adapter=True),
+            "merged": pushes(model, url, count, lora, adapter=False),
+        }
+    print("\nLoRA r 16 on all linear layers, one server: the adapter alone against the merged weights")
+    print("| push | MiB | gather s | write s | load s | total s |")
+    print("|---|---|---|---|---|---|")
+    for name, push in found.items():
+        print(
+            f"| {name} | {push['bytes'] / 2**20:,.1f} | {push['gather']:.3f} | {push['write']:.3f} | "
+            f"{push['load']:.3f} | {push['total']:.3f} |"
+        )
+    ratio = found["merged"]["total"] / found["adapter"]["total"]
+    print(
+        f"adapter push {ratio:.1f}x faster, {found['merged']['bytes'] / found['adapter']['bytes']:.0f}x fewer bytes"
+    )
+    return found
 
 
 def report(size: str, found: dict[str, Any], cores: list[int], halves: list[list[int]]) -> None:
@@ -172,6 +229,8 @@ def report(size: str, found: dict[str, Any], cores: list[int], halves: list[list
             f"| {name} | {push['gather']:.2f} | {push['write']:.2f} | {push['load']:.2f} | {push['total']:.2f} |"
         )
     gen_one, gen_two = found["gen_one"], found["gen_two"]
+    if not gen_one:
+        return
     print(f"\n{size}: generation on cores {cores}")
     print("| layout | completions/s | tokens/s | ratio |")
     print("|---|---|---|---|")

@@ -20,12 +20,14 @@ import yaml
 from posttrain.rollout.vllm_engine import free_port
 from posttrain.testing.env import child_env
 from posttrain.testing.served import vllm_server
+from tests.agent_helpers import agent_config, teach_tool_calls, tool_prompts
 from tests.grpo_helpers import DIGITS, write_prompts
 from tests.resume_helpers import cli, last_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 STEPS = 6
+CONTEXT = 352  # the agents' prompts and completions (tests/agent_helpers.py)
 TRAIN = [sys.executable, "-m", "posttrain", "train"]
 NODES = "--nnodes 2 --master_addr 127.0.0.1"
 #: a reward that holds the run after 3 steps while the file `hold` exists, until the file `go` does
@@ -49,7 +51,8 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Any:
     (root / "digits.py").write_text(
         f"HOLD = {str(root / 'hold')!r}\nGO = {str(root / 'go')!r}\n" + DIGITS + HOLDING
     )
-    model = write_tiny_model(root / "model", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2)
+    base = write_tiny_model(root / "base", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2)
+    model = teach_tool_calls(base, root)  # calls the agents' tool: the pool serves their rollouts too
     ports = [free_port(), free_port()]
     config: dict[str, Any] = {
         "type": "grpo",
@@ -73,6 +76,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "vllm_mode": "server",
         "vllm_server_base_url": [f"http://127.0.0.1:{port}" for port in ports],
         "vllm_server_timeout": 60,
+        "vllm_max_model_length": CONTEXT,
     }
     path = root / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -144,6 +148,34 @@ def test_two_servers_give_one_servers_numbers_on_one_and_on_two_trainer_nodes(
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "world size 2" in outputs[0] and "2 servers (" in outputs[0]
     _same(lagged, last_metrics(tmp_path / "nodes"), exact_loss=False)
+
+
+def test_multi_turn_tool_rollouts_through_a_pool_give_one_servers_numbers(
+    pool: dict[str, Any], tmp_path: Path
+) -> None:
+    """Every turn of an agent's rollout (the tool's result fed back, the next turn generated) goes through the
+    pool, and the records are one server's."""
+    records = []
+    for servers in (1, 2):
+        urls = pool["config"]["vllm_server_base_url"][:servers]
+        config = agent_config(
+            Path(pool["config"]["model"]["name_or_path"]),
+            tool_prompts(tmp_path, count=32),
+            tmp_path / f"agents-{servers}",
+            train_iters=3,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_base_url=urls,
+            vllm_max_model_length=CONTEXT,
+        )
+        done = cli(config, tmp_path / f"agents-{servers}.yaml")
+        assert done.returncode == 0, done.stderr[-3000:]
+        records.append(last_metrics(tmp_path / f"agents-{servers}"))
+    one, two = records
+    assert any(one[step]["tools/call_frequency"] > 0 for step in (1, 2, 3)), one
+    for step in (1, 2, 3):
+        assert one[step]["reward"] == two[step]["reward"] and one[step]["loss"] == two[step]["loss"], step
+        assert one[step]["tools/call_frequency"] == two[step]["tools/call_frequency"], step
 
 
 def test_a_server_killed_mid_run_changes_no_number_and_rejoins_when_started_again(

@@ -205,21 +205,45 @@ def test_two_processes_draw_and_learn_as_one(runs: dict[str, Any], tmp_path: Pat
         assert two[step]["loss"] == pytest.approx(one[step]["loss"], abs=1e-6), step
 
 
-def test_lora_under_zero3_reaches_the_engine_merged(runs: dict[str, Any], tmp_path: Path) -> None:
-    """Adapters merged into ZeRO-3's gathered weights before each push: the engine's log-probabilities of its
-    own samples stay the trainer's while the adapters learn."""
+def test_lora_under_zero3_reaches_the_engine_and_the_server_as_the_adapter_alone(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """A LoRA run under ZeRO-3 pushes its gathered adapter alone through vLLM's LoRA loading (colocated, and to
+    a server started for the config), or merged into the weights (``vllm_push_adapter: false``): either way the
+    engine's log-probabilities of its own samples stay the trainer's while the adapters learn; the server gives
+    the colocated engine's rewards."""
+    import yaml
+
     config = copy.deepcopy(runs["config"])
     config["model"]["peft_config"] = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
-    config.update(
-        deepspeed={"zero_optimization": {"stage": 3}},
-        optimizer={"lr": 1e-2},
-        train_iters=4,
-        logger={"output_dir": str(tmp_path / "lora")},
-    )
-    done = cli(config, tmp_path / "lora.yaml")
+    config.update(deepspeed={"zero_optimization": {"stage": 3}}, optimizer={"lr": 1e-2}, train_iters=4)
+    found, said = {}, {}
+    for name, changes in (("adapter", {}), ("merged", {"vllm_push_adapter": False})):
+        done = cli(
+            {**config, **changes, "logger": {"output_dir": str(tmp_path / name)}}, tmp_path / f"{name}.yaml"
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        found[name], said[name] = last_metrics(tmp_path / name), done.stdout + done.stderr
+        for step in range(1, 5):
+            assert found[name][step]["sampling/sampling_logp_difference/max"] < 1e-4, (
+                name,
+                found[name][step],
+            )
+    assert "the LoRA adapter alone pushed after each update" in said["adapter"]
+    assert "pushed merged into the base (vllm_push_adapter: false)" in said["merged"]
+    assert found["adapter"][1]["reward"] == found["merged"][1]["reward"]  # the same weights before any update
+    port = free_port()
+    served = {**config, "vllm_mode": "server", "vllm_server_base_url": f"http://127.0.0.1:{port}"}
+    served["logger"] = {"output_dir": str(tmp_path / "served")}
+    path = tmp_path / "served.yaml"
+    path.write_text(yaml.safe_dump(served))
+    with vllm_server(path, tmp_path / "server.log", port):
+        done = cli(served, path)
     assert done.returncode == 0, done.stderr[-3000:]
-    records = last_metrics(tmp_path / "lora")
+    assert "--enable-lora" in (tmp_path / "server.log").read_text()
+    records = last_metrics(tmp_path / "served")
     for step in range(1, 5):
+        assert records[step]["reward"] == found["adapter"][step]["reward"], step
         assert records[step]["sampling/sampling_logp_difference/max"] < 1e-4, records[step]
 
 

@@ -50,7 +50,8 @@ class FakeServer:
                 pass
 
             def do_GET(self) -> None:
-                self._json({"data": [{"id": "m", "root": "m", "max_model_len": 4096}]})
+                names = ["m", *sorted(outer.adapters)]
+                self._json({"data": [{"id": name, "root": "m", "max_model_len": 4096} for name in names]})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
@@ -61,6 +62,15 @@ class FakeServer:
                     return self._json({"results": [{"refreshed": [], "missing": []}]})
                 if self.path == "/collective_rpc":
                     return self._json({"results": [outer.tag]})
+                if self.path == "/v1/load_lora_adapter":
+                    outer.adapters.add(body["lora_name"])
+                    outer.reloads.append(body["lora_name"])
+                    return self._json("Success: LoRA adapter loaded")
+                if self.path == "/v1/unload_lora_adapter":
+                    outer.adapters.discard(body["lora_name"])
+                    return self._json("Success: LoRA adapter unloaded")
+                if self.path == "/v1/completions" and body["model"] not in {"m", *outer.adapters}:
+                    return self.send_error(404, f"model {body['model']} not found")
                 if self.path == "/v1/completions":
                     outer.served += 1
                     if outer.die_after is not None and outer.served > outer.die_after:
@@ -83,6 +93,7 @@ class FakeServer:
         self.port = self.server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.tag, self.die_after = None, None if self.served else self.die_after
+        self.adapters: set[str] = set()
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
@@ -115,7 +126,7 @@ def push(pool: ServerPool, tmp_path: Path, tag: str) -> None:
     pool.confirm(tag)
 
 
-BODIES = [{"seed": 1000 + i, "prompt": [1, 2]} for i in range(24)]
+BODIES = [{"seed": 1000 + i, "prompt": [1, 2], "model": "m"} for i in range(24)]
 
 
 def tokens(answers: list[dict[str, Any]]) -> list[list[int]]:
@@ -234,3 +245,27 @@ def test_a_server_absent_at_the_start_is_said_and_joins_later(
     pool.complete(BODIES, "generating")
     assert late.reloads == ["run-1"] and late.served == len(BODIES) // 2
     pool.close()
+
+
+def test_a_lora_runs_adapter_is_loaded_under_its_tag_and_the_previous_one_dropped(
+    servers: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adapter pushes go through vLLM's LoRA endpoints: each server holds the current adapter only; another
+    rank sees which servers hold it in their model list; a server started again is given the current one."""
+    first, second = servers(2)
+    pool = ServerPool([first.url, second.url], 3.0, 5.0, 10.0, main=True, adapter=True)
+    pool.start(lambda client: "m")
+    push(pool, tmp_path, "run-1")
+    push(pool, tmp_path, "run-2")
+    assert first.adapters == second.adapters == {"run-2"}
+    bodies = [{**body, "model": pool.tag} for body in BODIES]
+    assert len(pool.complete(bodies, "generating")) == len(BODIES)
+    other = ServerPool([first.url, second.url], 3.0, 5.0, 10.0, main=False, adapter=True)
+    other.confirm("run-2")
+    assert [s.holds for s in other.servers] == ["run-2", "run-2"]
+    second.stop()
+    second.start()  # restarted: no adapter
+    monkeypatch.setattr(server_pool, "LOOK_AGAIN", 0.0)
+    pool.complete(bodies, "generating")
+    assert second.adapters == {"run-2"} and second.served > 0
+    pool.close(), other.close()

@@ -340,7 +340,7 @@ def test_a_server_that_dies_during_a_push_and_stays_away_stops_the_run_in_one_li
         vllm_server_timeout=2.0,
         request_timeout=5.0,
         weight_sync_timeout=5.0,
-        model=SimpleNamespace(name_or_path="m"),
+        model=SimpleNamespace(name_or_path="m", peft_config=None, peft_pretrained=None),
     )
     dist = SimpleNamespace(is_main=True, rank=0, world_size=1)
     try:
@@ -394,3 +394,28 @@ def test_vllm_serve_listens_on_the_port_of_the_runs_address() -> None:
     assert serve_port(config(vllm_mode="server", vllm_server_base_url="http://gen:9001")) == 9001
     pool = config(vllm_mode="server", vllm_server_base_url=["http://gen:9001", "http://gen:9002"])
     assert serve_port(pool) == 8000  # a pool's servers are each given --port
+
+
+def test_a_lora_run_pushes_its_adapter_alone_where_vllm_can_serve_it_and_says_why_not_elsewhere() -> None:
+    from posttrain.rollout.vllm_lora import adapter_push
+
+    lora = {"r": 12, "lora_alpha": 24, "target_modules": "all-linear"}
+    plain = adapter_push(config(model={"peft_config": lora}))
+    assert plain.rank == 16 and "the LoRA adapter alone" in plain.said
+    settings = cpu(config(model={"peft_config": lora}))
+    assert settings.kwargs["enable_lora"] and settings.kwargs["max_lora_rank"] == 16
+    command, env = server_command(cpu(config(vllm_mode="server", model={"peft_config": lora})), "h", 1)
+    assert "--enable-lora" in command and "--max-lora-rank 16" in " ".join(command)
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert adapter_push(config()).rank == 0 and "enable_lora" not in cpu(config()).kwargs
+    for change, why in (
+        ({"use_dora": True}, "use_dora (vLLM does not serve DoRA)"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "all"}, "trained biases"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, "adapters on the embedding or the head"),
+        ({"r": 1024}, "rank 1024 (vLLM serves ranks up to 512)"),
+    ):
+        merged = adapter_push(config(model={"peft_config": {**lora, **change}}))
+        assert merged.rank == 0 and "pushed merged into the base" in merged.said and why in merged.said, (
+            change
+        )

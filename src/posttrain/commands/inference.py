@@ -168,7 +168,8 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
     port = args.port or serve_port(config)
     command_line, env = server_command(settings, host, port)
     shown = " ".join(f"{k}={v}" for k, v in env.items())
-    print(f"{settings.said}\n{shown} {shlex.join(command_line)}", flush=True)
+    said = f"{settings.said}\n{settings.adapter.said}" if settings.adapter.said else settings.said
+    print(f"{said}\n{shown} {shlex.join(command_line)}", flush=True)
     if args.dry_run:
         return 0
     require_vllm()

@@ -26,7 +26,11 @@ class OnlineTrainerConfig(TrainerConfig):
 
     mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
         *TrainerConfig.mode_keys,
-        ModeKeys(("vllm_mode", "vllm_max_model_length"), lambda c, root: c.use_vllm, "use_vllm: true"),
+        ModeKeys(
+            ("vllm_mode", "vllm_max_model_length", "vllm_push_adapter"),
+            lambda c, root: c.use_vllm,
+            "use_vllm: true",
+        ),
         ModeKeys(
             ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_kv_cache_memory"),
             lambda c, root: c.use_vllm and c.vllm_mode == "colocate",
@@ -93,6 +97,12 @@ class OnlineTrainerConfig(TrainerConfig):
     vllm_enable_sleep_mode: bool = False
     """TRL's name and default: release a colocated engine's memory while the model trains (level 2: its
     weights are dropped, not copied, since the next push overwrites them) and wake it to generate. GPUs only."""
+
+    vllm_push_adapter: bool = True
+    """A LoRA run's weights reach vLLM as the adapter alone (vLLM's LoRA: a few MiB per update, the base loaded
+    once), where vLLM can serve it; the run says in one line when it cannot (DoRA, ``modules_to_save``, biases,
+    adapters on the embedding or head, a quantised base) and pushes the merged weights. false: merged always
+    (vLLM's LoRA kernels cost some generation speed)."""
 
     vllm_server_base_url: str | list[str] | None = None
     """TRL's name: the server's address (``http://host:8000``); set, it replaces host and port. A list is a pool

@@ -4,8 +4,10 @@ which servers may serve a batch, what happens when one is lost and when it comes
 
 - Every server serves a batch only from the weights that batch must come from. Each push of the training
   weights has a tag (the run's nonce and the push's count) that the server's workers keep
-  (``vllm_worker.PosttrainWorker.posttrain_tag``); a process sends a request only to servers it has seen hold
-  the current tag.
+  (``vllm_worker.PosttrainWorker.posttrain_tag``; a LoRA run's adapter is loaded under the tag as its name);
+  before each call a process asks every server in the pool which tag it holds (one small request each: a
+  server restarted in between holds the files' weights) and sends requests only to those holding the current
+  one.
 - Each process spreads its completions over those servers (request i to server i mod n). A completion is drawn
   from its own key (the request's seed), so it does not depend on the server that draws it: a pool gives the
   numbers of one server.
@@ -104,7 +106,9 @@ class ServerClient:
         timeout: float | None = None,
         doing: str = "",
         fix: str = "",
+        text_answer: bool = False,
     ) -> Any:
+        """The JSON answer (``text_answer``: the answer as text, for vLLM's endpoints that answer in words)."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
             self.url + path, data=data, headers={"Content-Type": "application/json"}
@@ -112,6 +116,8 @@ class ServerClient:
         try:
             with urllib.request.urlopen(request, timeout=timeout or self.request_timeout) as response:
                 text = response.read().decode()
+            if text_answer:
+                return text
             return json.loads(text) if text.strip() else None
         except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as error:
             kind, why = failure(error)
@@ -152,11 +158,20 @@ class ServerPool:
     (:meth:`complete`)."""
 
     def __init__(
-        self, urls: Sequence[str], timeout: float, request_timeout: float, sync_timeout: float, main: bool
+        self,
+        urls: Sequence[str],
+        timeout: float,
+        request_timeout: float,
+        sync_timeout: float,
+        main: bool,
+        adapter: bool = False,
     ) -> None:
         self.servers = [Server(ServerClient(url, timeout, request_timeout)) for url in urls]
         self.timeout, self.sync_timeout, self.main = timeout, sync_timeout, main
-        self.tag: str | None = None  # the current push's tag
+        self.adapter = adapter  # a LoRA run's pushes are adapters, loaded by vLLM's LoRA endpoints
+        self.tag: str | None = None  # the current push's tag (an adapter's: its name on the servers)
+        self.previous: str | None = None
+        self.tagged = True  # the servers keep the pushes' tags (not with weights sent over NCCL)
         self.folder: Path | None = None  # rank 0: the current weights (kept for a server that comes back)
         self.lock = threading.RLock()
         self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="posttrain-server")
@@ -203,7 +218,7 @@ class ServerPool:
     def reload_all(self, folder: Path, tag: str, pushing: str) -> None:
         """Rank 0: every server reloads the weights in ``folder`` (the previous folder is removed after);
         a lost one that answers again takes them too. Waits for one when none took them."""
-        previous, self.folder, self.tag = self.folder, folder, tag
+        previous, self.folder, self.previous, self.tag = self.folder, folder, self.tag, tag
         list(self.pool.map(lambda server: self._reload(server, pushing), self.servers))
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
@@ -215,15 +230,18 @@ class ServerPool:
             return
         assert self.folder is not None
         try:
-            results = server.client.rpc(
-                "posttrain_reload",
-                timeout=self.sync_timeout,
-                doing=pushing,
-                weights_path=str(self.folder),
-                tag=self.tag,
-            )
-            check_reload(results, f"the vLLM server at {server.client.url}")
-            server.client.call("/reset_prefix_cache", {}, doing=pushing)
+            if self.adapter:
+                self._load_adapter(server.client, pushing)
+            else:
+                results = server.client.rpc(
+                    "posttrain_reload",
+                    timeout=self.sync_timeout,
+                    doing=pushing,
+                    weights_path=str(self.folder),
+                    tag=self.tag,
+                )
+                check_reload(results, f"the vLLM server at {server.client.url}")
+                server.client.call("/reset_prefix_cache", {}, doing=pushing)
         except ServerError as error:
             if error.kind not in (REFUSED, RESET):  # a stall or a failed reload is the run's error
                 raise
@@ -231,10 +249,33 @@ class ServerPool:
             return
         self._back(server)
 
+    def _load_adapter(self, client: ServerClient, pushing: str) -> None:
+        """The current adapter loaded under its tag, the previous one dropped (vLLM's LoRA endpoints)."""
+        fix = (
+            "start the server with posttrain vllm-serve for this config (vLLM's LoRA and runtime loading on)"
+        )
+        body = {"lora_name": self.tag, "lora_path": str(self.folder)}
+        client.call("/v1/load_lora_adapter", body, self.sync_timeout, pushing, fix, text_answer=True)
+        if self.previous:
+            with contextlib.suppress(ServerError):  # a server that was restarted does not have it
+                client.call(
+                    "/v1/unload_lora_adapter", {"lora_name": self.previous}, 30.0, pushing, text_answer=True
+                )
+
+    def _holds(self, client: ServerClient) -> str | None:
+        """The tag of the weights a server holds (an adapter run: the current adapter if it has it)."""
+        doing = "saying which weights it holds"
+        if self.adapter:
+            served = client.call("/v1/models", timeout=30.0, doing=doing)
+            names = {str(entry.get("id")) for entry in (served or {}).get("data") or []}
+            return self.tag if self.tag in names else None
+        tags = set(client.rpc("posttrain_tag", timeout=30.0, doing=doing))
+        return tags.pop() if len(tags) == 1 else None
+
     def confirm(self, tag: str, ask: bool = True) -> None:
         """Every process after a push: which servers hold ``tag`` (``ask`` false: all that are in, for
         weights sent another way than a reload)."""
-        self.tag = tag
+        self.tag, self.tagged = tag, ask
         if not ask:
             for server in self.servers:
                 if not server.lost:
@@ -244,15 +285,12 @@ class ServerPool:
 
     def _ask(self, server: Server) -> None:
         try:
-            tags = set(
-                server.client.rpc("posttrain_tag", timeout=30.0, doing="saying which weights it holds")
-            )
+            server.holds = self._holds(server.client)
         except ServerError as error:
             if not error.lost:
                 raise
             self._lose(server, error)
             return
-        server.holds = tags.pop() if len(tags) == 1 else None
         if server.holds == self.tag:
             self._back(server)
         elif not server.lost:  # rank 0 could not give it the weights: looked at again as a lost one
@@ -264,6 +302,10 @@ class ServerPool:
         """Every body to ``/v1/completions``, spread over the servers holding the current weights; a lost
         server's requests sent again to the others."""
         self.gave_up = None
+        if (
+            self.tagged
+        ):  # a server restarted since it was last seen holds the files' weights: out until given ours
+            list(self.pool.map(self._ask, [server for server in self.servers if not server.lost]))
         serving = self._serving(look=True) or self._wait_for_one()
         jobs = [(body, serving[i % len(serving)]) for i, body in enumerate(bodies)]
         return list(self.pool.map(lambda job: self._complete(job[0], job[1], doing), jobs))

@@ -34,6 +34,7 @@ from posttrain.logs import say
 from posttrain.memory.estimate import kv_cache_bytes
 from posttrain.models.dimensions import Dimensions, read_dimensions
 from posttrain.rollout.generation import Completions, Sampling
+from posttrain.rollout.vllm_lora import AdapterPush, adapter_push, engine_lora_kwargs, write_adapter
 
 #: the smallest KV cache a CPU engine is given (a few blocks of a tiny model need more than the plan says)
 CPU_KV_FLOOR = 64 << 20
@@ -49,6 +50,8 @@ class EngineSettings:
     kwargs: dict[str, Any]
     env: dict[str, str] = field(default_factory=dict)
     said: str = ""
+    #: a LoRA run's push: the adapter alone, or merged (``vllm_lora.adapter_push``)
+    adapter: AdapterPush = field(default_factory=lambda: AdapterPush(0))
 
 
 def model_context(config: Any, dims: Dimensions, longest_prompt: int) -> int:
@@ -144,7 +147,9 @@ def engine_settings(
         )
     if kwargs["quantization"]:
         said += ", 4-bit base as bitsandbytes"
-    return EngineSettings(kwargs, env, said)
+    adapter = adapter_push(config)
+    kwargs.update(engine_lora_kwargs(adapter))
+    return EngineSettings(kwargs, env, said, adapter)
 
 
 def refuse_grown_vocabulary(config: Any, module: torch.nn.Module, dims: Dimensions) -> None:
@@ -270,7 +275,11 @@ class VLLMBackend(EngineCopy):
         quiet_known_warnings()
         self.stop_ids, self.settings = list(stop_ids), settings
         self.sleeps = bool(settings.kwargs.get("enable_sleep_mode"))
+        self.lora: Any = None  # the adapter the engine samples with (a LoRA run's adapter push)
+        self.pushes, self.push_bytes = 0, 0
         say(settings.said)
+        if settings.adapter.said:
+            say(settings.adapter.said)
         with kept_random_state():  # vLLM seeds the process's generators: the training's are left as they were
             self.llm = LLM(**settings.kwargs)
         self.stale = True  # the engine holds the files' weights, not the training ones
@@ -288,7 +297,7 @@ class VLLMBackend(EngineCopy):
             for i in range(len(prompts))
         ]
         try:
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora)
         finally:
             self._sleep()
         return completions_of(outputs, self.stop_ids, logprobs)
@@ -296,6 +305,10 @@ class VLLMBackend(EngineCopy):
     def push(self, module: torch.nn.Module) -> None:
         """The training weights into the engine, in place (every layer taking them, tied ones prepared again),
         then its prefix cache emptied."""
+        self.pushes += 1
+        if self.settings.adapter.rank:
+            self._push_adapter(module)
+            return
         if self.sleeps:
             self.llm.wake_up(tags=["weights"])
         reports = self.llm.collective_rpc(
@@ -305,12 +318,35 @@ class VLLMBackend(EngineCopy):
         self.llm.reset_prefix_cache()
         self.stale = False
 
+    def _push_adapter(self, module: torch.nn.Module) -> None:
+        """The adapter alone: written in PEFT's layout, loaded by vLLM as a new adapter (the previous one
+        dropped); the base the engine loaded from the model's files stays."""
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from vllm.lora.request import LoRARequest
+
+        shm = Path("/dev/shm")
+        folder = Path(tempfile.mkdtemp(prefix="posttrain-adapter-", dir=shm if shm.is_dir() else None))
+        self.push_bytes = write_adapter(module, folder)
+        if self.lora is not None:
+            self.llm.llm_engine.remove_lora(self.lora.lora_int_id)
+            shutil.rmtree(self.lora.lora_path, ignore_errors=True)
+        self.lora = LoRARequest(f"posttrain-{self.pushes}", self.pushes, str(folder))
+        self.llm.reset_prefix_cache()
+        self.stale = False
+
     def _sleep(self) -> None:
         if self.sleeps:
             self.llm.sleep(level=2)  # the weights are dropped: the next push overwrites them anyway
             self.stale = True
 
     def close(self) -> None:
+        if self.lora is not None:
+            import shutil
+
+            shutil.rmtree(self.lora.lora_path, ignore_errors=True)
         with contextlib.suppress(Exception):
             self.llm.llm_engine.engine_core.shutdown()
         del self.llm

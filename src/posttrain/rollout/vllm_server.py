@@ -47,6 +47,7 @@ from posttrain.rollout.vllm_engine import (
     named_weights,
     usable_cores,
 )
+from posttrain.rollout.vllm_lora import adapter_push, adapter_state, save_adapter
 
 #: ``vllm.LLM`` arguments and the server's flags for them (the rest have no place in a server)
 SERVER_FLAGS = {
@@ -64,12 +65,15 @@ SERVER_FLAGS = {
     "tensor_parallel_size": "--tensor-parallel-size",
     "worker_extension_cls": "--worker-extension-cls",
     "weight_transfer_config": "--weight-transfer-config",
+    "max_lora_rank": "--max-lora-rank",
+    "max_loras": "--max-loras",
 }
 #: switches: given when true
 SERVER_SWITCHES = {
     "trust_remote_code": "--trust-remote-code",
     "enable_prefix_caching": "--enable-prefix-caching",
     "enforce_eager": "--enforce-eager",
+    "enable_lora": "--enable-lora",
 }
 #: the colocated engine's environment a server does without: its engine runs in a process of its own, and
 #: its log (the address it listens on, each request) is the server's to show
@@ -106,6 +110,8 @@ def server_command(settings: EngineSettings, host: str, port: int) -> tuple[list
     command += ["--host", host, "--port", str(port)]
     env = {k: v for k, v in settings.env.items() if k not in COLOCATED_ONLY}
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache: the weight updates
+    if settings.kwargs.get("enable_lora"):  # /v1/load_lora_adapter: a LoRA run's adapter pushes
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     return command, env
 
 
@@ -245,7 +251,9 @@ class VLLMServerBackend(EngineCopy):
             float(config.request_timeout),
             float(config.weight_sync_timeout),
             dist.is_main,
+            adapter=bool(adapter_push(config).rank),
         )
+        self.adapter = adapter_push(config)
         self.weight_sync_timeout = float(config.weight_sync_timeout)
         self.weights_dir = getattr(config, "vllm_server_weights_dir", None)
         self.model = config.model.name_or_path
@@ -261,13 +269,15 @@ class VLLMServerBackend(EngineCopy):
             )
             where = f"server at {urls[0]}" if len(urls) == 1 else f"{len(urls)} servers ({', '.join(urls)})"
             say(f"vLLM {where}: {self.served}, weights pushed through {self.folder()}")
+            if self.adapter.said:
+                say(self.adapter.said)
         self.nonce, self.pushes = shared_nonce(), 0
         #: rank 0's last push: seconds to gather the weights, write them, and for every server to load them
         self.push_seconds: dict[str, float] = {}
         self._barrier()
         self.stale = True
         self.nccl: list[NcclWeights] | None = None
-        if next(module.parameters()).device.type == "cuda":
+        if next(module.parameters()).device.type == "cuda" and not self.adapter.rank:
             self.nccl = [NcclWeights(s.client, module, dist) for s in self.servers.servers if not s.lost]
 
     def folder(self) -> Path:
@@ -283,7 +293,12 @@ class VLLMServerBackend(EngineCopy):
     ) -> Completions:
         bodies = [
             completion_body(
-                self.served, prompt, sampling, self.stop_ids, None if keys is None else keys[i], logprobs
+                self.servers.tag if self.adapter.rank else self.served,
+                prompt,
+                sampling,
+                self.stop_ids,
+                None if keys is None else keys[i],
+                logprobs,
             )
             for i, prompt in enumerate(prompts)
         ]
@@ -314,13 +329,19 @@ class VLLMServerBackend(EngineCopy):
         from safetensors.torch import save_file
 
         started = time.perf_counter()
-        weights = {name: tensor.detach().cpu().contiguous() for name, tensor in named_weights(module)}
+        if self.adapter.rank:
+            weights = adapter_state(module)
+        else:
+            weights = {name: tensor.detach().cpu().contiguous() for name, tensor in named_weights(module)}
         gathered = time.perf_counter()
         if self.dist.is_main:
             folder = self.folder() / f"posttrain-weights-{tag}"
             folder.parent.mkdir(parents=True, exist_ok=True)
             partial = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", dir=folder.parent))
-            save_file(weights, str(partial / "model.safetensors"))
+            if self.adapter.rank:
+                save_adapter(module, weights, partial)
+            else:
+                save_file(weights, str(partial / "model.safetensors"))
             partial.rename(folder)  # a server never reads half a file
             written = time.perf_counter()
             self.servers.reload_all(folder, tag, pushing)
