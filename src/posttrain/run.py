@@ -22,6 +22,7 @@ from posttrain.data.sampler import ShardSampler
 from posttrain.data.views import EvalShard
 from posttrain.dist import DistInfo, barrier, init_distributed, seed_everything
 from posttrain.errors import UserError
+from posttrain.inference.harness_training import evaluators_for
 from posttrain.logs import get_logger, say, setup_logging
 from posttrain.models.sequence_parallel import SequenceSlicer
 from posttrain.models.sequence_parallel import uninstall as uninstall_sequence_parallel
@@ -166,6 +167,7 @@ def loop_inputs(
     ctx, spec, plan = setup.ctx, setup.spec, batches.plan
     config = ctx.config
     engine = _engine(ctx, loaded, plan.total_steps)
+    evaluators = evaluators_for(config, engine.module, tokenizer, ctx.dist)  # their checks before any output
     checkpoints = [CHECKPOINT_ENGINES.get(c.type).obj(c, ctx, tokenizer) for c in config.checkpoint]
     if spec.prepare is not None:
         load_component(spec.prepare)(
@@ -187,6 +189,7 @@ def loop_inputs(
         observers=profiling_observers(config, ctx.dist.rank, engine.device),
         perplexity=spec.perplexity,
         extras=[*step_extras(engine.module, loaded.facts, config), *steps.extras],
+        evaluators=evaluators,
     )
     _announce(setup, batches, inputs)
     return inputs, state, resumed_from
@@ -224,8 +227,8 @@ def _announce(setup: Setup, batches: Batches, inputs: LoopInputs) -> None:
         + (f", each sample split over {sp} processes)" if sp > 1 else ")")
     )
     say(lr_explanation(setup.original, sizes, setup.lr))
-    for extra in inputs.extras:
-        say(extra.describe())
+    for part in [*inputs.extras, *inputs.evaluators]:
+        say(part.describe())
 
 
 def train_and_finish(
@@ -266,8 +269,8 @@ def _close(ctx: RunContext, inputs: LoopInputs) -> None:
     inputs.stops.uninstall()
     for observer in inputs.observers:
         observer.close()
-    for extra in inputs.extras:
-        extra.close()
+    for part in [*inputs.extras, *inputs.evaluators]:
+        part.close()
     inputs.outputs.close(export_dirs(ctx))
     if ctx.config.manual_gc:
         gc.enable()

@@ -28,8 +28,8 @@ def _plot_arguments(parser: argparse.ArgumentParser) -> None:
     "plot",
     "draw loss, LR and throughput curves of one or more runs to a PNG",
     _plot_arguments,
-    """Draw train and eval loss, LR and tokens/s against steps (and the reward of online RL); several runs
-    are overlaid.""",
+    """Draw train and eval loss, LR and tokens/s against steps (and the reward of online RL, generation ahead
+    of training, the harness tasks run during training); several runs are overlaid.""",
 )
 def cmd_plot(args: argparse.Namespace) -> int:
     from posttrain.tracking.plot import plot_metrics

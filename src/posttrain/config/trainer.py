@@ -13,6 +13,7 @@ from posttrain.config.checkpoint import CheckpointConfig
 from posttrain.config.data import DataConfig
 from posttrain.config.deepspeed_block import deepspeed_problems
 from posttrain.config.fp8 import frozen_model_problems
+from posttrain.config.harness import HarnessConfig
 from posttrain.config.human import HumanFloat, HumanInt, StepInterval, coerce_tree
 from posttrain.config.logger import LoggerConfig
 from posttrain.config.model import ModelConfig
@@ -201,6 +202,11 @@ class TrainerConfig(BaseConfig):
 
     eval_at_end: bool = True
     """Evaluate once more after the last training step (when eval data is configured)."""
+
+    harness: HarnessConfig | None = None
+    """lm-evaluation-harness tasks on the model being trained, every ``harness.interval`` steps and at the end,
+    logged as ``eval/<task>/<metric>`` with their cost in ``time_harness`` (Axolotl's ``lm_eval_tasks``):
+    ``{tasks: [reverse_digits], include_path: examples/harness, interval: 50, limit: 200}``. Null: none."""
 
     eval_on_start: bool = False
     """Evaluate before the first training step (logged as iter 0), so one run shows the held-out loss before

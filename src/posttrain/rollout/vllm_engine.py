@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from posttrain.dist import kept_random_state
 from posttrain.errors import UserError
 from posttrain.logs import say
 from posttrain.memory.estimate import kv_cache_bytes
@@ -368,25 +369,6 @@ def check_reload(reports: Sequence[Any], engine: str) -> None:
             "weights that are not the trained ones. The model's parameter names differ from what vLLM's model "
             "class loads; use use_vllm: false (transformers' generate) for this model"
         )
-
-
-@contextlib.contextmanager
-def kept_random_state() -> Iterator[None]:
-    """Python's, NumPy's and torch's (CPU and CUDA) generator states restored after the block."""
-    import random
-
-    import numpy as np
-
-    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.random.set_rng_state(states[2])
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
 
 
 def named_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,5 +1,6 @@
 """``posttrain plot``: loss (train and eval), the reward of online RL runs, generation ahead of training
-(staleness, the trainer's and the generator's waits), learning rate and throughput against steps, several runs
+(staleness, the trainer's and the generator's waits), lm-evaluation-harness tasks run during training
+(``eval/<task>/<metric>``), learning rate and throughput against steps, several runs
 overlaid, from metrics JSON-lines files."""
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def plot_metrics(paths: list[Path], out: Path) -> Path:
     runs = [(path, read_metrics(path)) for path in paths]
     rewards = any(r.get("reward") is not None for _, records in runs for r in records)
     ahead = any(r.get("sample/staleness_max") is not None for _, records in runs for r in records)
-    panels = 3 + rewards + ahead
+    harness = harness_keys(runs)
+    panels = 3 + rewards + ahead + bool(harness)
     figure, axes = plt.subplots(panels, 1, figsize=(9, 3.3 * panels), sharex=True)
     loss_axis, *middle, lr_axis, speed_axis = axes
     for index, (path, records) in enumerate(runs):
@@ -56,14 +58,27 @@ def plot_metrics(paths: list[Path], out: Path) -> Path:
         speed = [r for r in train if r.get("tokens_per_second") is not None]
         speed_axis.plot([r["iter"] for r in speed], [r["tokens_per_second"] for r in speed], color=color)
         if ahead:
-            _ahead(middle[-1], records, color, label)
+            _ahead(middle[rewards], records, color, label)
+        for style, key in enumerate(harness):
+            found = [r for r in records if r.get(key) is not None]
+            middle[-1].plot(
+                [r["iter"] for r in found],
+                [r[key] for r in found],
+                color=color,
+                marker="os^Dv"[style % 5],
+                linestyle=["-", "--", ":", "-."][style % 4],
+                label=f"{label} {key.removeprefix('eval/')}",
+            )
     loss_axis.set_ylabel("loss")
     loss_axis.legend(fontsize="small")
     if rewards:
         middle[0].set_ylabel("reward")
         middle[0].legend(fontsize="small")
     if ahead:
-        middle[-1].set_ylabel("seconds waited / staleness")
+        middle[rewards].set_ylabel("seconds waited / staleness")
+        middle[rewards].legend(fontsize="small")
+    if harness:
+        middle[-1].set_ylabel("harness tasks")
         middle[-1].legend(fontsize="small")
     lr_axis.set_ylabel("learning rate")
     speed_axis.set_ylabel("tokens / s")
@@ -73,6 +88,12 @@ def plot_metrics(paths: list[Path], out: Path) -> Path:
         return atomic_write(out, lambda tmp: figure.savefig(tmp, dpi=100))
     finally:
         plt.close(figure)
+
+
+def harness_keys(runs: list[tuple[Path, list[dict[str, Any]]]]) -> list[str]:
+    """The lm-evaluation-harness metrics the runs logged (``eval/<task>/<metric>``), drawn in a panel of their
+    own."""
+    return sorted({key for _, records in runs for r in records for key in r if key.startswith("eval/")})
 
 
 def _ahead(axis: Any, records: list[dict[str, Any]], color: str, label: str) -> None:

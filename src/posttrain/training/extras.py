@@ -5,6 +5,8 @@
   multi-token head tomorrow) may watch each micro-batch's forward, add a term to its objective, and report
   values that the loop sums over the step's micro-batches and, in the step's one all-reduce, over the ranks,
   reading them back by name.
+- An :class:`Evaluator` (lm-evaluation-harness tasks) measures the model beside the method's own evaluation,
+  after the steps it names and at the end, its entries added to that step's record.
 """
 
 from __future__ import annotations
@@ -52,5 +54,19 @@ class StepExtra(Protocol):
     def describe(self) -> str:
         """One line for the start of the run: what the extra does."""
         ...
+
+    def close(self) -> None: ...
+
+
+class Evaluator(Protocol):
+    def due(self, step: int, end: bool) -> bool:
+        """Whether to evaluate after optimizer step ``step`` (``end``: the run's end, after its last step)."""
+        ...
+
+    def evaluate(self, module: torch.nn.Module, step: int) -> dict[str, Any]:
+        """Called on every rank: the record's entries (rank 0's are the ones written)."""
+        ...
+
+    def describe(self) -> str: ...
 
     def close(self) -> None: ...

@@ -20,7 +20,7 @@ from posttrain.registry import LossFunction
 from posttrain.tracking.outputs import RunOutputs
 from posttrain.tracking.system import StepMeter
 from posttrain.training.engine import Engine
-from posttrain.training.extras import COUNT, StepExtra, StepObserver
+from posttrain.training.extras import COUNT, Evaluator, StepExtra, StepObserver
 from posttrain.training.steps import StepFeed
 from posttrain.training.stops import StopSignals
 
@@ -87,6 +87,7 @@ class LoopInputs:
     observers: list[StepObserver] = field(default_factory=list)  # profilers
     perplexity: bool = True
     extras: list[StepExtra] = field(default_factory=list)  # model features' loss terms and metrics (MoE)
+    evaluators: list[Evaluator] = field(default_factory=list)  # beside the method's evaluation (the harness)
 
 
 def perplexity(loss: float) -> float:
@@ -241,6 +242,7 @@ def _after_step(ctx: RunContext, inputs: LoopInputs, state: LoopState, record: d
     if config.eval_interval and state.step % config.eval_interval == 0 and inputs.eval_loader is not None:
         record.update(evaluate(ctx, inputs))
         state.evals += 1
+    record.update(_evaluators(inputs, state, end=False))
     state.history.append(record)
     printed = config.loss_log_interval and state.step % config.loss_log_interval == 0
     eval_printed = (
@@ -278,14 +280,31 @@ def initial_evaluation(ctx: RunContext, inputs: LoopInputs, state: LoopState) ->
         _evaluation_record(ctx, inputs, state)
 
 
+def _evaluators(inputs: LoopInputs, state: LoopState, end: bool) -> dict[str, Any]:
+    """The entries of the evaluators due after this step (or at the end)."""
+    record: dict[str, Any] = {}
+    for evaluator in inputs.evaluators:
+        if evaluator.due(state.step, end):
+            record.update(evaluator.evaluate(inputs.engine.module, state.step))
+    return record
+
+
 def final_evaluation(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> dict[str, Any] | None:
-    """The end-of-training (or ``skip_train``) evaluation, unless the last step just evaluated."""
+    """The end-of-training (or ``skip_train``) evaluation, unless the last step just evaluated, with the
+    evaluators due at the end."""
     config = ctx.config
-    if inputs.eval_loader is None or not (config.eval_at_end or config.skip_train):
-        return None
+    method = inputs.eval_loader is not None and (config.eval_at_end or config.skip_train)
     if state.history and "eval_loss" in state.history[-1]:
+        method = False
+    extra = _evaluators(inputs, state, end=True)
+    if not method and not extra:
         return None
-    return _evaluation_record(ctx, inputs, state)
+    record = {"iter": state.step, "epoch": state.epoch, **(evaluate(ctx, inputs) if method else {}), **extra}
+    state.evals += int(method)
+    record["time"] = time.time()
+    inputs.outputs.write(record, show=True)
+    state.history.append(record)
+    return record
 
 
 def train_loop(ctx: RunContext, inputs: LoopInputs, state: LoopState) -> LoopState:

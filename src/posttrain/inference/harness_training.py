@@ -1,0 +1,116 @@
+"""``harness:``: lm-evaluation-harness tasks on the model being trained, after every ``interval`` optimizer steps
+and at the end, through the harness's own API (``simple_evaluate`` on its transformers model class, handed the
+training model itself: nothing is saved or loaded). An :class:`~posttrain.training.extras.Evaluator`: the loop
+adds its entries to the step's record.
+
+- Entries: ``eval/<task>/<metric>`` (the harness's metric, with its filter when it is not ``none``:
+  ``eval/gsm8k/exact_match/strict-match``), their standard errors left out, and ``time_harness``, the
+  seconds the evaluation took (every rank waits for it).
+- Where: rank 0 evaluates while the others wait; under ZeRO-3 every rank runs the same evaluation in step
+  (each forward gathers the layers from every rank), rank 0's results written.
+- The tasks are looked up when the run starts (an unknown task with the close names, a local YAML that does not
+  parse, a Hub dataset while offline: one line, exit 2, before the first step).
+- The training's random generators are left as they were (the harness seeds the process's own), so a run
+  with the harness trains exactly as the run without it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.dist import barrier, kept_random_state
+from posttrain.inference.harness import task_manager
+
+
+def metrics_of(results: dict[str, Any]) -> dict[str, float]:
+    """The harness's results as record entries: ``eval/<task>/<metric>[/<filter>]`` (numbers only, no
+    standard errors)."""
+    out: dict[str, float] = {}
+    for task, values in (results.get("results") or {}).items():
+        for key, value in values.items():
+            metric, _, kept = key.partition(",")
+            if metric.endswith("_stderr") or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            out[f"eval/{task}/{metric}" + (f"/{kept}" if kept and kept != "none" else "")] = float(value)
+    return out
+
+
+class HarnessEvaluator:
+    """The ``harness:`` block's tasks (see the module docstring)."""
+
+    def __init__(self, config: Any, tokenizer: Any, dist: Any, everywhere: bool) -> None:
+        include = Path(config.include_path) if config.include_path else None
+        self.manager = task_manager(config.tasks, include, [], ("harness.tasks", "harness.include_path"))
+        self.config, self.tokenizer, self.dist, self.everywhere = config, tokenizer, dist, everywhere
+        self.last = -1
+
+    def due(self, step: int, end: bool) -> bool:
+        if step == self.last:  # the last step was just evaluated
+            return False
+        if end:
+            return bool(self.config.at_end)
+        return bool(self.config.interval) and step % self.config.interval == 0
+
+    def evaluate(self, module: torch.nn.Module, step: int) -> dict[str, Any]:
+        self.last = step
+        started = time.perf_counter()
+        results: dict[str, Any] = {}
+        if self.dist.is_main or self.everywhere:
+            with kept_random_state():
+                results = self._run(module)
+        barrier(self.dist)
+        record: dict[str, Any] = metrics_of(results) if self.dist.is_main else {}
+        record["time_harness"] = time.perf_counter() - started
+        return record
+
+    def _run(self, module: torch.nn.Module) -> dict[str, Any]:
+        import logging
+
+        from lm_eval import simple_evaluate
+        from lm_eval.models.huggingface import HFLM
+
+        from posttrain.models.token_logps import unwrap
+
+        model = unwrap(module)
+        training = model.training
+        model.eval()
+        quiet = logging.getLogger("lm_eval")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)  # "pretrained is not a str", per evaluation
+        try:
+            lm = HFLM(pretrained=model, tokenizer=self.tokenizer, batch_size=self.config.batch_size)
+            limit = self.config.limit
+            results = simple_evaluate(
+                model=lm,
+                tasks=list(self.config.tasks),
+                num_fewshot=self.config.num_fewshot,
+                limit=limit if limit is None or limit < 1 else int(limit),
+                task_manager=self.manager,
+                apply_chat_template=self.config.apply_chat_template,
+                log_samples=False,
+            )
+        finally:
+            quiet.setLevel(level)
+            model.train(training)
+        return results or {}
+
+    def describe(self) -> str:
+        every = f"every {self.config.interval} steps" if self.config.interval else ""
+        when = " and ".join(w for w in (every, "at the end" if self.config.at_end else "") if w) or "never"
+        where = "every rank in step (ZeRO-3)" if self.everywhere else "rank 0"
+        return f"harness: {', '.join(self.config.tasks)} {when}, on {where}, logged as eval/<task>/<metric>"
+
+    def close(self) -> None:
+        pass
+
+
+def evaluators_for(config: Any, module: torch.nn.Module, tokenizer: Any, dist: Any) -> list[HarnessEvaluator]:
+    """The run's evaluators beside its method's own evaluation: the ``harness:`` block's, when there is one."""
+    if config.harness is None:
+        return []
+    zero3 = any(hasattr(p, "ds_id") for p in module.parameters())
+    return [HarnessEvaluator(config.harness, tokenizer, dist, zero3)]
