@@ -1,8 +1,11 @@
 """``posttrain eval`` time per 1,000 samples: the demo's task as a local lm-evaluation-harness task (greedy
 generation, exact match), 1,000 numbers, on the SFT demo's export, with transformers (``--backend hf``) and
-with vLLM (``--backend vllm``) where the harness can load it, measured in one run.
+with vLLM (``--backend vllm``) where the harness can load it, and through posttrain's own vLLM engine as a
+``harness:`` block uses it in a run with vLLM (``vllm-engine``: run the script with vLLM's venv), measured in
+one run.
 
     .venv/bin/python benchmarks/harness_eval.py [--samples 1000] [--batch-size 16] [--json out.json]
+    .venv-vllm/bin/python benchmarks/harness_eval.py   # the vllm-engine row too
 
 It runs ``make demo``'s training first when its export (``demo-out/run/checkpoints/final``) is missing. The
 time is the harness's whole ``simple_evaluate`` (model load included), once per backend after a warm-up; the
@@ -53,6 +56,68 @@ def timed(evaluation) -> tuple[float, float]:
     return seconds, results["results"]["reverse_digits"]["exact_match,first_digits"]
 
 
+def engine_row(tasks: Path, samples: int, batch_size: int) -> dict[str, float | str]:
+    """The harness through posttrain's own colocated vLLM engine, as a ``harness:`` block uses it in a run with
+    vLLM (``inference/harness_training.py``): generations on the engine, the same task and settings."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return {"skipped": "vLLM is not installed here (run this script with .venv-vllm/bin/python)"}
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.config.harness import HarnessConfig
+    from posttrain.config.load import load_config
+    from posttrain.inference.harness_training import HarnessEvaluator
+    from posttrain.rollout.feed import EngineGeneration, stop_ids
+    from posttrain.rollout.vllm_engine import build_vllm_backend
+
+    model = AutoModelForCausalLM.from_pretrained(EXPORT, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(EXPORT)
+    config = load_config(
+        data={
+            "type": "grpo",
+            "model": {"name_or_path": str(EXPORT), "dtype": "float32"},
+            "data": {"sources": [str(tasks / "numbers.jsonl")]},
+            "rewards": [{"type": "length_penalty"}],
+            "use_vllm": True,
+            "max_completion_length": 12,
+        }
+    )
+    dist = SimpleNamespace(is_main=True, rank=0, local_rank=0, world_size=1)
+    started = time.perf_counter()
+    backend = build_vllm_backend(config, model, stop_ids(tokenizer, model), 64, batch_size, dist)
+    engine_start = time.perf_counter() - started
+    generation = EngineGeneration(SimpleNamespace(ahead=None, backend=backend))  # type: ignore[arg-type]
+
+    def run(limit: int) -> tuple[float, float]:
+        harness = HarnessConfig(
+            tasks=["reverse_digits"],
+            include_path=str(tasks),
+            limit=limit,
+            batch_size=batch_size,
+            apply_chat_template=True,
+        )
+        evaluator = HarnessEvaluator(harness, tokenizer, dist, False, generation)
+        began = time.perf_counter()
+        record = evaluator.evaluate(model, 0)
+        return time.perf_counter() - began, record["eval/reverse_digits/exact_match/first_digits"]
+
+    run(1)  # warm-up
+    start_up, _ = run(1)
+    seconds, accuracy = run(samples)
+    backend.close()
+    return {
+        "seconds": seconds,
+        "start_up_s": start_up,
+        "per_1000_s": (seconds - start_up) / (samples - 1) * 1000,
+        "exact_match": accuracy,
+        "engine_start_s": engine_start,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=1000)
@@ -86,6 +151,7 @@ def main() -> None:
                 "per_1000_s": per_1000,
                 "exact_match": accuracy,
             }
+        rows["vllm-engine"] = engine_row(tasks, args.samples, args.batch_size)
     print(f"\n{args.samples} samples, batch size {args.batch_size}, the SFT demo's export")
     for backend, row in rows.items():
         if "skipped" in row:
@@ -94,11 +160,19 @@ def main() -> None:
             print(
                 f"  {backend:5s} {row['seconds']:7.1f} s ({row['start_up_s']:.1f} s of it start-up with one sample), "
                 f"{row['per_1000_s']:.1f} s per 1,000 samples after it, exact match {row['exact_match']:.3f}"
+                + (
+                    f" (the engine's own start: {row['engine_start_s']:.1f} s)"
+                    if "engine_start_s" in row
+                    else ""
+                )
             )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    if all("per_1000_s" in row for row in rows.values()):
-        print(f"vllm/hf time per 1,000 samples: {rows['vllm']['per_1000_s'] / rows['hf']['per_1000_s']:.2f}")
+    for name in ("vllm", "vllm-engine"):
+        if "per_1000_s" in rows[name] and "per_1000_s" in rows["hf"]:
+            print(
+                f"{name}/hf time per 1,000 samples: {rows[name]['per_1000_s'] / rows['hf']['per_1000_s']:.2f}"
+            )
 
 
 if __name__ == "__main__":

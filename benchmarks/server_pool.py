@@ -114,6 +114,7 @@ def generation(urls: list[str], completions: int, tokens: int) -> dict[str, floa
 
     pool = ServerPool(urls, 600.0, 600.0, 1800.0, main=True)
     served = pool.start(lambda client: client.call("/v1/models")["data"][0]["id"])
+    pool.confirm("", ask=False)  # the servers' weights as they are: no push in this measurement
     rng = random.Random(0)
     sampling = Sampling(tokens, 1.0)
     bodies = [

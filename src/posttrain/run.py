@@ -167,7 +167,6 @@ def loop_inputs(
     ctx, spec, plan = setup.ctx, setup.spec, batches.plan
     config = ctx.config
     engine = _engine(ctx, loaded, plan.total_steps)
-    evaluators = evaluators_for(config, engine.module, tokenizer, ctx.dist)  # their checks before any output
     checkpoints = [CHECKPOINT_ENGINES.get(c.type).obj(c, ctx, tokenizer) for c in config.checkpoint]
     if spec.prepare is not None:
         load_component(spec.prepare)(
@@ -175,6 +174,10 @@ def loop_inputs(
         )  # before resuming: sees the initial weights
     state, resumed_from = _resume(checkpoints, engine)
     steps = load_component(spec.steps)(ctx, engine, batches, tokenizer)
+    generation = getattr(steps, "generation", None)  # an online run's vLLM engine
+    evaluators = evaluators_for(
+        config, engine.module, tokenizer, ctx.dist, generation
+    )  # checked before output
     inputs = LoopInputs(
         engine=engine,
         loss_fn=load_component(spec.loss)(config, tokenizer, steps),

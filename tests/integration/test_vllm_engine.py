@@ -342,3 +342,50 @@ def test_tool_rollouts_through_the_engine(tmp_path: Path) -> None:
         assert records[step]["sampling/sampling_logp_difference/max"] < 1e-4, records[step]
     lines = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert any(m["role"] == "tool" for line in lines for m in line["messages"])
+
+
+#: a generation task whose score moves with every character generated (chrF against the reversed number)
+CHRF_TASK = """
+task: reverse_chrf
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{prompt[0].content}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  do_sample: false
+  max_gen_toks: 8
+metric_list:
+  - {{metric: chrf, aggregation: chrf, higher_is_better: true}}
+metadata:
+  version: 1.0
+"""
+
+
+def test_harness_tasks_during_training_generate_through_the_runs_engine(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    """A ``harness:`` generation task in a run with vLLM goes through the run's engine (given the current
+    weights first) and scores what transformers' generate scores on the run's export."""
+    pytest.importorskip("lm_eval")
+    data = Path(__file__).resolve().parents[2] / "examples" / "data" / "reverse-prompts-eval.jsonl"
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "reverse_chrf.yaml").write_text(CHRF_TASK.format(data=data))
+    config = copy.deepcopy(runs["config"])
+    harness = {"tasks": ["reverse_chrf"], "include_path": str(tmp_path / "tasks"), "limit": 8, "batch_size": 4}
+    export = {"type": "huggingface", "output_dir": str(tmp_path / "export"), "save_end_of_training": True}
+    config.update(train_iters=2, harness=harness, checkpoint=[export], logger={"output_dir": str(tmp_path / "run")})
+    done = cli(config, tmp_path / "harness.yaml")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "reverse_chrf at the end, on rank 0, generating through the run's vLLM engine" in done.stdout + done.stderr
+    during = last_metrics(tmp_path / "run")[2]["eval/reverse_chrf/chrf"]
+    final = next((tmp_path / "export").glob("*"))
+    command = [sys.executable, "-m", "posttrain", "eval", str(final), "--tasks", "reverse_chrf"]
+    command += ["--include-path", str(tmp_path / "tasks"), "--limit", "8", "--batch-size", "4", "--json"]
+    evaluated = subprocess.run(command, capture_output=True, text=True, timeout=300, env=child_env())
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert 0 < during == json.loads(evaluated.stdout)["results"]["reverse_chrf"]["chrf,none"]

@@ -10,6 +10,8 @@ adds its entries to the step's record.
   (each forward gathers the layers from every rank), rank 0's results written.
 - The tasks are looked up when the run starts (an unknown task with the close names, a local YAML that does not
   parse, a Hub dataset while offline: one line, exit 2, before the first step).
+- Generation (``generate_until`` tasks) goes through the run's vLLM engine when it has one (colocated or its
+  servers, given the current weights first), else transformers' ``generate`` on the training model.
 - The training's random generators are left as they were (the harness seeds the process's own), so a run
   with the harness trains exactly as the run without it.
 """
@@ -42,11 +44,15 @@ def metrics_of(results: dict[str, Any]) -> dict[str, float]:
 class HarnessEvaluator:
     """The ``harness:`` block's tasks (see the module docstring)."""
 
-    def __init__(self, config: Any, tokenizer: Any, dist: Any, everywhere: bool) -> None:
+    def __init__(
+        self, config: Any, tokenizer: Any, dist: Any, everywhere: bool, generation: Any = None
+    ) -> None:
         include = Path(config.include_path) if config.include_path else None
         self.manager = task_manager(config.tasks, include, [], ("harness.tasks", "harness.include_path"))
         self.config, self.tokenizer, self.dist, self.everywhere = config, tokenizer, dist, everywhere
+        self.generation = generation  # the run's vLLM engine (``feed.EngineGeneration``), or None
         self.last = -1
+        self.generated = 0  # prompts generated through the run's engine
 
     def due(self, step: int, end: bool) -> bool:
         if step == self.last:  # the last step was just evaluated
@@ -59,6 +65,8 @@ class HarnessEvaluator:
         self.last = step
         started = time.perf_counter()
         results: dict[str, Any] = {}
+        if self.generation is not None:  # every rank: the engine given the current weights
+            self.generation.prepare(module)
         if self.dist.is_main or self.everywhere:
             with kept_random_state():
                 results = self._run(module)
@@ -82,7 +90,9 @@ class HarnessEvaluator:
         level = quiet.level
         quiet.setLevel(logging.ERROR)  # "pretrained is not a str", per evaluation
         try:
-            lm = HFLM(pretrained=model, tokenizer=self.tokenizer, batch_size=self.config.batch_size)
+            lm = run_model(HFLM, self)(
+                pretrained=model, tokenizer=self.tokenizer, batch_size=self.config.batch_size
+            )
             limit = self.config.limit
             results = simple_evaluate(
                 model=lm,
@@ -102,15 +112,42 @@ class HarnessEvaluator:
         every = f"every {self.config.interval} steps" if self.config.interval else ""
         when = " and ".join(w for w in (every, "at the end" if self.config.at_end else "") if w) or "never"
         where = "every rank in step (ZeRO-3)" if self.everywhere else "rank 0"
-        return f"harness: {', '.join(self.config.tasks)} {when}, on {where}, logged as eval/<task>/<metric>"
+        through = ", generating through the run's vLLM engine" if self.generation is not None else ""
+        return f"harness: {', '.join(self.config.tasks)} {when}, on {where}{through}, logged as eval/<task>/<metric>"
 
     def close(self) -> None:
         pass
 
 
-def evaluators_for(config: Any, module: torch.nn.Module, tokenizer: Any, dist: Any) -> list[HarnessEvaluator]:
-    """The run's evaluators beside its method's own evaluation: the ``harness:`` block's, when there is one."""
+def run_model(base: Any, evaluator: HarnessEvaluator) -> Any:
+    """The harness's transformers model class (``base``), its generations sent to the run's vLLM engine when
+    the run has one: the prompts' tokens (padding dropped) go to the engine, greedy, and come back after the
+    padded prompts as transformers' ``generate`` returns them; the harness cuts them at its stop strings."""
+    if evaluator.generation is None:
+        return base
+
+    class RunEngineLM(base):  # type: ignore[misc,valid-type]
+        def _model_generate(self, context: Any, max_length: int, stop: list[str], **kwargs: Any) -> Any:
+            mask = kwargs.get("attention_mask")
+            pairs = zip(context, context if mask is None else mask, strict=True)
+            rows = [row.tolist() if mask is None else row[keep.bool()].tolist() for row, keep in pairs]
+            made = evaluator.generation.generate(rows, max(max_length - context.shape[1], 1))
+            evaluator.generated += len(rows)
+            pad = self.tokenizer.pad_token_id
+            pad = self.tokenizer.eos_token_id if pad is None else pad
+            width = max(len(ids) for ids in made)
+            tails = [ids + [pad] * (width - len(ids)) for ids in made]
+            return torch.cat([context.cpu(), torch.tensor(tails, dtype=context.dtype)], dim=1)
+
+    return RunEngineLM
+
+
+def evaluators_for(
+    config: Any, module: torch.nn.Module, tokenizer: Any, dist: Any, generation: Any = None
+) -> list[HarnessEvaluator]:
+    """The run's evaluators beside its method's own evaluation: the ``harness:`` block's, when there is one
+    (``generation``: the run's vLLM engine, which its generations go through)."""
     if config.harness is None:
         return []
     zero3 = any(hasattr(p, "ds_id") for p in module.parameters())
-    return [HarnessEvaluator(config.harness, tokenizer, dist, zero3)]
+    return [HarnessEvaluator(config.harness, tokenizer, dist, zero3, generation)]

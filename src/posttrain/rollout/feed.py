@@ -255,6 +255,12 @@ class OnlineSteps:
                 background=config.vllm_mode == "server",  # an engine in this process generates when asked
             )
 
+    @property
+    def generation(self) -> EngineGeneration | None:
+        """The run's vLLM engine for greedy generations beside the steps (the harness tasks), None without one
+        (transformers' ``generate`` on the training model is what they use then)."""
+        return EngineGeneration(self) if self.config.use_vllm else None
+
     # ------------------------------------------------------------------------------------------ the loop
 
     def steps(self, state: Any) -> Iterator[list[dict[str, Any]]]:
@@ -579,3 +585,25 @@ class CompletionsLog:
 
     def close(self) -> None:
         self.file.close()
+
+
+class EngineGeneration:
+    """The run's vLLM engine (colocated or servers) for greedy generations outside the step feed: every rank
+    calls :meth:`prepare` (the batches generated ahead waited for, the current weights pushed: a collective),
+    then any rank may call :meth:`generate` (no collective)."""
+
+    def __init__(self, feed: OnlineSteps) -> None:
+        self.feed = feed
+
+    def prepare(self, module: torch.nn.Module) -> None:
+        feed = self.feed
+        if feed.ahead is not None:
+            feed.ahead.settle()
+            feed.ahead.forget_weights()
+        if getattr(feed.backend, "stale", False):
+            feed.backend.push(module)  # type: ignore[attr-defined]  # an engine's own copy
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy completions of ``prompts`` (token ids), each up to ``max_new_tokens`` or a stop token."""
+        backend: Any = self.feed.backend
+        return list(backend.sample(prompts, Sampling(max_new_tokens), None, False).ids)

@@ -22,6 +22,7 @@ which servers may serve a batch, what happens when one is lost and when it comes
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import http.client
 import json
@@ -176,6 +177,9 @@ class ServerPool:
         self.lock = threading.RLock()
         self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="posttrain-server")
         self.lost_events = self.rejoined_events = 0
+        atexit.register(
+            self.close
+        )  # the weights folder goes with the process, whatever stops it (not SIGKILL)
         self.gave_up: UserError | None = None
 
     @property
@@ -215,13 +219,19 @@ class ServerPool:
 
     # ---------------------------------------------------------------------------------------- weights
 
+    def drop_weights(self) -> None:
+        """Rank 0, before it writes the next weights: the current ones' folder removed (a server that comes
+        back from now on is given the next ones), so the machine holds one copy of the weights, not two."""
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
     def reload_all(self, folder: Path, tag: str, pushing: str) -> None:
-        """Rank 0: every server reloads the weights in ``folder`` (the previous folder is removed after);
-        a lost one that answers again takes them too. Waits for one when none took them."""
-        previous, self.folder, self.previous, self.tag = self.folder, folder, self.tag, tag
+        """Rank 0: every server reloads the weights in ``folder`` (kept until the next push, for a server
+        that comes back); a lost one that answers again takes them too. Waits for one when none took them."""
+        self.drop_weights()
+        self.folder, self.previous, self.tag = folder, self.tag, tag
         list(self.pool.map(lambda server: self._reload(server, pushing), self.servers))
-        if previous is not None:
-            shutil.rmtree(previous, ignore_errors=True)
         if not self._serving():
             self._wait_for_one()
 

@@ -335,6 +335,7 @@ class VLLMServerBackend(EngineCopy):
             weights = {name: tensor.detach().cpu().contiguous() for name, tensor in named_weights(module)}
         gathered = time.perf_counter()
         if self.dist.is_main:
+            self.servers.drop_weights()
             folder = self.folder() / f"posttrain-weights-{tag}"
             folder.parent.mkdir(parents=True, exist_ok=True)
             partial = Path(tempfile.mkdtemp(prefix=f"{folder.name}.", dir=folder.parent))
