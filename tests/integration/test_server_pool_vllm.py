@@ -110,7 +110,7 @@ def _same(one: dict[int, dict[str, Any]], other: dict[int, dict[str, Any]], exac
         if exact_loss:
             assert one[step]["loss"] == other[step]["loss"], step
         else:
-            assert one[step]["loss"] == pytest.approx(other[step]["loss"], abs=1e-6), step
+            assert one[step]["loss"] == pytest.approx(other[step]["loss"], abs=1e-5), step  # sums split apart
 
 
 def test_two_servers_give_one_servers_numbers_on_one_and_on_two_trainer_nodes(

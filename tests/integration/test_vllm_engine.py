@@ -376,12 +376,22 @@ def test_harness_tasks_during_training_generate_through_the_runs_engine(
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "reverse_chrf.yaml").write_text(CHRF_TASK.format(data=data))
     config = copy.deepcopy(runs["config"])
-    harness = {"tasks": ["reverse_chrf"], "include_path": str(tmp_path / "tasks"), "limit": 8, "batch_size": 4}
+    harness = {
+        "tasks": ["reverse_chrf"],
+        "include_path": str(tmp_path / "tasks"),
+        "limit": 8,
+        "batch_size": 4,
+    }
     export = {"type": "huggingface", "output_dir": str(tmp_path / "export"), "save_end_of_training": True}
-    config.update(train_iters=2, harness=harness, checkpoint=[export], logger={"output_dir": str(tmp_path / "run")})
+    config.update(
+        train_iters=2, harness=harness, checkpoint=[export], logger={"output_dir": str(tmp_path / "run")}
+    )
     done = cli(config, tmp_path / "harness.yaml")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "reverse_chrf at the end, on rank 0, generating through the run's vLLM engine" in done.stdout + done.stderr
+    assert (
+        "reverse_chrf at the end, on rank 0, generating through the run's vLLM engine"
+        in done.stdout + done.stderr
+    )
     during = last_metrics(tmp_path / "run")[2]["eval/reverse_chrf/chrf"]
     final = next((tmp_path / "export").glob("*"))
     command = [sys.executable, "-m", "posttrain", "eval", str(final), "--tasks", "reverse_chrf"]

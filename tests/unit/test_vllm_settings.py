@@ -274,6 +274,14 @@ class _Misbehaving:
                 if kind == "reset":
                     self.connection.shutdown(2)
                     return
+                if kind == "short":  # killed while writing its answer
+                    self.send_response(200)
+                    self.send_header("Content-Length", "936")
+                    self.end_headers()
+                    self.wfile.write(b'{"choices": ')
+                    self.wfile.flush()
+                    self.connection.shutdown(2)
+                    return
                 if kind == "slow":
                     time.sleep(3)
                 if kind == "error":
@@ -309,11 +317,14 @@ def test_every_way_a_server_fails_is_one_line_naming_it() -> None:
         nobody = f"http://127.0.0.1:{probe.getsockname()[1]}"
     with pytest.raises(ServerError, match=rf"server at {nobody} refused the connection .* while generating"):
         ServerClient(nobody, 1.0).call("/v1/completions", {}, doing="generating")
-    server = _Misbehaving({"/v1/completions": "reset", "/slow": "slow", "/boom": "error"})
+    server = _Misbehaving({"/v1/completions": "reset", "/slow": "slow", "/boom": "error", "/short": "short"})
     try:
         client = ServerClient(server.url, 1.0, request_timeout=0.5)
         with pytest.raises(ServerError, match=r"closed the connection before answering .* while generating"):
             client.call("/v1/completions", {}, doing="generating")
+        with pytest.raises(ServerError, match=r"broke off its answer \(IncompleteRead") as cut:
+            client.call("/short", {}, doing="generating")
+        assert cut.value.lost  # its requests go to the other servers
         with pytest.raises(ServerError, match="did not answer in time while asking"):
             client.call("/slow", doing="asking")
         with pytest.raises(ServerError, match="answered HTTP 500"):

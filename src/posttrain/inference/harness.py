@@ -8,9 +8,11 @@ parse, a Hub dataset on an offline machine), each a line, and the results writte
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -215,19 +217,20 @@ def evaluate(evaluation: Evaluation) -> dict[str, Any]:
 
     name, arguments = model_arguments(evaluation)
     try:
-        results = simple_evaluate(
-            model=name,
-            model_args=arguments,
-            tasks=list(evaluation.tasks),
-            num_fewshot=evaluation.num_fewshot,
-            batch_size=evaluation.batch_size,
-            device=_device(evaluation.device),
-            limit=evaluation.limit,
-            task_manager=manager,
-            apply_chat_template=evaluation.apply_chat_template,
-            gen_kwargs=evaluation.gen_kwargs or None,
-            log_samples=False,
-        )
+        with contextlib.redirect_stdout(sys.stderr):  # the harness prints progress: stdout is for the results
+            results = simple_evaluate(
+                model=name,
+                model_args=arguments,
+                tasks=list(evaluation.tasks),
+                num_fewshot=evaluation.num_fewshot,
+                batch_size=evaluation.batch_size,
+                device=_device(evaluation.device),
+                limit=evaluation.limit,
+                task_manager=manager,
+                apply_chat_template=evaluation.apply_chat_template,
+                gen_kwargs=evaluation.gen_kwargs or None,
+                log_samples=False,
+            )
     except Exception as error:
         if _network_error(error):
             raise UserError(

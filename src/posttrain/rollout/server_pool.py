@@ -72,6 +72,10 @@ def failure(error: BaseException) -> tuple[str, str]:
         error, http.client.RemoteDisconnected
     ):
         return RESET, "closed the connection before answering (it died or was restarted)"
+    if isinstance(
+        error, http.client.HTTPException
+    ):  # an answer cut short (IncompleteRead), a broken status line
+        return RESET, f"broke off its answer ({type(error).__name__}: it died or was restarted)"
     if isinstance(reason, TimeoutError):  # socket.timeout too
         return TIMEOUT, "did not answer in time"
     if isinstance(error, ValueError):
