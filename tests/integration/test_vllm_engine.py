@@ -344,7 +344,8 @@ def test_tool_rollouts_through_the_engine(tmp_path: Path) -> None:
     assert any(m["role"] == "tool" for line in lines for m in line["messages"])
 
 
-#: a generation task whose score moves with every character generated (chrF against the reversed number)
+#: a generation task whose score moves with every character generated (chrF against the prompt's own text,
+#: which even a random model's output shares some characters with)
 CHRF_TASK = """
 task: reverse_chrf
 dataset_path: json
@@ -354,7 +355,7 @@ dataset_kwargs:
 test_split: test
 output_type: generate_until
 doc_to_text: "{{{{prompt[0].content}}}}"
-doc_to_target: "{{{{answer}}}}"
+doc_to_target: "{{{{prompt[0].content}}}}"
 generation_kwargs:
   until: ["\\n"]
   do_sample: false
