@@ -55,6 +55,7 @@ def test_harness_tasks_on_the_cuda_model_being_trained(
         "--batch-size",
         "4",
     ]
+    capsys.readouterr()  # the runs' own lines
     assert main(["eval", str(export), *options, "--json"]) == 0
     after = json.loads(capsys.readouterr().out)["results"]["reverse_choice"]["acc,none"]
     assert after == pytest.approx(
