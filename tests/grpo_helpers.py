@@ -44,3 +44,26 @@ def grpo_config(base_config: dict, files: dict[str, Path], **changes: Any) -> di
         "loss_log_interval": 1,
     }
     return merge(config, **changes)
+
+
+def engine_grpo_config(root: Path, model: Path, rewards: list[Any], **changes: Any) -> dict[str, Any]:
+    """The vLLM tests' grpo run: 64 digit prompts, groups of 8 completions of up to 16 tokens, 32 completions a
+    step, float32 (``changes`` deep-merged in)."""
+    config = {
+        "type": "grpo",
+        "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": True},
+        "data": {
+            "sources": [str(write_prompts(root / "train.jsonl", 64))],
+            "max_length": 96,
+            "dl_num_workers": 0,
+        },
+        "rewards": rewards,
+        "num_generations": 8,
+        "max_completion_length": 16,
+        "micro_batch_size": 16,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 3e-3},
+        "scheduler": {"name": "constant", "warmup_ratio": 0},
+        "loss_log_interval": 1,
+    }
+    return merge(config, **changes)

@@ -27,6 +27,28 @@ def cli(
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=child_env())
 
 
+def two_nodes(path: Path, timeout: int = 300) -> list[str]:
+    """``posttrain train PATH`` as two "nodes" on this machine (two commands joined by ``--launcher-args``,
+    one process each): their outputs, after both ended with status 0."""
+    from posttrain.dist import free_port
+
+    port = free_port()
+    train_command = [sys.executable, "-m", "posttrain", "train", str(path), "--nproc", "1", "--launcher-args"]
+    nodes = [
+        subprocess.Popen(
+            [*train_command, f"--nnodes 2 --node_rank {rank} --master_addr 127.0.0.1 --master_port {port}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=child_env(),
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=timeout)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    return outputs
+
+
 def last_metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
     """iter -> the last line written for it (a resumed run appends to the same file)."""
     out: dict[int, dict[str, Any]] = {}

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from posttrain.testing.env import child_env
 from tests.integration.helpers import merge, train
 from tests.launch_helpers import train_in_two_processes
+from tests.resume_helpers import two_nodes
 
 pytestmark = pytest.mark.distributed
 
@@ -91,34 +92,10 @@ def test_launcher_args_reach_the_launcher_with_one_process_per_node(
 ) -> None:
     """`--nproc 1 --launcher-args '--nnodes 2 --node_rank N ...'` on two "nodes" (here two commands on one
     machine) is one run of world size 2, not two runs of world size 1."""
-    from posttrain.dist import free_port
-
     config = merge(base_config, train_iters=2, micro_batch_size=2)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "posttrain",
-                "train",
-                str(path),
-                "--nproc",
-                "1",
-                "--launcher-args",
-                f"--nnodes 2 --node_rank {rank} --master_addr 127.0.0.1 --master_port {port}",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=child_env(),
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    outputs = two_nodes(path)
     assert "world size 2" in outputs[0] and "global batch 4" in outputs[0]
     assert "[rank 1]" not in outputs[1]  # logger.print_output_ranks: [0]
     lines = (tmp_path / "run" / "train-log-metrics.jsonl").read_text().splitlines()

@@ -15,7 +15,7 @@ import yaml
 
 from posttrain.rollout.vllm_engine import free_port
 from posttrain.testing.served import vllm_server
-from tests.grpo_helpers import DIGITS, write_prompts
+from tests.grpo_helpers import DIGITS, engine_grpo_config
 from tests.resume_helpers import assert_same_continuation, cli, kill_and_resume, last_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -31,30 +31,18 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("async")
     (root / "digits.py").write_text(DIGITS)
     model = write_tiny_model(root / "model", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2)
-    config: dict[str, Any] = {
-        "type": "grpo",
-        "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": True},
-        "data": {
-            "sources": [str(write_prompts(root / "train.jsonl", 64))],
-            "max_length": 96,
-            "dl_num_workers": 0,
-        },
-        "rewards": [f"{root / 'digits.py'}:digit_share"],
-        "num_generations": 8,
-        "max_completion_length": 16,
-        "micro_batch_size": 16,
-        "gradient_accumulation_steps": 2,
-        "optimizer": {"lr": 3e-3},
-        "scheduler": {"name": "constant", "warmup_ratio": 0},
-        "loss_log_interval": 1,
-        "completions_log_interval": 1,
-        "train_iters": STEPS,
-        "use_vllm": True,
-        "vllm_mode": "server",
-        "vllm_server_host": "127.0.0.1",
-        "vllm_server_port": free_port(),
-        "max_staleness": 1,
-    }
+    config = engine_grpo_config(
+        root,
+        model,
+        [f"{root / 'digits.py'}:digit_share"],
+        completions_log_interval=1,
+        train_iters=STEPS,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_host="127.0.0.1",
+        vllm_server_port=free_port(),
+        max_staleness=1,
+    )
     path = root / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     with vllm_server(path, root / "server.log", config["vllm_server_port"]):

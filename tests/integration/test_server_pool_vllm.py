@@ -21,15 +21,13 @@ from posttrain.rollout.vllm_engine import free_port
 from posttrain.testing.env import child_env
 from posttrain.testing.served import vllm_server
 from tests.agent_helpers import agent_config, teach_tool_calls, tool_prompts
-from tests.grpo_helpers import DIGITS, write_prompts
-from tests.resume_helpers import cli, last_metrics
+from tests.grpo_helpers import DIGITS, engine_grpo_config
+from tests.resume_helpers import cli, last_metrics, two_nodes
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 STEPS = 6
 CONTEXT = 352  # the agents' prompts and completions (tests/agent_helpers.py)
-TRAIN = [sys.executable, "-m", "posttrain", "train"]
-NODES = "--nnodes 2 --master_addr 127.0.0.1"
 #: a reward that holds the run after 3 steps while the file `hold` exists, until the file `go` does
 HOLDING = """
 import os, time
@@ -54,30 +52,18 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Any:
     base = write_tiny_model(root / "base", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2)
     model = teach_tool_calls(base, root)  # calls the agents' tool: the pool serves their rollouts too
     ports = [free_port(), free_port()]
-    config: dict[str, Any] = {
-        "type": "grpo",
-        "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": True},
-        "data": {
-            "sources": [str(write_prompts(root / "train.jsonl", 64))],
-            "max_length": 96,
-            "dl_num_workers": 0,
-        },
-        "rewards": [f"{root / 'digits.py'}:held_digit_share"],
-        "num_generations": 8,
-        "max_completion_length": 16,
-        "micro_batch_size": 16,
-        "gradient_accumulation_steps": 2,
-        "optimizer": {"lr": 3e-3},
-        "scheduler": {"name": "constant", "warmup_ratio": 0},
-        "loss_log_interval": 1,
-        "log_completions": False,
-        "train_iters": STEPS,
-        "use_vllm": True,
-        "vllm_mode": "server",
-        "vllm_server_base_url": [f"http://127.0.0.1:{port}" for port in ports],
-        "vllm_server_timeout": 60,
-        "vllm_max_model_length": CONTEXT,
-    }
+    config = engine_grpo_config(
+        root,
+        model,
+        [f"{root / 'digits.py'}:held_digit_share"],
+        log_completions=False,
+        train_iters=STEPS,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_base_url=[f"http://127.0.0.1:{port}" for port in ports],
+        vllm_server_timeout=60,
+        vllm_max_model_length=CONTEXT,
+    )
     path = root / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     with (
@@ -126,26 +112,7 @@ def test_two_servers_give_one_servers_numbers_on_one_and_on_two_trainer_nodes(
     config = _config(pool, tmp_path / "nodes", max_staleness=1, micro_batch_size=8)
     path = tmp_path / "nodes.yaml"
     path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    nodes = [
-        subprocess.Popen(
-            [
-                *TRAIN,
-                str(path),
-                "--nproc",
-                "1",
-                "--launcher-args",
-                f"{NODES} --node_rank {rank} --master_port {port}",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=child_env(),
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [node.communicate(timeout=600)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    outputs = two_nodes(path, timeout=600)
     assert "world size 2" in outputs[0] and "2 servers (" in outputs[0]
     _same(lagged, last_metrics(tmp_path / "nodes"), exact_loss=False)
 

@@ -21,7 +21,7 @@ import pytest
 from posttrain.rollout.vllm_engine import free_port
 from posttrain.testing.env import child_env
 from posttrain.testing.served import vllm_server
-from tests.grpo_helpers import DIGITS, write_prompts
+from tests.grpo_helpers import DIGITS, engine_grpo_config
 from tests.resume_helpers import assert_same_continuation, cli, kill_and_resume, last_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -60,29 +60,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("vllm")
     (root / "digits.py").write_text(DIGITS + FINGERPRINT)
     model = write_tiny_model(root / "model", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2)
-    config: dict[str, Any] = {
-        "type": "grpo",
-        "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": True},
-        "data": {
-            "sources": [str(write_prompts(root / "train.jsonl", 64))],
-            "eval_sources": [str(write_long_prompts(root / "eval.jsonl", 8))],
-            "max_length": 96,
-            "dl_num_workers": 0,
-        },
-        "rewards": [
+    config = engine_grpo_config(
+        root,
+        model,
+        [
             f"{root / 'digits.py'}:digit_share",
             {"function": f"{root / 'digits.py'}:fingerprint", "weight": 0.0},
         ],
-        "num_generations": 8,
-        "max_completion_length": 16,
-        "micro_batch_size": 16,
-        "gradient_accumulation_steps": 2,
-        "optimizer": {"lr": 3e-3},
-        "scheduler": {"name": "constant", "warmup_ratio": 0},
-        "loss_log_interval": 1,
-        "eval_interval": 2,
-        "use_vllm": True,
-    }
+        data={"eval_sources": [str(write_long_prompts(root / "eval.jsonl", 8))]},
+        eval_interval=2,
+        use_vllm=True,
+    )
     for name in VLLM_VARIABLES:
         assert name not in child_env(), f"{name} is set: the test would not show posttrain picks it"
     return {

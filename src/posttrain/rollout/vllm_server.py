@@ -245,15 +245,15 @@ class VLLMServerBackend(EngineCopy):
     ) -> None:
         self.stop_ids, self.dist = list(stop_ids), dist
         urls = server_urls_of(config)
+        self.adapter = adapter_push(config)
         self.servers = ServerPool(
             urls,
             float(config.vllm_server_timeout),
             float(config.request_timeout),
             float(config.weight_sync_timeout),
             dist.is_main,
-            adapter=bool(adapter_push(config).rank),
+            adapter=bool(self.adapter.rank),
         )
-        self.adapter = adapter_push(config)
         self.weight_sync_timeout = float(config.weight_sync_timeout)
         self.weights_dir = getattr(config, "vllm_server_weights_dir", None)
         self.model = config.model.name_or_path
