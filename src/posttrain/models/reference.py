@@ -10,6 +10,7 @@ import torch
 from posttrain.config.model import ModelConfig
 from posttrain.context import RunContext
 from posttrain.models.peft import apply_peft, is_peft_model
+from posttrain.models.sampling_policy import SamplingPolicy
 from posttrain.models.token_logps import token_logps
 from posttrain.registry import MODEL_FACTORIES
 
@@ -41,9 +42,12 @@ class Reference:
         self.model = reference.to(engine.device)
 
     @torch.no_grad()
-    def logps(self, batch: dict[str, Any], temperature: float) -> torch.Tensor:
-        """Per-token log-probabilities of the batch's targets ``[rows, tokens]``."""
+    def logps(
+        self, batch: dict[str, Any], temperature: float, policy: SamplingPolicy | None = None
+    ) -> torch.Tensor:
+        """Per-token log-probabilities of the batch's targets ``[rows, tokens]`` (``policy``: under the
+        sampler's settings, as the policy's are taken: the two agree before the first update)."""
         if self.model is not None:
-            return token_logps(self.model, batch, False, temperature)[0]
+            return token_logps(self.model, batch, False, temperature, policy=policy)[0]
         with self.engine.module.disable_adapter():
-            return token_logps(self.engine, batch, False, temperature)[0]
+            return token_logps(self.engine, batch, False, temperature, policy=policy)[0]

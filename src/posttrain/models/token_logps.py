@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from posttrain.data.samples import DOCUMENT_KEYS, IGNORE_INDEX, target_labels
 from posttrain.errors import UserError
 from posttrain.models.peft import base_model
+from posttrain.models.sampling_policy import Replay, SamplingPolicy, entropy_of, replay_for
 
 #: ``tiled_loss_compute: auto`` tiles a micro-batch of at least this many tokens (per rank)
 TILED_LOSS_MIN_TOKENS = 8192
@@ -75,6 +76,7 @@ class ChunkedHeadNLL(torch.autograd.Function):
         targets: torch.Tensor,
         rows: torch.Tensor | None = None,
         entropy: torch.Tensor | None = None,
+        replay: Replay | None = None,
     ) -> torch.Tensor:
         if rows is None:  # a batch without the host's ``target_rows``: one device read
             rows = (targets != IGNORE_INDEX).nonzero().squeeze(1)
@@ -84,15 +86,16 @@ class ChunkedHeadNLL(torch.autograd.Function):
         for start in range(0, rows.shape[0], chunk):
             index = rows[start : start + chunk]
             logits = F.linear(hidden[index], weight, bias).float()
+            if replay is not None:  # the sampler's distribution (sampling_policy.py)
+                logits = replay(logits, index)[0]
             lse[start : start + chunk] = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, targets[index].unsqueeze(1)).squeeze(1)
             nll[index] = lse[start : start + chunk] - picked
-            if entropy is not None:  # H = lse - sum softmax(z) z, filled in place (not differentiated)
-                shares = torch.exp(logits - lse[start : start + chunk].unsqueeze(1))
-                entropy[index] = lse[start : start + chunk] - (shares * logits).sum(-1)
+            if entropy is not None:  # filled in place (not differentiated)
+                entropy[index] = entropy_of(logits)
             del logits  # before the next chunk's logits exist
         ctx.save_for_backward(hidden, weight, bias, targets, rows, lse)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.replay = chunk, replay
         return nll
 
     @staticmethod
@@ -109,8 +112,13 @@ class ChunkedHeadNLL(torch.autograd.Function):
         for start in range(0, rows.shape[0], chunk):
             index = rows[start : start + chunk]
             logits = F.linear(hidden[index], weight, bias).float()
-            grad = torch.exp(logits - lse[start : start + chunk].unsqueeze(1))  # softmax
+            scale = None
+            if ctx.replay is not None:
+                logits, scale = ctx.replay(logits, index)
+            grad = torch.exp(logits - lse[start : start + chunk].unsqueeze(1))  # softmax (0 outside a kept set)
             grad[torch.arange(index.shape[0], device=grad.device), targets[index]] -= 1.0
+            if scale is not None:  # through the repetition penalty's factor
+                grad *= scale
             grad *= grad_nll[index].unsqueeze(1)
             grad_low = grad.to(weight.dtype)
             if grad_hidden is not None:
@@ -124,6 +132,7 @@ class ChunkedHeadNLL(torch.autograd.Function):
             grad_hidden,
             grad_weight.to(weight.dtype) if grad_weight is not None else None,
             grad_bias.to(bias.dtype) if grad_bias is not None else None,
+            None,
             None,
             None,
             None,
@@ -165,11 +174,13 @@ def head_computes_nll(
     per_token: bool = False,
     temperature: float = 1.0,
     entropy: torch.Tensor | None = None,
+    replay: Replay | None = None,
 ) -> Iterator[None]:
     """While active, the model's LM head returns the NLL of ``targets`` summed per row (``per_token``: per
     position, ``[rows, tokens]``) instead of logits, from logits divided by ``temperature``. ``rows``: the flat
     positions with a label, from the host, when the batch brought them. ``entropy`` (flat, one per position):
-    filled with the next-token distribution's entropy at every labelled position, chunk by chunk."""
+    filled with the next-token distribution's entropy at every labelled position, chunk by chunk. ``replay``:
+    the sampler's distribution instead of the plain one (``sampling_policy.Replay``)."""
     head = tileable_head(model)
     if head is None:
         base = unwrap(model)
@@ -188,10 +199,11 @@ def head_computes_nll(
         if temperature != 1.0:  # logits / T from the scaled head (its gradient flows through the division)
             weight = weight / temperature
             bias = None if bias is None else bias / temperature
-        if fused is not None and not per_token and entropy is None:
+        if fused is not None and not per_token and entropy is None and replay is None:
             return fused(hidden, weight, bias, targets)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        nll = ChunkedHeadNLL.apply(flat, weight, bias, targets.reshape(-1), rows, entropy).view(targets.shape)
+        nll = ChunkedHeadNLL.apply(flat, weight, bias, targets.reshape(-1), rows, entropy, replay)
+        nll = nll.view(targets.shape)
         return nll if per_token else nll.sum(-1)
 
     head.forward = nll_forward  # type: ignore[method-assign]
@@ -227,22 +239,35 @@ def token_logps(
     tiled: bool | str = False,
     temperature: float = 1.0,
     entropy: bool = False,
+    policy: SamplingPolicy | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per position, the float32 log-probability of its next-token label at ``temperature`` (0 where there
     is none), ``[rows, tokens]``; and, with ``entropy``, the entropy of the next-token distribution (not
-    differentiated; on the tiled path computed chunk by chunk at the labelled positions, 0 elsewhere)."""
+    differentiated; on the tiled path computed chunk by chunk at the labelled positions, 0 elsewhere).
+    ``policy``: the distribution a sampler with these settings draws from (``sampling_policy.py``: the
+    penalised, truncated and renormalised one), else the plain ``softmax(logits / T)``."""
     targets = target_labels(batch)
     inputs = model_inputs(batch)
+    replay = replay_for(policy, batch, targets)
     if use_tiled(tiled, batch, model):
         found = torch.zeros(targets.numel(), dtype=torch.float32, device=targets.device) if entropy else None
         with head_computes_nll(
-            model, targets, batch.get("target_rows"), per_token=True, temperature=temperature, entropy=found
+            model,
+            targets,
+            batch.get("target_rows"),
+            per_token=True,
+            temperature=temperature,
+            entropy=found,
+            replay=replay,
         ):
             logps = -model(**inputs, use_cache=False).logits
         return logps, (found.view(targets.shape) if found is not None else None)
     logits = model(**inputs, use_cache=False).logits.float()
     if temperature != 1.0:
         logits = logits / temperature
+    if replay is not None:
+        flat = logits.flatten(0, 1)
+        logits = replay(flat, torch.arange(flat.shape[0], device=flat.device))[0].view(logits.shape)
     nll = F.cross_entropy(
         logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )
@@ -256,6 +281,5 @@ def _entropy(logits: torch.Tensor, rows: int = 1024) -> torch.Tensor:
     flat = logits.reshape(-1, logits.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
     for start in range(0, flat.shape[0], rows):
-        z = flat[start : start + rows]
-        out[start : start + rows] = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+        out[start : start + rows] = entropy_of(flat[start : start + rows])
     return out.view(logits.shape[:-1])

@@ -48,13 +48,14 @@ from posttrain.tracking.metrics import MetricsFile
 
 def sampling_of(config: Any) -> Sampling:
     """The sampling an online method's config asks for (TRL's names: ``max_completion_length``,
-    ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``)."""
+    ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``min_p``)."""
     return Sampling(
         config.max_completion_length,
         config.temperature,
         config.top_p,
         config.top_k or 0,
         config.repetition_penalty,
+        getattr(config, "min_p", None) or 0.0,
     )
 
 

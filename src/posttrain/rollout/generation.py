@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
+from posttrain.models.sampling_policy import SamplingPolicy, kept_tokens
+
 MASK = (1 << 62) - 1
 _C1, _C2, _C3 = 0x3C79AC492BA7B653 & MASK, 0x1C69B3F74AC4AE35 & MASK, 0x2545F4914F6CDD1D & MASK
 
@@ -87,6 +89,38 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def policy(self) -> SamplingPolicy:
+        """What the sampler does before it draws (``models/sampling_policy.py``: the trainer replays it)."""
+        return SamplingPolicy(self.top_k, self.top_p, self.min_p, self.repetition_penalty)
+
+
+class PolicyProcessor:
+    """A logits processor for transformers' ``generate`` that applies the run's sampler
+    (``sampling_policy``) as the trainer replays it: the repetition penalty over each row's own tokens (not
+    its left padding), then, when sampling, the temperature and the kept set (-inf outside it)."""
+
+    def __init__(self, sampling: Sampling, padding: torch.Tensor, sampled: bool) -> None:
+        self.policy, self.temperature, self.sampled = sampling.policy, sampling.temperature, sampled
+        self.padding = padding  # [rows]: each row's left padding
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        policy = self.policy
+        if policy.repetition_penalty != 1.0:
+            width = input_ids.shape[1]
+            own = torch.arange(width, device=scores.device) >= self.padding.to(scores.device).unsqueeze(1)
+            counts = torch.zeros_like(scores).scatter_add_(1, input_ids, own.to(scores.dtype))
+            penalty = policy.repetition_penalty
+            factor = torch.where(scores > 0, 1.0 / penalty, penalty).to(scores.dtype)
+            scores = torch.where(counts > 0, scores * factor, scores)
+        if not self.sampled:
+            return scores
+        scores = scores / self.temperature
+        if policy.truncates:
+            scores = scores.masked_fill(~kept_tokens(scores, policy), -torch.inf)
+        return scores
 
 
 @dataclass
@@ -230,25 +264,13 @@ class TransformersBackend:
         """``keys`` None: greedy (evaluation). ``logprobs`` is for an engine apart from the trainer (vLLM): here
         the sampling and the training model are one, so there is no mismatch to report."""
         from transformers import GenerationConfig, LogitsProcessorList
-        from transformers.generation import (
-            RepetitionPenaltyLogitsProcessor,
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
 
         device = next(module.parameters()).device
         ids, mask = left_padded(prompts, self.pad_id, device)
         stops = sorted(set(self.stop_ids) | generation_eos(module))
-        processors = LogitsProcessorList()
-        if sampling.repetition_penalty != 1.0:
-            processors.append(RepetitionPenaltyLogitsProcessor(sampling.repetition_penalty))
+        padding = torch.tensor([ids.shape[1] - len(p) for p in prompts], dtype=torch.long)
+        processors = LogitsProcessorList([PolicyProcessor(sampling, padding, keys is not None)])
         if keys is not None:
-            processors.append(TemperatureLogitsWarper(sampling.temperature))
-            if sampling.top_k:
-                processors.append(TopKLogitsWarper(sampling.top_k))
-            if sampling.top_p < 1.0:
-                processors.append(TopPLogitsWarper(sampling.top_p))
             processors.append(KeyedSampler(torch.tensor(keys, dtype=torch.int64), ids.shape[1]))
         options = GenerationConfig(
             max_new_tokens=sampling.max_new_tokens,

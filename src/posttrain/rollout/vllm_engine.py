@@ -206,7 +206,7 @@ def sampling_params(sampling: Sampling, stop_ids: Sequence[int], key: int | None
         temperature=sampling.temperature if key is not None else 0.0,
         top_p=sampling.top_p if key is not None else 1.0,
         top_k=(sampling.top_k or -1) if key is not None else -1,
-        min_p=0.0,
+        min_p=sampling.min_p if key is not None else 0.0,
         repetition_penalty=sampling.repetition_penalty,
         presence_penalty=0.0,
         frequency_penalty=0.0,

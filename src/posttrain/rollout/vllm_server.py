@@ -208,7 +208,7 @@ def completion_body(
         "temperature": sampling.temperature if sampled else 0.0,
         "top_p": sampling.top_p if sampled else 1.0,
         "top_k": (sampling.top_k or -1) if sampled else -1,
-        "min_p": 0.0,
+        "min_p": sampling.min_p if sampled else 0.0,
         "repetition_penalty": sampling.repetition_penalty,
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,

@@ -25,6 +25,7 @@ from posttrain.methods.grpo.losses import (
     sampling_weights,
 )
 from posttrain.models.reference import Reference
+from posttrain.models.sampling_policy import policy_of
 from posttrain.models.token_logps import token_logps
 from posttrain.rollout.feed import GeneratedBatch, OnlineMethod, OnlineSteps, completion_records
 from posttrain.rollout.scorer import Scorer, Scores
@@ -43,6 +44,7 @@ class GRPOMethod(OnlineMethod):
             Reference(config.model, config.ref_model, ctx, engine, tokenizer) if config.beta > 0 else None
         )
         self.params = policy_loss(config)
+        self.policy = policy_of(config)  # the sampler's distribution: every log-probability is taken from it
         self.correction = sampling_correction_of(config)
         self.wants_sampling_logps = self.correction is not None
         self.mask_truncated = config.mask_truncated_completions
@@ -125,9 +127,11 @@ class GRPOMethod(OnlineMethod):
             sampling = batch.pop("sampling_logps", None)
             on_device = to_device(batch, self.engine.device)
             if self.updates > 1 or correction is not None:
-                batch["old_logps"] = token_logps(self.engine, on_device, tiled, temperature)[0].cpu()
+                batch["old_logps"] = token_logps(
+                    self.engine, on_device, tiled, temperature, policy=self.policy
+                )[0].cpu()
             if self.reference is not None:
-                batch["ref_logps"] = self.reference.logps(on_device, temperature).cpu()
+                batch["ref_logps"] = self.reference.logps(on_device, temperature, self.policy).cpu()
             if correction is not None and sampling is not None:
                 mask = batch["completion_mask"]
                 batch["sampling_weight"] = sampling_weights(correction, batch["old_logps"], sampling, mask)
