@@ -42,6 +42,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
         vllm_server_host="127.0.0.1",
         vllm_server_port=free_port(),
         max_staleness=1,
+        top_k=10,
+        top_p=0.9,
+        repetition_penalty=1.1,
     )
     path = root / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -86,6 +89,12 @@ def test_a_lag_is_exact_and_visible(served: dict[str, Any], tmp_path: Path) -> N
     for step in range(1, STEPS + 1):
         assert synchronous[step]["reward"] == plain[step]["reward"], step
         assert "sample/staleness_max" not in synchronous[step]
+        # truncated, penalised sampling on the server: the trainer's log-probabilities are the engine's
+        assert abs(synchronous[step]["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4, step
+        assert synchronous[step]["sampling/sampling_logp_difference/max"] < 1e-3, step
+    # generated ahead, the first batch comes from the weights it trains: ratio 1 there too
+    assert abs(one[1]["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4, one[1]
+    assert one[1]["sampling/sampling_logp_difference/max"] < 1e-3, one[1]
     assert one[1]["reward"] == plain[1]["reward"] and one[2]["reward"] != plain[2]["reward"]
 
 

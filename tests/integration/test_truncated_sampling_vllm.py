@@ -22,7 +22,11 @@ SCRIPT = Path(__file__).parents[1] / "resources" / "truncated_ratio.py"
 
 def test_engine_and_trainer_agree_under_every_truncating_setting(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=400, env=child_env()
+        [sys.executable, str(SCRIPT), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=child_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])

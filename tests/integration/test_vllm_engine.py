@@ -27,6 +27,8 @@ from tests.resume_helpers import assert_same_continuation, cli, kill_and_resume,
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 KILL_AT, TOTAL = 3, 6
+#: the runs sample as users set it: truncated (the trainer's log-probabilities replay it: ratio 1 every step)
+TRUNCATED = {"top_k": 20, "top_p": 0.9, "min_p": 0.02}
 #: read by the engine's choices: what a user on a CPU would otherwise have to set
 VLLM_VARIABLES = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")
 
@@ -70,6 +72,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         data={"eval_sources": [str(write_long_prompts(root / "eval.jsonl", 8))]},
         eval_interval=2,
         use_vllm=True,
+        **TRUNCATED,
     )
     for name in VLLM_VARIABLES:
         assert name not in child_env(), f"{name} is set: the test would not show posttrain picks it"
@@ -89,7 +92,8 @@ def test_the_engine_picks_its_cpu_settings_and_a_resumed_run_is_exact(runs: dict
     for step in range(1, TOTAL + 1):
         assert reference[step]["reward"] == resumed[step]["reward"], step  # the same completions
         assert reference[step].get("eval_reward") == resumed[step].get("eval_reward"), step
-    # TRL's importance-sampling correction: engine and trainer agree on float32 weights pushed after each update
+    # TRL's importance-sampling correction: engine and trainer agree on float32 weights pushed after each update,
+    # under truncated sampling too (the trainer replays top_k, top_p and min_p)
     for step in range(1, TOTAL + 1):
         record = reference[step]
         assert abs(record["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4, record

@@ -24,7 +24,7 @@ from posttrain.rollout.vllm_engine import build_vllm_backend
 from posttrain.tiny_model import write_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parents[2]))
-from tests.unit.test_sampling_policy import by_hand  # noqa: E402  (the hand computation, one home)
+from tests.unit.test_sampling_policy import by_hand  # the hand computation, one home
 
 TEMPERATURE = 0.8
 SETTINGS = {

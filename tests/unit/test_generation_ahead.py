@@ -4,6 +4,7 @@ and the off-policy correction of a known lag computed by hand on a real update o
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from pathlib import Path
@@ -97,6 +98,131 @@ def test_batches_are_handed_over_after_their_weights_and_never_under_a_push(
     assert [b for kind, b in log if kind == "push"] == sorted(
         {weights_version(b, staleness, every) for b in range(9)}
     )
+
+
+class _Engine:
+    """An engine for :class:`Ahead` on its own: it holds the weights of the last push (the trained batches),
+    and a batch's completion records them."""
+
+    def __init__(self) -> None:
+        self.name, self.holds, self.now = "engine", -1, 0
+
+    def generate(self, batch: int, backend: object) -> Completions:
+        return Completions([[batch, self.holds]], [False])
+
+    def push(self) -> None:
+        self.holds = self.now
+
+
+def _train(ahead: Ahead, engine: _Engine, batches: range) -> dict[int, int]:
+    """Trains ``batches`` as the feed does (advance to k, take k): the weights each one came from."""
+    found = {}
+    for batch in batches:
+        engine.now = batch
+        ahead.advance(batch)
+        completions, version = ahead.take(batch)
+        assert completions.ids[0][1] == version, (batch, completions.ids, version)  # the weights it says
+        found[batch] = version
+    return found
+
+
+@pytest.mark.parametrize(("staleness", "every"), [(0, 2), (0, 3), (1, 1), (1, 2), (2, 2), (2, 3)])
+def test_every_checkpoint_resumes_to_the_uninterrupted_run(
+    staleness: int, every: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint after any batch (max_staleness 0 with weight_sync_steps > 1 included: at a multiple of it
+    nothing is in flight) resumes in a fresh process to the uninterrupted run's weights for every batch."""
+    import pickle
+
+    caplog.set_level(logging.INFO, logger="posttrain")
+    total = 10
+    engine = _Engine()
+    whole = _train(
+        Ahead(engine.generate, engine, engine.push, staleness, every, total, 1, False), engine, range(total)
+    )
+    assert whole == {k: weights_version(k, staleness, every) for k in range(total)}
+    for stop in range(1, total):
+        engine = _Engine()
+        first = Ahead(engine.generate, engine, engine.push, staleness, every, total, 1, False)
+        first.restore(None, 0, resumed=False)
+        _train(first, engine, range(stop))
+        saved = pickle.loads(pickle.dumps(first.saved()))  # as the checkpoint writes and reads it
+        engine = _Engine()  # a new process: the engine holds the files' weights
+        engine.holds = -1
+        again = Ahead(engine.generate, engine, engine.push, staleness, every, total, 1, False)
+        again.restore(saved, stop, resumed=True)
+        assert _train(again, engine, range(stop, total)) == {k: whole[k] for k in range(stop, total)}, stop
+    assert "generation ahead:" not in caplog.text
+
+
+@pytest.mark.parametrize(("staleness", "every"), [(0, 2), (1, 1), (2, 2)])
+def test_a_finished_run_continued_or_resumed_elsewhere_goes_on_and_says_why(
+    staleness: int, every: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A finished run continued with more steps, or a checkpoint read without its batches in flight (another
+    process count), goes on: the batches whose weights are gone come from the resumed weights, one line says
+    which and why, and from the next version on the rule holds again."""
+    import pickle
+
+    caplog.set_level(logging.INFO, logger="posttrain")
+    engine = _Engine()
+    first = Ahead(engine.generate, engine, engine.push, staleness, every, 6, 1, False)
+    _train(first, engine, range(6))
+    saved = pickle.loads(pickle.dumps(first.saved()))
+    for held, why in ((saved, "a finished run continued"), (None, "another number of processes")):
+        engine = _Engine()
+        more = Ahead(engine.generate, engine, engine.push, staleness, every, 12, 1, False)
+        more.restore(held, 6, resumed=True)
+        found = _train(more, engine, range(6, 12))
+        said = caplog.text
+        caplog.clear()
+        behind = [k for k in range(6, 12) if weights_version(k, staleness, every) < 6]
+        assert all(found[k] == 6 for k in behind)
+        assert all(found[k] == weights_version(k, staleness, every) for k in range(6, 12) if k not in behind)
+        if behind:
+            assert said.count("generation ahead:") == 1 and why in said, said
+            assert f"batch(es) {', '.join(map(str, behind))} are generated from the weights after 6" in said
+        else:
+            assert "generation ahead:" not in said
+
+
+def test_a_stop_saves_without_a_batch_whose_servers_are_gone(caplog: pytest.LogCaptureFixture) -> None:
+    """At a stop, a batch still generating on a backend with no server left is not waited for: the checkpoint
+    holds the others and names it; the resumed run generates it again and says why. A checkpoint that is not a
+    stop waits for it."""
+    import pickle
+
+    caplog.set_level(logging.INFO, logger="posttrain")
+    release = threading.Event()
+    engine = _Engine()
+    alive = [True]
+    backend = SimpleNamespace(name="server", alive=lambda: alive[0])
+
+    def generate(batch: int, _: object) -> Completions:
+        if batch == 3:
+            release.wait(30)
+            raise RuntimeError("every server is lost")
+        return engine.generate(batch, _)
+
+    ahead = Ahead(generate, backend, engine.push, 2, 1, 8, 1, True)
+    _train(ahead, engine, range(2))  # batches 2 and 3 are in flight, 3 on a server that is gone
+    alive[0] = False
+    waited = threading.Timer(5.0, release.set)  # the checkpoint must not wait for it
+    waited.start()
+    saved = pickle.loads(pickle.dumps(ahead.saved(lambda: True)))
+    assert not release.is_set()
+    waited.cancel()
+    release.set()
+    ahead.close()
+    assert sorted(saved["batches"]) == [2] and saved["left_out"] == [3]
+    assert "batch(es) 3 could not be generated before the stop" in caplog.text
+    engine = _Engine()
+    again = Ahead(engine.generate, engine, engine.push, 2, 1, 8, 1, False)
+    again.restore(saved, 2, resumed=True)
+    found = _train(again, engine, range(2, 8))
+    assert found[2] == 0 and found[3] == 2  # batch 3 from the resumed weights, said so
+    assert found == {2: 0, 3: 2, 4: 2, 5: 3, 6: 4, 7: 5}
+    assert "in flight when the run that wrote the checkpoint stopped" in caplog.text
 
 
 def test_a_known_lag_is_corrected_by_the_engines_log_probabilities(tiny_model_dir: Path) -> None:

@@ -55,7 +55,11 @@ def kept_by_hand(
 
 
 def by_hand(
-    logits: list[float], history: set[int], token: int, policy: SamplingPolicy, temperature: float = TEMPERATURE
+    logits: list[float],
+    history: set[int],
+    token: int,
+    policy: SamplingPolicy,
+    temperature: float = TEMPERATURE,
 ) -> float:
     """log p(token) under the sampler, renormalised over the kept set (the sampled token always in it)."""
     z, kept = kept_by_hand(logits, history, policy, temperature)
@@ -99,7 +103,10 @@ def test_the_trainer_scores_the_sampled_tokens_under_the_samplers_distribution(
                 continue
             history = {int(t) for t in ids[row, : position + 1]}
             expected = by_hand(logits[row, position].tolist(), history, token, policy)
-            assert float(logps[row, position]) == pytest.approx(expected, rel=1e-6, abs=1e-6), (row, position)  # float32
+            assert float(logps[row, position]) == pytest.approx(expected, rel=1e-6, abs=1e-6), (
+                row,
+                position,
+            )  # float32
             checked += 1
     assert checked == 12 + 12 + 9  # the labels after the prompt; the last row padded after 9
     plain = token_logps(model, batch, False, TEMPERATURE)[0].detach()
@@ -159,4 +166,7 @@ def test_transformers_generate_draws_only_from_the_kept_set(setting: dict[str, o
             expected = by_hand(logits[position].tolist(), history, token, sampling.policy)
             assert float(logps[0, position]) == pytest.approx(expected, rel=1e-6, abs=1e-6)
             # drawn from the kept set: it is there without being forced in
-            assert token in kept_by_hand(logits[position].tolist(), history, sampling.policy)[1], (prompt, step)
+            assert token in kept_by_hand(logits[position].tolist(), history, sampling.policy)[1], (
+                prompt,
+                step,
+            )

@@ -67,9 +67,11 @@ class DeepSpeedCheckpointEngine(CheckpointEngine):
             staging.mkdir(parents=True, exist_ok=True)
         barrier(dist)
         engine.save_state(str(staging), tag)
-        torch.save(rng_state(), staging / tag / f"rng_state_rank{dist.rank}.pt")
         if state.rank_state:  # a step feed's own (grpo: the generated batch its next updates train on)
             torch.save(state.rank_state, staging / tag / loop_file(dist.rank))
+        # after the rank state: saving it waits for the generations in flight, whose code may draw from the
+        # process's generators (rollout/ahead.py): the generators are saved as the resumed run will find them
+        torch.save(rng_state(), staging / tag / f"rng_state_rank{dist.rank}.pt")
         barrier(dist)
         if dist.is_main:
             self._commit(staging / tag, target, {**state.resumable(), **self._layout(engine)})

@@ -115,7 +115,9 @@ class ChunkedHeadNLL(torch.autograd.Function):
             scale = None
             if ctx.replay is not None:
                 logits, scale = ctx.replay(logits, index)
-            grad = torch.exp(logits - lse[start : start + chunk].unsqueeze(1))  # softmax (0 outside a kept set)
+            grad = torch.exp(
+                logits - lse[start : start + chunk].unsqueeze(1)
+            )  # softmax (0 outside a kept set)
             grad[torch.arange(index.shape[0], device=grad.device), targets[index]] -= 1.0
             if scale is not None:  # through the repetition penalty's factor
                 grad *= scale

@@ -14,20 +14,34 @@ The generations run on one background thread per process (HTTP requests, tools, 
 takes part in a collective or touches the training weights); scoring, the micro-batches and every collective
 stay on the training thread when the batch is trained. A resumable checkpoint waits for the batches in flight
 and saves their completions (``Ahead.saved``), so a resumed run trains on exactly what it would have.
+
+Every checkpoint resumes. A batch whose weights the resumed run no longer has is generated from the weights it
+resumes with, said in one line naming why (the run departs from the uninterrupted one there, and only there):
+a checkpoint written by another number of processes (the batches in flight are per process), one written at a
+stop while a batch's server was gone (the stop saves without it rather than wait), or a finished run
+continued with more steps (a run generates nothing past its last step).
+
+Tools, environments and ``rollout_func`` code on the generation thread share the process's global random
+generators (``random``, NumPy's, torch's) with the training: code there that draws from them makes the
+training's own draws (dropout, a data loader's shuffling) depend on timing. The checkpoint waits for the batches
+in flight before it saves the generators, so what it saves is what the resumed run starts from; code that needs
+randomness should keep its own generator (``random.Random(seed)``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from posttrain.errors import UserError
+from posttrain.logs import say
 from posttrain.rollout.generation import Completions, Sampling
 
 #: where a process's batches generated ahead are kept in the loop state (saved with resumable checkpoints)
@@ -95,6 +109,10 @@ class Ahead:
         )
         self.pending: dict[int, InFlight] = {}
         self.launched = -1  # the last batch handed to the engine
+        self.resumed: dict[str, Any] | None = (
+            None  # what the checkpoint this run resumed from held (None: none)
+        )
+        self.missed_said = False
         self.engine_version: int | None = None  # the trained batches whose weights the engine holds
         self.waited = 0.0  # the trainer's wait for generations, since the last batch was taken
         self.idle_since: float | None = None  # when the generator last ran out of work
@@ -109,10 +127,16 @@ class Ahead:
         """``trained`` batches are trained: when that is a version some batches are generated from, wait for the
         generations in flight, push the weights and hand the engine those batches."""
         first = self.launched + 1
-        due = [k for k in range(first, self.total) if self.version(k) == trained]
-        due = due[: next((i for i, k in enumerate(due) if k != first + i), len(due))]  # in order, no gap
+        # in order from the first not launched: those of this version, and (after a resume) those whose
+        # version's weights this run never had (versions only grow with k: a prefix)
+        due = [k for k in range(first, self.total) if self.version(k) <= trained]
+        due = due[: next((i for i, k in enumerate(due) if k != first + i), len(due))]
         if not due:
             return
+        missed = [k for k in due if self.version(k) < trained]
+        if missed and not self.missed_said:
+            say(self._missed_line(missed, trained))
+            self.missed_said = True
         if self.engine_version != trained:
             self.settle()
             self.push()
@@ -128,14 +152,35 @@ class Ahead:
             return self.pool.submit(self._run, batch)
         return Deferred(lambda: self._run(batch))
 
+    def _missed_line(self, missed: list[int], trained: int) -> str:
+        """Why batches ``missed`` come from the weights after ``trained`` batches instead of their own."""
+        left_out = set((self.resumed or {}).get("left_out", []))
+        if self.resumed is None:
+            why = (
+                "the checkpoint this run resumed from holds no batches generated ahead for it (they are saved per "
+                "process: it was written by another number of processes, or without generation ahead)"
+            )
+        elif left_out & set(missed):
+            why = (
+                "they were in flight when the run that wrote the checkpoint stopped, and its servers were gone, "
+                "so it saved without them"
+            )
+        else:
+            why = "the checkpoint ends a run that generated nothing past its last step (a finished run continued)"
+        batches = ", ".join(str(k) for k in missed[:4]) + (", ..." if len(missed) > 4 else "")
+        return (
+            f"generation ahead: batch(es) {batches} are generated from the weights after {trained} trained "
+            f"batches, not after {self.version(missed[0])} as max_staleness {self.staleness} and weight_sync_steps "
+            f"{self.every} would have them: {why}. From batch {missed[-1] + 1} on the rule holds again"
+        )
+
     def take(self, batch: int) -> tuple[Completions, int]:
         """Batch ``batch``'s completions (waiting for them when they are not ready) and the weights' version
         they come from."""
         found = self.pending.pop(batch, None)
-        if found is None:
-            raise UserError(
-                f"generated batch {batch} was neither generated ahead nor saved in the checkpoint this run resumed "
-                "from; resume from the checkpoint with max_staleness and weight_sync_steps as they were"
+        if found is None:  # advance() hands out every batch up to the one trained: a bug if it did not
+            raise RuntimeError(
+                f"generated batch {batch} was not handed to the engine (launched: {self.launched})"
             )
         started = time.perf_counter()
         completions = found.future.result()
@@ -167,20 +212,21 @@ class Ahead:
 
     # ---------------------------------------------------------------------------------- resumable state
 
-    def saved(self) -> SavedAhead:
-        """What a resumable checkpoint keeps of this process's batches in flight (it waits for them)."""
-        return SavedAhead(self)
+    def saved(self, stopping: Callable[[], bool] = lambda: False) -> SavedAhead:
+        """What a resumable checkpoint keeps of this process's batches in flight (it waits for them; at a stop,
+        ``stopping()`` true, not for those whose generation cannot end: see :class:`SavedAhead`)."""
+        return SavedAhead(self, stopping)
 
-    def restore(self, saved: dict[str, Any] | None) -> None:
-        """The batches a resumed run finds generated ahead in its checkpoint."""
-        if not saved or not saved.get("batches"):
+    def restore(self, saved: dict[str, Any] | None, first: int, resumed: bool) -> None:
+        """The batches a resumed run finds generated ahead in its checkpoint (``saved``; None: the checkpoint
+        held none for this process), the run going on from batch ``first`` (every batch before it trained)."""
+        self.launched = max(self.launched, first - 1)
+        if not resumed:
             return
-        if saved["world_size"] != self.world_size:
-            raise UserError(
-                f"the checkpoint holds batches generated ahead by {saved['world_size']} processes (max_staleness); "
-                f"resume with {saved['world_size']} processes, or from a checkpoint written with max_staleness: 0"
-            )
-        for batch, (version, completions) in sorted(saved["batches"].items()):
+        self.resumed = saved
+        for batch, (version, completions) in sorted((saved or {}).get("batches", {}).items()):
+            if batch < first:
+                continue
             done: Future[Completions] = Future()
             done.set_result(completions)
             self.pending[batch] = InFlight(version, done)
@@ -220,14 +266,40 @@ class Deferred(Future):  # type: ignore[type-arg]
 
 class SavedAhead:
     """Pickled into a checkpoint as a plain dict of the batches in flight (waiting for them first):
-    ``{"world_size": W, "batches": {k: (version, completions)}}``."""
+    ``{"world_size": W, "batches": {k: (version, completions)}, "left_out": [k, ...]}``. At a stop
+    (``stopping()``), a batch whose generation cannot end (its backend has no server left, or it failed) is
+    left out rather than waited for: the stop saves, and the resumed run generates it again (one line)."""
 
-    def __init__(self, ahead: Ahead) -> None:
-        self.ahead = ahead
+    def __init__(self, ahead: Ahead, stopping: Callable[[], bool] = lambda: False) -> None:
+        self.ahead, self.stopping = ahead, stopping
+
+    def wait(self) -> tuple[dict[int, tuple[int, Completions]], list[int]]:
+        """The batches in flight, waited for; and those left out at a stop."""
+        ahead, stopping = self.ahead, self.stopping()
+        alive = getattr(ahead.pinned.backend, "alive", lambda: True)
+        batches, left_out = {}, []
+        for k, found in sorted(ahead.pending.items()):
+            future = found.future
+            while stopping and not future.done() and alive():
+                if isinstance(future, Deferred):  # generated here, on the training thread
+                    with contextlib.suppress(Exception):
+                        future.result()
+                wait([future], timeout=0.5)
+            if stopping and (not future.done() or future.exception() is not None):
+                left_out.append(k)
+                continue
+            batches[k] = (found.version, future.result())
+        if left_out:
+            say(
+                f"generation ahead: batch(es) {', '.join(map(str, left_out))} could not be generated before the "
+                "stop (their servers are gone): the checkpoint is saved without them and the resumed run "
+                "generates them again from its weights"
+            )
+        return batches, left_out
 
     def __reduce__(self) -> tuple[Any, ...]:
         ahead = self.ahead
-        batches = {k: (f.version, f.future.result()) for k, f in sorted(ahead.pending.items())}
+        batches, left_out = self.wait()
         for completions in (c for _, c in batches.values()):
             for environment in completions.environments or []:
                 try:
@@ -238,7 +310,7 @@ class SavedAhead:
                         f"environments, and {type(environment).__name__} cannot be pickled ({exc}); make it "
                         "picklable, or save checkpoints with max_staleness: 0"
                     ) from None
-        return (dict, ({"world_size": ahead.world_size, "batches": batches},))
+        return (dict, ({"world_size": ahead.world_size, "batches": batches, "left_out": left_out},))
 
 
 def ahead_lines(config: Any, completions_per_process: int) -> list[str]:

@@ -270,10 +270,11 @@ class OnlineSteps:
         first, done = divmod(state.epoch_step, self.updates)
         self.counters = state.counters  # run-long totals, saved with resumable checkpoints
         if self.ahead is not None and not isinstance(state.rank_state.get(STATE_KEY), SavedAhead):
-            self.ahead.restore(
-                state.rank_state.get(STATE_KEY)
-            )  # a resumed run's, as its checkpoint saved them
-            state.rank_state[STATE_KEY] = self.ahead.saved()  # a checkpoint saves the batches in flight
+            # a resumed run's, as its checkpoint saved them; every batch before the next one to generate trained
+            following = self.global_batch(epoch, first) + (1 if done else 0)
+            self.ahead.restore(state.rank_state.get(STATE_KEY), following, resumed=state.step > 0)
+            # a checkpoint saves the batches in flight (at a stop, not those whose servers are gone)
+            state.rank_state[STATE_KEY] = self.ahead.saved(lambda: bool(state.stop_reason))
         for batch in range(first, batches):
             self.trainer_state = self._trainer_state(state, epoch, batch, batches)
             micro_batches = self._resumed(state, done) if done else self._generate(epoch, batch)

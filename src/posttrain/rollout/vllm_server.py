@@ -357,6 +357,10 @@ class VLLMServerBackend(EngineCopy):
         self.servers.confirm(tag)
         self.stale = False
 
+    def alive(self) -> bool:
+        """Whether a server of the pool is still in it (a generation in flight can still end)."""
+        return any(not server.lost for server in self.servers.servers)
+
     def _barrier(self) -> None:
         import torch.distributed as torch_dist
 
