@@ -38,6 +38,9 @@ class FakeServer:
 
     def __init__(self, port: int = 0, stall: float = 0.0, die_after: int | None = None) -> None:
         self.port, self.stall, self.die_after = port, stall, die_after
+        self.broken: int | str = 0  # a status to answer every completion with (500), or "hang"
+        self.fail_next = 0  # completions to answer 500 before serving again (a passing failure)
+        self.unreset = 0  # /reset_prefix_cache calls to answer success: false (blocks still held)
         self.tag: str | None = None
         self.served = 0
         self.reloads: list[str] = []
@@ -63,6 +66,13 @@ class FakeServer:
                     return self._json({"results": [{"refreshed": [], "missing": []}]})
                 if self.path == "/collective_rpc":
                     return self._json({"results": [outer.tag]})
+                if self.path == "/v1/load_lora_adapter" and body["lora_name"] in outer.adapters:
+                    return self.send_error(
+                        400, f"The lora adapter '{body['lora_name']}' has already been loaded"
+                    )
+                if self.path == "/reset_prefix_cache":
+                    outer.unreset -= 1
+                    return self._json({"success": outer.unreset < 0})
                 if self.path == "/v1/load_lora_adapter":
                     outer.adapters.add(body["lora_name"])
                     outer.reloads.append(body["lora_name"])
@@ -72,6 +82,13 @@ class FakeServer:
                     return self._json("Success: LoRA adapter unloaded")
                 if self.path == "/v1/completions" and body["model"] not in {"m", *outer.adapters}:
                     return self.send_error(404, f"model {body['model']} not found")
+                if self.path == "/v1/completions" and outer.broken == "hang":
+                    time.sleep(2.0)  # past the client's request_timeout
+                    return self.send_error(504)
+                if self.path == "/v1/completions" and (outer.broken or outer.fail_next > 0):
+                    outer.fail_next -= 1
+                    outer.failed += 1
+                    return self.send_error(500, "Internal Server Error")
                 if self.path == "/v1/completions":
                     outer.served += 1
                     if outer.die_after is not None and outer.served > outer.die_after:
@@ -95,6 +112,7 @@ class FakeServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.tag, self.die_after = None, None if self.served else self.die_after
         self.adapters: set[str] = set()
+        self.failed = getattr(self, "failed", 0)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
@@ -116,8 +134,10 @@ def servers() -> Any:
             server.stop()
 
 
-def pool_of(urls: list[str], main: bool = True, timeout: float = 3.0, sync: float = 10.0) -> ServerPool:
-    return ServerPool(urls, timeout, request_timeout=5.0, sync_timeout=sync, main=main)
+def pool_of(
+    urls: list[str], main: bool = True, timeout: float = 3.0, sync: float = 10.0, request: float = 5.0
+) -> ServerPool:
+    return ServerPool(urls, timeout, request_timeout=request, sync_timeout=sync, main=main)
 
 
 def push(pool: ServerPool, tmp_path: Path, tag: str) -> None:
@@ -270,3 +290,91 @@ def test_a_lora_runs_adapter_is_loaded_under_its_tag_and_the_previous_one_droppe
     pool.complete(bodies, "generating")
     assert second.adapters == {"run-2"} and second.served > 0
     pool.close(), other.close()
+
+
+@pytest.mark.parametrize("broken", [500, "hang"])
+def test_a_server_that_answers_health_but_fails_every_request_is_out_in_bounded_time(
+    servers: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    broken: int | str,
+) -> None:
+    """It answers /health, then fails (HTTP 500) or times out every completion: after STRIKES failed requests in
+    a row it is out for the rest of the run, reloaded at most that often; its requests go to the other server.
+    Alone, the run stops in one line naming it, in bounded time, instead of reloading it in a loop."""
+    monkeypatch.setattr(server_pool, "LOOK_AGAIN", 0.0)
+    good, bad = servers(2)
+    bad.broken = broken
+    pool = pool_of([good.url, bad.url], request=0.5)
+    pool.start(lambda client: "m")
+    push(pool, tmp_path, "run-1")
+    with caplog.at_level("WARNING", logger="posttrain"):
+        for _ in range(4):
+            assert len(pool.complete(BODIES, "generating")) == len(BODIES)
+    assert f"vLLM server at {bad.url} failed {server_pool.STRIKES} requests in a row" in caplog.text
+    assert "out of the pool for the rest of the run" in caplog.text
+    assert len(bad.reloads) <= server_pool.STRIKES and pool.servers[1].out
+    pool.close()
+
+    (alone,) = servers(1)
+    alone.broken = broken
+    pool = pool_of([alone.url], timeout=30.0, request=0.5)
+    pool.start(lambda client: "m")
+    push(pool, tmp_path, "run-1")
+    started = time.monotonic()
+    with pytest.raises(UserError) as caught:
+        pool.complete(BODIES[:4], "generating")
+    assert time.monotonic() - started < 20  # well under vllm_server_timeout: nothing can come back
+    line = str(caught.value)
+    assert "\n" not in line and alone.url in line, line
+    assert (
+        "every vLLM server of the run is out" in line or f"a request failed {server_pool.TRIES} times" in line
+    )
+    assert len(alone.reloads) <= server_pool.STRIKES
+    pool.close()
+
+
+def test_a_passing_failure_costs_nothing_and_a_request_is_tried_a_bounded_number_of_times(
+    servers: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_pool, "LOOK_AGAIN", 0.0)
+    (flaky,) = servers(1)
+    pool = pool_of([flaky.url])
+    pool.start(lambda client: "m")
+    push(pool, tmp_path, "run-1")
+    flaky.fail_next = 1  # one 500, then it serves: the request is sent again once it rejoins
+    assert len(pool.complete(BODIES[:1], "generating")) == 1
+    assert flaky.failed == 1 and pool.servers[0].strikes == 0 and not pool.servers[0].lost
+    pool.close()
+
+
+def test_a_lora_server_back_after_a_passing_failure_keeps_its_adapter(
+    servers: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server that failed one request still holds the adapter: it is not sent again (vLLM answers 400
+    "has already been loaded"); the run goes on."""
+    monkeypatch.setattr(server_pool, "LOOK_AGAIN", 0.0)
+    (server,) = servers(1)
+    pool = ServerPool([server.url], 3.0, 5.0, 10.0, main=True, adapter=True)
+    pool.start(lambda client: "m")
+    push(pool, tmp_path, "run-1")
+    server.fail_next = 1
+    bodies = [{**body, "model": pool.tag} for body in BODIES[:2]]
+    assert len(pool.complete(bodies, "generating")) == 2
+    assert server.adapters == {"run-1"} and server.reloads == ["run-1"]
+    pool.close()
+
+
+def test_an_unemptied_prefix_cache_is_asked_again_then_one_line(servers: Any, tmp_path: Path) -> None:
+    (server,) = servers(1)
+    pool = pool_of([server.url])
+    pool.start(lambda client: "m")
+    server.unreset = 2  # blocks still held twice, then emptied
+    push(pool, tmp_path, "run-1")
+    assert server.reloads == ["run-1"]
+    server.unreset = 100
+    with pytest.raises(UserError) as caught:
+        push(pool, tmp_path, "run-2")
+    assert f"the vLLM server at {server.url} could not empty its prefix cache" in str(caught.value)
+    pool.close()

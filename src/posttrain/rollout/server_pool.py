@@ -14,8 +14,14 @@ which servers may serve a batch, what happens when one is lost and when it comes
 - A lost server (the connection refused or reset, a request past ``request_timeout``, an HTTP 5xx): its
   requests go to the others and the run goes on, said in one line. Every few seconds, and at every push, the
   run looks at it again: when it answers (restarted at its address), rank 0 gives it the current weights
-  (kept in the weights folder until the next push) and it serves again. Every server lost: the run waits
-  ``vllm_server_timeout`` for one to come back, then stops naming them and the command that starts one.
+  (kept in the weights folder until the next push; a LoRA run's adapter loaded again unless the server still
+  holds it) and it serves again. Every server lost: the run waits ``vllm_server_timeout`` for one to come
+  back, then stops naming them and the command that starts one.
+- Nothing retries without a bound. A server whose requests fail :data:`STRIKES` times in a row (each failure
+  at most ``request_timeout``; a success in between starts the count again) is out for the rest of the run,
+  though it answers ``/health``: one line names it and what it answered. A request is sent at most
+  :data:`TRIES` times; past that the run stops naming it and each server's last failure. With every server
+  out for good, the run stops at once.
 - A weight push that stalls (no answer within ``weight_sync_timeout``) stops the run naming the server and the
   push, never a silent hang; a server that dies during a push is lost like any other.
 """
@@ -43,6 +49,12 @@ from posttrain.rollout.vllm_engine import check_reload
 
 #: seconds between two looks at a lost server while the others generate
 LOOK_AGAIN = 5.0
+#: failed requests in a row after which a server is out for the rest of the run
+STRIKES = 3
+#: times one request is sent (to one server, then the others) before the run stops
+TRIES = 4
+#: tries of ``/reset_prefix_cache`` (it answers ``success: false`` while blocks are still held)
+RESET_TRIES = 10
 #: how a request failed, for :attr:`ServerError.kind`
 REFUSED, RESET, TIMEOUT, SERVER_FAILED, ANSWERED_NO, OTHER = (
     "refused",
@@ -62,7 +74,7 @@ def failure(error: BaseException) -> tuple[str, str]:
     if isinstance(error, urllib.error.HTTPError):
         body = ""
         with contextlib.suppress(Exception):
-            body = error.read().decode(errors="replace").strip()[:300]
+            body = " ".join(error.read().decode(errors="replace").split())[:300]  # one line
         kind = SERVER_FAILED if error.code >= 500 else ANSWERED_NO
         return kind, f"answered HTTP {error.code} {error.reason}" + (f" ({body})" if body else "")
     reason = getattr(error, "reason", error)  # URLError wraps the socket's error
@@ -136,6 +148,22 @@ class ServerClient:
         except ServerError:
             return False
 
+    def reset_prefix_cache(self, doing: str) -> None:
+        """The server's prefix cache emptied (a push's last step: otherwise prompts longer than a KV block keep
+        the old weights' keys and values); vLLM answers ``success: false`` while blocks are still held, so it
+        is asked again for a few seconds, then the run stops naming the server."""
+        for attempt in range(RESET_TRIES):
+            answer = self.call("/reset_prefix_cache", {}, doing=doing)
+            if not isinstance(answer, dict) or answer.get("success", True) is not False:
+                return
+            time.sleep(0.05 * 2 ** min(attempt, 5))
+        raise ServerError(
+            self.url,
+            doing,
+            f"could not empty its prefix cache ({RESET_TRIES} tries answered success: false: blocks still held)",
+            "check that nothing else sends it requests while the run pushes weights",
+        )
+
     def rpc(self, method: str, timeout: float | None = None, doing: str = "", **kwargs: Any) -> list[Any]:
         """One of posttrain's worker methods (``vllm_worker.PosttrainWorker``) on every worker: their results."""
         fix = (
@@ -155,6 +183,8 @@ class Server:
     holds: str | None = None
     lost: str = ""  # why it is out of the pool ("" while in)
     looked: float = 0.0  # when the run last looked whether a lost server is back
+    strikes: int = 0  # its requests that failed in a row
+    out: bool = False  # out for the rest of the run (STRIKES failures in a row)
 
 
 class ServerPool:
@@ -185,6 +215,7 @@ class ServerPool:
             self.close
         )  # the weights folder goes with the process, whatever stops it (not SIGKILL)
         self.gave_up: UserError | None = None
+        self.closed = False
 
     @property
     def urls(self) -> list[str]:
@@ -255,7 +286,7 @@ class ServerPool:
                     tag=self.tag,
                 )
                 check_reload(results, f"the vLLM server at {server.client.url}")
-                server.client.call("/reset_prefix_cache", {}, doing=pushing)
+                server.client.reset_prefix_cache(pushing)
         except ServerError as error:
             if error.kind not in (REFUSED, RESET):  # a stall or a failed reload is the run's error
                 raise
@@ -264,12 +295,15 @@ class ServerPool:
         self._back(server)
 
     def _load_adapter(self, client: ServerClient, pushing: str) -> None:
-        """The current adapter loaded under its tag, the previous one dropped (vLLM's LoRA endpoints)."""
+        """The current adapter loaded under its tag, the previous one dropped (vLLM's LoRA endpoints). A server
+        that holds it already (one that comes back after a passing failure) is not sent it again: vLLM refuses
+        a name it has loaded."""
         fix = (
             "start the server with posttrain vllm-serve for this config (vLLM's LoRA and runtime loading on)"
         )
-        body = {"lora_name": self.tag, "lora_path": str(self.folder)}
-        client.call("/v1/load_lora_adapter", body, self.sync_timeout, pushing, fix, text_answer=True)
+        if self._holds(client) != self.tag:
+            body = {"lora_name": self.tag, "lora_path": str(self.folder)}
+            client.call("/v1/load_lora_adapter", body, self.sync_timeout, pushing, fix, text_answer=True)
         if self.previous:
             with contextlib.suppress(ServerError):  # a server that was restarted does not have it
                 client.call(
@@ -325,15 +359,24 @@ class ServerPool:
         return list(self.pool.map(lambda job: self._complete(job[0], job[1], doing), jobs))
 
     def _complete(self, body: dict[str, Any], server: Server, doing: str) -> dict[str, Any]:
-        while True:
+        failures: list[str] = []
+        for _ in range(TRIES):
             try:
                 answer: dict[str, Any] = server.client.call("/v1/completions", body, doing=doing)
-                return answer
             except ServerError as error:
                 if not error.lost:
                     raise
-                self._lose(server, error)
+                failures.append(f"{server.client.url} {error.why}")
+                self._lose(server, error, strike=True)
                 server = self._another(server)
+                continue
+            server.strikes = 0
+            return answer
+        raise UserError(
+            f"vllm_mode: server: a request failed {TRIES} times while {doing} ({'; '.join(failures)}); check the "
+            f"servers' logs (each failure took at most request_timeout {server.client.request_timeout:g} s), "
+            "then resume the run"
+        )
 
     def _another(self, after: Server) -> Server:
         """The next server holding the current weights after ``after`` (waiting for one when none)."""
@@ -348,7 +391,7 @@ class ServerPool:
         if look:
             now = time.monotonic()
             for server in self.servers:
-                if server.lost and now - server.looked > LOOK_AGAIN:
+                if server.lost and not server.out and now - server.looked > LOOK_AGAIN:
                     self._look(server)
         return [s for s in self.servers if not s.lost and s.holds == self.tag]
 
@@ -371,9 +414,16 @@ class ServerPool:
         if self.gave_up is not None:
             raise self.gave_up
         deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.closed:
+            if all(server.out for server in self.servers):
+                why = "; ".join(f"{s.client.url} {s.lost}" for s in self.servers)
+                self.gave_up = UserError(
+                    f"vllm_mode: server: every vLLM server of the run is out ({why}); check their logs, restart "
+                    f"them with `{START_COMMAND}`, then resume the run"
+                )
+                raise self.gave_up
             for server in self.servers:
-                if server.lost:
+                if server.lost and not server.out:
                     self._look(server)
             serving = self._serving()
             if serving:
@@ -387,8 +437,27 @@ class ServerPool:
         )
         raise self.gave_up
 
-    def _lose(self, server: Server, error: ServerError) -> None:
+    def _lose(self, server: Server, error: ServerError, strike: bool = False) -> None:
+        """``server`` out of the pool for now (``strike``: a failed request, counted towards
+        :data:`STRIKES`, after which it is out for the rest of the run)."""
         with self.lock:
+            if (
+                strike and not server.lost
+            ):  # one strike for each time it leaves the pool, however many requests
+                server.strikes += 1
+            if server.strikes >= STRIKES and not server.out:
+                server.out = True
+                server.lost, server.holds = (
+                    f"failed {server.strikes} requests in a row (last: {error.why})",
+                    None,
+                )
+                self.lost_events += 1
+                others = len([s for s in self.servers if not s.lost])
+                get_logger().warning(
+                    f"vLLM server at {server.client.url} {server.lost}: out of the pool for the rest of the run, "
+                    f"its requests go to the {others} other(s); restart it and resume the run to use it again"
+                )
+                return
             if server.lost:
                 return
             server.lost, server.holds, server.looked = error.why, None, time.monotonic()
@@ -410,6 +479,7 @@ class ServerPool:
         )
 
     def close(self) -> None:
+        self.closed = True  # a wait for a server to come back ends (the run is over)
         self.pool.shutdown(wait=False)
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)

@@ -316,7 +316,7 @@ class VLLMBackend(EngineCopy):
             "posttrain_reload", kwargs={"weights_iterator": named_weights(module)}
         )
         check_reload(reports, "the colocated vLLM engine")
-        self.llm.reset_prefix_cache()
+        empty_prefix_cache(self.llm)
         self.stale = False
 
     def _push_adapter(self, module: torch.nn.Module) -> None:
@@ -335,7 +335,7 @@ class VLLMBackend(EngineCopy):
             self.llm.llm_engine.remove_lora(self.lora.lora_int_id)
             shutil.rmtree(self.lora.lora_path, ignore_errors=True)
         self.lora = LoRARequest(f"posttrain-{self.pushes}", self.pushes, str(folder))
-        self.llm.reset_prefix_cache()
+        empty_prefix_cache(self.llm)
         self.stale = False
 
     def _sleep(self) -> None:
@@ -351,6 +351,21 @@ class VLLMBackend(EngineCopy):
         with contextlib.suppress(Exception):
             self.llm.llm_engine.engine_core.shutdown()
         del self.llm
+
+
+def empty_prefix_cache(llm: Any, tries: int = 10) -> None:
+    """The engine's prefix cache emptied after a push (prompts longer than a KV block would otherwise keep the
+    old weights' keys and values); vLLM returns False while blocks are still held, so it is asked again."""
+    import time
+
+    for attempt in range(tries):
+        if llm.reset_prefix_cache() is not False:
+            return
+        time.sleep(0.05 * 2 ** min(attempt, 5))
+    raise UserError(
+        f"the colocated vLLM engine could not empty its prefix cache after a weight push ({tries} tries: blocks "
+        "still held); it would generate from the old weights' cached keys and values"
+    )
 
 
 #: posttrain's methods on vLLM's workers (the checked weight push), for the engine and the server

@@ -321,7 +321,7 @@ class VLLMServerBackend(EngineCopy):
                 engine.push()
             if self.dist.is_main:
                 for server in self.servers.servers:
-                    server.client.call("/reset_prefix_cache", {}, doing=pushing)
+                    server.client.reset_prefix_cache(pushing)
             self._barrier()
             self.servers.confirm(tag, ask=False)
             self.stale = False
