@@ -3,6 +3,7 @@ SIGTERM/SIGINT to the run's kill switch, and an exit status of 2 when any rank s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -94,12 +95,21 @@ def _filter_launcher_errors(stream: Any, user_errors: Path) -> None:
     sys.stderr.flush()
 
 
+#: seconds torchrun waits for its ranks after a signal before it SIGKILLs them (its own default is 30 s, less
+#: than a slow step and its stop-time checkpoint take): a stop saves first. SLURM's KillWait still bounds it.
+#: A ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` the user set is kept. DeepSpeed's launcher has no such setting (30 s).
+STOP_GRACE_S = 1800
+
+
 def _run_relaying_signals(command: list[str], kill_switch: str, nproc: int) -> int:
     """Run the launcher in its own session and turn SIGTERM/SIGINT sent to this process into the run's kill
     switch: every rank then stops after the same step, saves, and exits 0. A second SIGINT kills the job.
-    A rank that stops on a user error makes the whole command exit with status 2."""
+    A rank that stops on a user error makes the whole command exit with status 2. The kill switch this
+    relay wrote is removed when the job ends (the ranks remove it once the stop has saved; a job killed
+    before that must not stop the next run at its first step)."""
     user_errors = Path(tempfile.mkdtemp(prefix="posttrain-errors-"))
     env = {**os.environ, USER_ERROR_DIR: str(user_errors)}
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(STOP_GRACE_S))
     process = subprocess.Popen(command, start_new_session=True, env=env, stderr=subprocess.PIPE, text=True)
     assert process.stderr is not None
     forward = threading.Thread(
@@ -131,3 +141,6 @@ def _run_relaying_signals(command: list[str], kill_switch: str, nproc: int) -> i
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(user_errors, ignore_errors=True)
+        if received and os.path.exists(kill_switch):
+            with contextlib.suppress(OSError):
+                os.remove(kill_switch)

@@ -103,7 +103,7 @@ def test_on_a_gpu_the_engine_is_colocated_with_the_training_process() -> None:
         and "enforce_eager" not in kwargs
         and kwargs["dtype"] == "bfloat16"
     )
-    assert "sleep mode level 2" in settings.said
+    assert "sleep mode level 1" in settings.said
 
 
 def test_the_context_is_trls_rule() -> None:

@@ -102,8 +102,9 @@ class OnlineTrainerConfig(TrainerConfig):
     rank's completions (at least 64 MiB); on a GPU, what ``vllm_gpu_memory_utilization`` leaves."""
 
     vllm_enable_sleep_mode: bool = False
-    """TRL's name and default: release a colocated engine's memory while the model trains (level 2: its
-    weights are dropped, not copied, since the next push overwrites them) and wake it to generate. GPUs only."""
+    """TRL's name and default: release a colocated engine's GPU memory while the model trains (vLLM's level 1:
+    the KV cache dropped, the weights kept in host memory, so every sample until the next push, a generation
+    ahead's or the harness block's, comes from the pushed weights) and wake it to generate. GPUs only."""
 
     vllm_push_adapter: bool = True
     """A LoRA run's weights reach vLLM as the adapter alone (vLLM's LoRA: a few MiB per update, the base loaded

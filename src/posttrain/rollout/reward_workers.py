@@ -46,6 +46,11 @@ def _zygote(control: Any, configs: list[Any], max_completion_length: int, build:
     milliseconds, however long the imports take."""
     import os
 
+    # SIGTERM/SIGINT are the training process's: a group signal (timeout, Ctrl-C) or SLURM's to every process
+    # would kill a worker mid-call and fail the step the stop is finishing; the trainer ends them at its exit
+    # (and a worker ends when its pipe closes). The workers forked from here inherit this.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import transformers.trainer_callback  # noqa: F401  (the calls' trainer_state unpickles without an import)
 
     rewards = build(configs, max_completion_length)

@@ -15,8 +15,10 @@ measured (``tests/gpu/test_grpo_gpu.py``).
   gathered, adapters merged, checkpoint names) are reloaded in place through the workers
   (``collective_rpc("reload_weights")``, the path that works on both devices), then the prefix cache is reset:
   cached blocks of a prompt would otherwise keep the old weights' keys and values.
-- Sleep mode (GPU only): level 2 (the weights are dropped, not copied to the host: the next push overwrites
-  them), woken for the push and the generation.
+- Sleep mode (GPU only): level 1 between generations (the KV cache dropped, the weights moved to host
+  memory), so the engine always samples from the weights of its last push: a second batch of the same push
+  (``weight_sync_steps`` > 1, generation ahead) and the harness block's generations included. (Level 2 would
+  drop the weights, and a sample before the next push would run on whatever the GPU memory then held.)
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def engine_settings(
             kwargs["kv_cache_memory_bytes"] = int(config.vllm_kv_cache_memory)
         said = (
             f"vLLM on the GPU: {config.vllm_gpu_memory_utilization:.0%} of its memory, context {context} tokens, "
-            f"{name}, sleep mode {'level 2' if config.vllm_enable_sleep_mode else 'off'}"
+            f"{name}, sleep mode {'level 1' if config.vllm_enable_sleep_mode else 'off'}"
         )
     if kwargs["quantization"]:
         said += ", 4-bit base as bitsandbytes"
@@ -291,7 +293,7 @@ class VLLMBackend(EngineCopy):
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, keys: list[int] | None, logprobs: bool
     ) -> Completions:
         if self.sleeps:
-            self.llm.wake_up(tags=["kv_cache"])
+            self.llm.wake_up()  # the weights of the last push (kept on the host) and the KV cache
         requests = [{"prompt_token_ids": list(prompt)} for prompt in prompts]
         params = [
             sampling_params(sampling, self.stop_ids, None if keys is None else keys[i], logprobs)
@@ -340,8 +342,7 @@ class VLLMBackend(EngineCopy):
 
     def _sleep(self) -> None:
         if self.sleeps:
-            self.llm.sleep(level=2)  # the weights are dropped: the next push overwrites them anyway
-            self.stale = True
+            self.llm.sleep(level=1)  # the weights kept on the host: the next sample wakes with them
 
     def close(self) -> None:
         if self.lora is not None:

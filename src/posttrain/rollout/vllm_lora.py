@@ -58,7 +58,7 @@ def adapter_push(config: Any) -> AdapterPush:
     if any(t in ("embed_tokens", "lm_head") or "embed" in t for t in _targets(values) if t != "all-linear"):
         why.append("adapters on the embedding or the head")
     if getattr(config, "vllm_enable_sleep_mode", False):
-        why.append("vllm_enable_sleep_mode (its level 2 drops the base, which a merged push restores)")
+        why.append("vllm_enable_sleep_mode (the adapter alone under sleep mode is not yet measured on a GPU)")
     if model.quantization_config:
         why.append("a quantised base (vLLM's LoRA on it not yet measured)")
     ranks = [int(values.get("r", PEFT_DEFAULT_RANK)), *map(int, (values.get("rank_pattern") or {}).values())]
