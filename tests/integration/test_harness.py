@@ -153,3 +153,27 @@ def test_the_card_shows_each_task_before_and_after_with_the_base_cached(
     (export / "README.md").write_text("---\nbase_model: org/not-here\n---\n")
     assert main(["eval", str(export), *options]) == 2
     assert "the base model org/not-here is not a local directory" in capsys.readouterr().err
+
+
+def test_the_cache_of_a_cards_base_scores_keys_the_tasks_data(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task's data changed under the same YAML (a path relative to the working directory, as the harness
+    reads it, or absolute) is another cache entry: the card never shows a stale before-score."""
+    from posttrain.inference.harness import Evaluation, cache_file, task_data_files
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    data = tmp_path / "data" / "rows.jsonl"
+    data.write_text(DATA.read_text())
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "reverse_choice.yaml").write_text(TASK.format(data="data/rows.jsonl"))
+    evaluation = Evaluation(tiny_model_dir, ("reverse_choice",), include_path=folder, limit=8)
+    assert task_data_files(folder, "reverse_choice") == [tmp_path / "data" / "rows.jsonl"]
+    assert task_data_files(folder, "another_task") == []
+    before = cache_file(tiny_model_dir, evaluation, "reverse_choice")
+    assert cache_file(tiny_model_dir, evaluation, "reverse_choice") == before  # nothing changed: a hit
+    data.write_text("".join(reversed(DATA.read_text().splitlines(keepends=True))))
+    assert cache_file(tiny_model_dir, evaluation, "reverse_choice") != before

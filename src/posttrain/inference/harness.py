@@ -75,21 +75,78 @@ def _require_harness() -> None:
         ) from None
 
 
-def _yaml_problem(path: Path) -> str | None:
-    """Why ``path`` is not a YAML file the harness can read (its ``!function`` tags are accepted), else None."""
+def _task_yaml(path: Path) -> Any:
+    """A task YAML as the harness reads it, its ``!function`` tags as None (a ``yaml.YAMLError`` if it is not
+    YAML)."""
     import yaml
 
     class _Loader(yaml.SafeLoader):
         pass
 
     _Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    return yaml.load(path.read_text(), Loader=_Loader)
+
+
+def _yaml_problem(path: Path) -> str | None:
+    """Why ``path`` is not a YAML file the harness can read (its ``!function`` tags are accepted), else None."""
+    import yaml
+
     try:
-        loaded = yaml.load(path.read_text(), Loader=_Loader)
+        loaded = _task_yaml(path)
     except yaml.YAMLError as error:
         return " ".join(str(error).split())
     if not isinstance(loaded, dict):
         return "not a mapping of task settings"
     return None
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for item in value.values() for s in _strings(item)]
+    if isinstance(value, list | tuple):
+        return [s for item in value for s in _strings(item)]
+    return []
+
+
+def task_data_files(include: Path | None, task: str) -> list[Path]:
+    """The local files a local task reads: what its YAML's ``dataset_path`` and ``dataset_kwargs`` name that
+    exists (from the working directory, as the harness resolves it, or beside the YAML), directories walked."""
+    if include is None or not include.exists():
+        return []
+    found: list[Path] = []
+    for path in [include] if include.is_file() else sorted(include.rglob("*.y*ml")):
+        try:
+            settings = _task_yaml(path)
+        except Exception:  # an unreadable YAML is check()'s to report
+            continue
+        if not isinstance(settings, dict) or task not in _strings(settings.get("task")):
+            continue
+        for named in _strings([settings.get("dataset_path"), settings.get("dataset_kwargs")]):
+            for base in (Path.cwd(), path.parent):
+                candidate = base / named
+                if candidate.is_file():
+                    found.append(candidate)
+                elif candidate.is_dir():
+                    found += sorted(p for p in candidate.rglob("*") if p.is_file())
+                else:
+                    continue
+                break
+    return found
+
+
+def _content_digest(paths: list[Path]) -> str:
+    """The files' contents (and names), hashed: data that changed is another evaluation."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(str(path.resolve()).encode() + b"\0")
+        with path.open("rb") as data:
+            for block in iter(lambda: data.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def _distribution(name: str) -> bool:
@@ -301,7 +358,8 @@ def _fingerprint(model: Path) -> list[tuple[str, int, int]]:
 
 def cache_file(model: Path, evaluation: Evaluation, task: str) -> Path:
     """Where one task's results on ``model`` with these settings are kept: the key is the model's files,
-    the task (a local task's YAML text too), the settings and the harness's version."""
+    the task (a local task's YAML text and the content of the data files it reads), the settings and the
+    harness's version."""
     import hashlib
 
     local = ""
@@ -315,6 +373,7 @@ def cache_file(model: Path, evaluation: Evaluation, task: str) -> Path:
             _fingerprint(model),
             task,
             local,
+            _content_digest(task_data_files(evaluation.include_path, task)),
             evaluation.limit,
             evaluation.num_fewshot,
             evaluation.apply_chat_template,
