@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from posttrain.config.base import BaseConfig
+from posttrain.tokenizers.chat_templates import PRESETS
 
 
 class TokenizerConfig(BaseConfig):
@@ -16,12 +17,17 @@ class TokenizerConfig(BaseConfig):
     name_or_path: str | None = ""
     """Hub name or local directory of the tokenizer. Empty: the model's ``name_or_path``."""
 
-    chat_template: str = "keep-original"
-    """The chat template: ``keep-original`` (the tokenizer's own), a preset (``chatml``, ``llama3``,
-    ``mistral-with-system``, ``simplified-llama31``; SiloGen's ``chat_template_name``) or a path to a
-    ``.jinja`` file. Presets mark the assistant turns, so labels come from the template's own mask; their
-    special tokens are added to the tokenizer (and the model's embeddings grown) when missing. The template
-    is saved with the tokenizer in every export."""
+    chat_template: str = Field(
+        default="keep-original",
+        description=(  # the presets named from their table, so the reference lists every one
+            "The chat template: ``keep-original`` (the tokenizer's own), a preset ("
+            + ", ".join(f"``{name}``" for name in PRESETS)
+            + "; SiloGen's ``chat_template_name``) or a path to a ``.jinja`` file. Presets mark the assistant "
+            "turns, so labels come from the template's own mask; their special tokens are added to the tokenizer "
+            "(and the model's embeddings grown) when missing. The template is saved with the tokenizer in every "
+            "export."
+        ),
+    )
 
     missing_pad_token_strategy: Literal[
         "bos-repurpose", "eos-repurpose", "unk-repurpose", "unk-convert-to-eos"
