@@ -343,8 +343,8 @@ def test_a_reward_worker_that_dies_is_replaced(tmp_path: Path) -> None:
     )
     assert math.isnan(values[0][0]) and values[0][1:] == [1.0, 1.0]
     assert (
-        guard.take_counts() == {"dies": {"timeouts": 0, "errors": 1}} and pool.replaced == 2
-    )  # the batch call, then its row
+        guard.take_counts() == {"dies": {"timeouts": 0, "errors": 1}} and pool.replaced == 1
+    )  # a time limit and unscorable: each completion its own call from the start, the row's worker replaced
     strict = RewardGuard(timeout=30.0, errors="raise", workers=pool)
     with pytest.raises(
         RewardError,

@@ -200,7 +200,9 @@ class ScoredConfig(OnlineTrainerConfig):
     """What a reward that raises or times out does. raise: stop the run naming the function, its file and
     line, and the rows. unscorable: find the completions it fails on (scored one by one) and leave them
     unscorable (advantage 0, out of their group's statistics); counted in ``rewards/<name>/timeouts`` and
-    ``rewards/<name>/errors``."""
+    ``rewards/<name>/errors``. With ``reward_timeout`` and ``reward_num_workers``, each completion is scored by
+    a call of its own from the start (a function sees one completion a call), so a hung completion costs one
+    timeout and no completion's value depends on another's."""
 
     def problems(self) -> Iterator[Problem]:
         yield from super().problems()

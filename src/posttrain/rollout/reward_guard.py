@@ -71,6 +71,18 @@ class RewardGuard:
                 outcomes[i] = _awaited_outcome(value, self.timeout)
         return [o for o in outcomes if o is not None]
 
+    def splits(self, reward: Reward) -> bool:
+        """Whether ``reward`` is called once per completion from the start: under ``reward_errors: unscorable``
+        with a time limit, in the workers. A hung completion then costs one ``reward_timeout`` (its call is cut
+        while the others return), not the whole call's timeout and then another for the one-by-one retry; and
+        a completion's value never depends on whether another one of its call hung."""
+        return (
+            self.errors == "unscorable"
+            and self.timeout is not None
+            and self.workers is not None
+            and not reward.local
+        )
+
     def count(self, name: str, kind: str) -> None:
         found = self.counts.setdefault(name, {"timeouts": 0, "errors": 0})
         found["timeouts" if kind == "timeout" else "errors"] += 1
@@ -104,33 +116,54 @@ def score_all(
     arguments = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
     arguments.update(context.arguments())
     guard.unscorable = set()
-    outcomes = guard.call(rewards, [(i, arguments) for i in range(len(rewards))])
+    count = len(completions)
+    singles = one_by_one(arguments, count)
+    calls: list[tuple[int, dict[str, Any]]] = []
+    for index, reward in enumerate(rewards):  # split: a call per completion, all at once
+        calls += [(index, single) for single in singles] if guard.splits(reward) else [(index, arguments)]
+    split = any(guard.splits(reward) for reward in rewards)
+    outcomes = iter(guard.call(rewards, calls, RewardWorkers.RETRY_WIDTH if split else None))
     results = []
-    for index, (reward, outcome) in enumerate(zip(rewards, outcomes, strict=True)):
+    for index, reward in enumerate(rewards):
+        if guard.splits(reward):
+            results.append(
+                _one_by_one(
+                    guard, context, reward, [next(outcomes) for _ in range(count)], completions, origins
+                )
+            )
+            continue
+        outcome = next(outcomes)
         _merge_logs(context, outcome)
         if outcome.failure is None:
             results.append(_checked(reward, outcome.values, completions, origins))
             continue
         if guard.errors == "raise":
             raise _failed(reward, outcome, origins)
-        count = len(completions)
         # one call per completion, all at once in the workers: those that hang cost one timeout together
-        alone = guard.call(
-            rewards, [(index, single) for single in one_by_one(arguments, count)], RewardWorkers.RETRY_WIDTH
-        )
-        values = []
-        for position, single in enumerate(alone):
-            _merge_logs(context, single)
-            if single.failure is not None:
-                guard.count(reward.name, single.failure)
-                guard.unscorable.add(position)
-                values.append(math.nan)
-            else:
-                values.append(
-                    _checked(reward, single.values, [completions[position]], [origins[position]])[0]
-                )
-        results.append(values)
+        alone = guard.call(rewards, [(index, single) for single in singles], RewardWorkers.RETRY_WIDTH)
+        results.append(_one_by_one(guard, context, reward, alone, completions, origins))
     return results
+
+
+def _one_by_one(
+    guard: RewardGuard,
+    context: RewardContext,
+    reward: Reward,
+    alone: list[Outcome],
+    completions: list[Any],
+    origins: list[str],
+) -> list[float]:
+    """A reward's values from one call per completion: the completions whose call failed unscorable (NaN)."""
+    values = []
+    for position, single in enumerate(alone):
+        _merge_logs(context, single)
+        if single.failure is not None:
+            guard.count(reward.name, single.failure)
+            guard.unscorable.add(position)
+            values.append(math.nan)
+        else:
+            values.append(_checked(reward, single.values, [completions[position]], [origins[position]])[0])
+    return values
 
 
 def _merge_logs(context: RewardContext, outcome: Outcome) -> None:
