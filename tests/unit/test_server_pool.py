@@ -26,7 +26,9 @@ class _Quiet(http.server.ThreadingHTTPServer):
     """A client that gave up on an answer (a stalled push) is not a traceback in the test's output."""
 
     allow_reuse_address = True
-    request_queue_size = 64  # the pool's 32 request threads at once (a real server's backlog is larger still)
+    request_queue_size = (
+        128  # the pool's 64 request threads a server at once (a real server's backlog is larger)
+    )
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass

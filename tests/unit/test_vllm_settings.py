@@ -215,11 +215,13 @@ def test_the_server_of_a_gpu_run_takes_the_weights_over_nccl(tiny_model_dir: Any
     run = config(model={"name_or_path": str(tiny_model_dir)}, vllm_mode="server")
     from posttrain.rollout.vllm_server import server_settings
 
-    gpu, _ = server_command(server_settings(run, "cuda"), "0.0.0.0", 8000)
+    gpu, gpu_env = server_command(server_settings(run, "cuda"), "0.0.0.0", 8000)
     assert gpu[gpu.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
     assert "--gpu-memory-utilization" in gpu and "--enforce-eager" not in gpu
-    on_cpu, _ = server_command(server_settings(run, "cpu"), "0.0.0.0", 8000)
+    assert gpu_env["VLLM_BATCH_INVARIANT"] == "1"  # a completion does not depend on its batch on a GPU
+    on_cpu, cpu_env = server_command(server_settings(run, "cpu"), "0.0.0.0", 8000)
     assert "--weight-transfer-config" not in on_cpu and "--enforce-eager" in on_cpu
+    assert "VLLM_BATCH_INVARIANT" not in cpu_env
     with pytest.raises(UserError, match="vllm-serve starts the server of a grpo run"):
         server_settings(config(model={"name_or_path": str(tiny_model_dir)}), "cpu")
 

@@ -45,15 +45,21 @@ class RewardGuard:
         self.unscorable: set[int] = set()
 
     def call(
-        self, rewards: Sequence[Reward], calls: list[tuple[int, dict[str, Any]]], width: int | None = None
+        self,
+        rewards: Sequence[Reward],
+        calls: list[tuple[int, dict[str, Any]]],
+        width: int | None = None,
+        keep: bool = False,
     ) -> list[Outcome]:
-        """The outcome of each ``(reward index, arguments)`` call: in the workers (``width`` at a time; but for
-        rewards that must run here), else here, ``async`` ones awaited together as TRL gathers them."""
+        """The outcome of each ``(reward index, arguments)`` call: in the workers (``width`` at a time, the
+        extra workers kept for the next call with ``keep``; but for rewards that must run here), else here,
+        ``async`` ones awaited together as TRL gathers them."""
         outcomes: list[Outcome | None] = [None] * len(calls)
         remote = [i for i, (r, _) in enumerate(calls) if self.workers is not None and not rewards[r].local]
         if remote:
             assert self.workers is not None
-            for i, outcome in zip(remote, self.workers.run([calls[i] for i in remote], width), strict=True):
+            found = self.workers.run([calls[i] for i in remote], width, keep)
+            for i, outcome in zip(remote, found, strict=True):
                 outcomes[i] = outcome
         pending: list[tuple[int, Any]] = []
         for i, (r, arguments) in enumerate(calls):
@@ -122,7 +128,9 @@ def score_all(
     for index, reward in enumerate(rewards):  # split: a call per completion, all at once
         calls += [(index, single) for single in singles] if guard.splits(reward) else [(index, arguments)]
     split = any(guard.splits(reward) for reward in rewards)
-    outcomes = iter(guard.call(rewards, calls, RewardWorkers.RETRY_WIDTH if split else None))
+    # split: as wide as the retries (hung completions cost one timeout together), the workers kept for the
+    # next step's call (forking them anew every step would cost more than the scoring)
+    outcomes = iter(guard.call(rewards, calls, RewardWorkers.RETRY_WIDTH if split else None, keep=split))
     results = []
     for index, reward in enumerate(rewards):
         if guard.splits(reward):

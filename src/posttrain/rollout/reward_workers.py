@@ -163,9 +163,11 @@ class RewardWorkers:
             os.close(worker.handle)
         worker.pipe.close()
 
-    def run(self, tasks: Sequence[tuple[int, dict[str, Any]]], width: int | None = None) -> list[Outcome]:
+    def run(
+        self, tasks: Sequence[tuple[int, dict[str, Any]]], width: int | None = None, keep: bool = False
+    ) -> list[Outcome]:
         """The outcome of every ``(reward index, arguments)`` call, in order, ``width`` at a time (default
-        ``count``; the workers past ``count`` end with the call)."""
+        ``count``; the workers past ``count`` end with the call, unless ``keep``: every call is that wide)."""
         import time
 
         width = max(1, min(width or self.count, len(tasks) or 1))
@@ -203,7 +205,7 @@ class RewardWorkers:
                         failure="timeout", text=f"took more than {self.timeout:g} s (reward_timeout)"
                     )
                     self._replace(slot)
-        while len(self.workers) > self.count:  # the retries' extra workers
+        while len(self.workers) > self.count and not keep:  # the retries' extra workers
             self._kill(self.workers.pop())
         return [o for o in outcomes if o is not None]
 

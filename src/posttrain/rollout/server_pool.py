@@ -53,6 +53,8 @@ LOOK_AGAIN = 5.0
 STRIKES = 3
 #: times one request is sent (to one server, then the others) before the run stops
 TRIES = 4
+#: requests a process keeps in flight per server (one thread each), and at most in all
+IN_FLIGHT_PER_SERVER, MAX_IN_FLIGHT = 64, 512
 #: tries of ``/reset_prefix_cache`` (it answers ``success: false`` while blocks are still held)
 RESET_TRIES = 10
 #: how a request failed, for :attr:`ServerError.kind`
@@ -209,7 +211,8 @@ class ServerPool:
         self.tagged = True  # the servers keep the pushes' tags (not with weights sent over NCCL)
         self.folder: Path | None = None  # rank 0: the current weights (kept for a server that comes back)
         self.lock = threading.RLock()
-        self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="posttrain-server")
+        workers = min(MAX_IN_FLIGHT, IN_FLIGHT_PER_SERVER * len(self.servers))
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="posttrain-server")
         self.lost_events = self.rejoined_events = 0
         atexit.register(
             self.close

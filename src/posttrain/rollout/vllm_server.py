@@ -23,6 +23,7 @@ server serves what, a lost server, one that comes back: ``server_pool.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -166,6 +167,14 @@ def server_settings(config: Any, device_type: str, cores: Sequence[int] | None =
     )
     if device_type == "cuda":  # the trainer's GPUs send the weights over NCCL (NcclWeights)
         settings.kwargs["weight_transfer_config"] = {"backend": "nccl"}
+        # vLLM's batch-invariant kernels: a completion then depends on its key and the weights alone, not on
+        # the requests batched with it, so a pool gives one server's numbers and a lost server's requests are
+        # drawn again as they were (on a GPU the kernels' reductions otherwise follow the batch). A value the
+        # user set in the server's environment is kept.
+        if "VLLM_BATCH_INVARIANT" not in os.environ:
+            settings.env["VLLM_BATCH_INVARIANT"] = "1"
+            said = settings.said + "; batch-invariant kernels (VLLM_BATCH_INVARIANT=1)"
+            settings = dataclasses.replace(settings, said=said)
     return settings
 
 
