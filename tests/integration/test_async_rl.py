@@ -119,3 +119,62 @@ def test_a_longer_lag_and_weights_synced_every_other_batch(served: dict[str, Any
     batches, as the pre-flight report says."""
     _run(served, tmp_path / "lag2", max_staleness=2, weight_sync_steps=2)
     assert _versions(tmp_path / "lag2") == {k: {max(0, k - 2) // 2 * 2} for k in range(STEPS)}
+
+
+def test_servers_signalled_with_the_trainer_still_save(served: dict[str, Any], tmp_path: Path) -> None:
+    """One allocation ends: SIGTERM to the trainer and to its server at once, a batch generated ahead in
+    flight there. The trainer ends its step and saves without waiting for a batch whose server is gone (the
+    checkpoint says which it left out), exits 0; resumed against another server, it goes on, generating what
+    was left out again and saying why."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from posttrain.testing.env import child_env
+
+    port = free_port()
+    config = copy.deepcopy(served["config"])
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    config.update(
+        vllm_server_port=port,
+        train_iters=200,
+        logger={"output_dir": str(out)},
+        checkpoint=[{"type": "deepspeed", "output_dir": str(ckpt)}],
+    )
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with vllm_server(path, tmp_path / "server.log", port) as server:
+        command = [sys.executable, "-m", "posttrain", "train", str(path)]
+        trainer = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=child_env(),
+            start_new_session=True,
+        )
+        metrics = out / "train-log-metrics.jsonl"
+        deadline = time.time() + 240
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+            time.sleep(0.1)
+        for process in (trainer, server):  # the allocation's end reaches both
+            os.killpg(process.pid, signal.SIGTERM)
+        said, _ = trainer.communicate(timeout=240)
+    assert trainer.returncode == 0, said[-4000:]
+    last = json.loads(metrics.read_text().splitlines()[-1])["iter"]
+    assert f"stopped early at step {last}" in said and "Traceback" not in said, said[-4000:]
+    assert (ckpt / f"global_step_{last}" / "posttrain_state.json").is_file()
+    left_out = "could not be generated before the stop" in said
+    resumed = copy.deepcopy(config)
+    resumed.update(
+        vllm_server_port=served["config"]["vllm_server_port"],
+        train_iters=last + 2,
+        checkpoint=[{"type": "deepspeed", "output_dir": str(ckpt), "auto_resume": True}],
+    )
+    done = cli(resumed, tmp_path / "resumed.yaml")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert last_metrics(out)[last + 2]["iter"] == last + 2
+    again = done.stdout + done.stderr
+    assert ("in flight when the run that wrote the checkpoint stopped" in again) == left_out, again[-3000:]
