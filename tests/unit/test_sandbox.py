@@ -492,3 +492,16 @@ def test_the_command_runs_scores_and_checks(tmp_path: Path) -> None:
     assert done.returncode == 0 and json.loads(done.stdout) == {"score": 0.5}, done.stderr
     done = subprocess.run([*command, "check"], capture_output=True, text=True, timeout=60)
     assert "namespaces:" in done.stdout and done.returncode == (1 if HOLDS.missing else 0)
+
+
+def test_a_strict_sandbox_whose_cgroups_cannot_be_made_refuses_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The machine held cgroups at the start, this program's could not be made (the kernel refused one): a
+    strict run does not go on without them silently; a run that accepts less does."""
+    from posttrain.rollout import sandbox
+
+    monkeypatch.setattr(sandbox, "run_cgroups", lambda limits: ([], []))
+    with pytest.raises(sandbox.SandboxError, match="cgroups .* could not be made for this program"):
+        sandbox.run_python("print(1)", sandbox.Limits(wall=30), strict=True)
+    assert sandbox.run_python("print(1)", sandbox.Limits(wall=30), strict=False).stdout.strip() == "1"

@@ -43,6 +43,7 @@ import operator
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -233,6 +234,13 @@ def run_python(
     os.chmod(root, 0o711)  # the weaker path's user (nobody) walks through it to its directory
     workdir = os.path.join(root, "host")  # the program's directory only where it runs on the host
     groups, held = run_cgroups(limits)
+    if strict and namespaces and not groups:  # never without them, silently: the run asked for them
+        shutil.rmtree(root, ignore_errors=True)
+        raise SandboxError(
+            "the run's cgroups (memory and processes per run) could not be made for this program: it does "
+            "not run without them (free cgroups under /sys/fs/cgroup, or set sandbox_accept_weaker: true to "
+            "run with what holds)"
+        )
     spec = {
         "cpu": max(1, math.ceil(limits.cpu)),
         "memory": int(limits.memory),
