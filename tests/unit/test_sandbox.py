@@ -502,6 +502,6 @@ def test_a_strict_sandbox_whose_cgroups_cannot_be_made_refuses_in_one_line(
     from posttrain.rollout import sandbox
 
     monkeypatch.setattr(sandbox, "run_cgroups", lambda limits: ([], []))
-    with pytest.raises(sandbox.SandboxError, match="cgroups .* could not be made for this program"):
+    with pytest.raises(sandbox.SandboxError, match=r"cgroups .* could not be made for this program"):
         sandbox.run_python("print(1)", sandbox.Limits(wall=30), strict=True)
     assert sandbox.run_python("print(1)", sandbox.Limits(wall=30), strict=False).stdout.strip() == "1"
