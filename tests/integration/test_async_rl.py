@@ -116,9 +116,17 @@ def test_resumed_and_two_processes_give_the_same_records(served: dict[str, Any],
 
 def test_a_longer_lag_and_weights_synced_every_other_batch(served: dict[str, Any], tmp_path: Path) -> None:
     """max_staleness 2 with weight_sync_steps 2: batch k from the weights after (max(0, k - 2) // 2) * 2
-    batches, as the pre-flight report says."""
+    batches, as the pre-flight report says. max_staleness 0 with weight_sync_steps 2, killed after the
+    checkpoint of step 2 (nothing in flight there) and resumed: the uninterrupted run's records."""
     _run(served, tmp_path / "lag2", max_staleness=2, weight_sync_steps=2)
     assert _versions(tmp_path / "lag2") == {k: {max(0, k - 2) // 2 * 2} for k in range(STEPS)}
+    config = copy.deepcopy(served["config"])
+    config.update(max_staleness=0, weight_sync_steps=2)
+    (tmp_path / "sync2").mkdir()
+    results = kill_and_resume(config, tmp_path / "sync2", nproc=1, kill_at=2, total=STEPS)
+    assert_same_continuation(results, 2, STEPS)
+    for step in range(3, STEPS + 1):
+        assert results["resumed_metrics"][step]["reward"] == results["reference_metrics"][step]["reward"], step
 
 
 def test_servers_signalled_with_the_trainer_still_save(served: dict[str, Any], tmp_path: Path) -> None:
