@@ -126,7 +126,9 @@ def test_a_longer_lag_and_weights_synced_every_other_batch(served: dict[str, Any
     results = kill_and_resume(config, tmp_path / "sync2", nproc=1, kill_at=2, total=STEPS)
     assert_same_continuation(results, 2, STEPS)
     for step in range(3, STEPS + 1):
-        assert results["resumed_metrics"][step]["reward"] == results["reference_metrics"][step]["reward"], step
+        assert results["resumed_metrics"][step]["reward"] == results["reference_metrics"][step]["reward"], (
+            step
+        )
 
 
 def test_servers_signalled_with_the_trainer_still_save(served: dict[str, Any], tmp_path: Path) -> None:
