@@ -131,11 +131,14 @@ class OnlineTrainerConfig(TrainerConfig):
     """TRL's name: the server's port when no base URL is given."""
 
     vllm_server_timeout: HumanFloat = Field(default=240.0, gt=0.0)
-    """TRL's name and default: seconds to wait for the server to be up before the run stops with an error."""
+    """TRL's name and default: seconds to wait for the server to be up before the run stops with an error, and
+    for a lost one to come back when every server of the pool is lost."""
 
     request_timeout: HumanFloat = Field(default=600.0, gt=0.0)
-    """TRL's name and default (``AsyncGRPOConfig``): seconds one request to the server (a completion, a model
-    query) may take before the run stops naming the server."""
+    """TRL's name and default (``AsyncGRPOConfig``): seconds one request to a server (a completion, a model
+    query) may take. Past it the server is out of the pool for now and its requests go to the others; a server
+    whose requests fail 3 times in a row is out for the rest of the run, a request is sent at most 4 times, and
+    with no server left the run stops naming them (docs/scaling.md)."""
 
     weight_sync_timeout: HumanFloat = Field(default=1800.0, gt=0.0)
     """TRL's name and default (``AsyncGRPOConfig``): seconds a weight push to the server may take before the run
