@@ -28,6 +28,8 @@ import torch
 
 #: a position a token never took (``Replay``'s first occurrence of a token absent from the row)
 NEVER = 2**31 - 1
+#: logits whose kept set is found at once (the sort of ``top_p`` holds values and indices for each)
+KEEP_CHUNK_ELEMENTS = 2**25
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,10 @@ class Replay:
             scale = torch.where(seen, factor, torch.ones_like(factor))
             logits = logits * scale
         if policy.truncates:
-            keep = kept_tokens(logits, policy)
+            keep = torch.empty(logits.shape, dtype=torch.bool, device=logits.device)
+            step = max(1, KEEP_CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+            for start in range(0, logits.shape[0], step):  # a chunk of rows at a time: bounded sort memory
+                keep[start : start + step] = kept_tokens(logits[start : start + step], policy)
             targets = self.targets.to(logits.device)[index]
             labelled = targets >= 0
             rows = torch.arange(index.shape[0], device=logits.device)

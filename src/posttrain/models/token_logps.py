@@ -268,12 +268,36 @@ def token_logps(
     if temperature != 1.0:
         logits = logits / temperature
     if replay is not None:
-        flat = logits.flatten(0, 1)
-        logits = replay(flat, torch.arange(flat.shape[0], device=flat.device))[0].view(logits.shape)
+        return _replayed_logps(logits, targets, replay, batch.get("target_rows"), entropy)
     nll = F.cross_entropy(
         logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )
     return -nll.view(targets.shape), (_entropy(logits) if entropy else None)
+
+
+def _replayed_logps(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    replay: Replay,
+    rows: torch.Tensor | None,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`token_logps`'s plain path under a sampler's policy: the sampler replayed at the labelled
+    positions only (``rows``, flat, from the host when the batch brought them), 0 elsewhere."""
+    flat, goals = logits.flatten(0, 1), targets.reshape(-1)
+    if rows is None:
+        rows = (goals != IGNORE_INDEX).nonzero().squeeze(1)
+    rows = rows.to(flat.device)
+    processed = replay(flat[rows], rows)[0]
+    picked = -F.cross_entropy(processed, goals[rows], reduction="none")
+    logps = torch.zeros(goals.shape[0], dtype=picked.dtype, device=flat.device).index_put((rows,), picked)
+    found = None
+    if entropy:
+        with torch.no_grad():
+            found = torch.zeros(goals.shape[0], dtype=torch.float32, device=flat.device)
+            found[rows] = entropy_of(processed.detach())
+        found = found.view(targets.shape)
+    return logps.view(targets.shape), found
 
 
 @torch.no_grad()
