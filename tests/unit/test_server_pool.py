@@ -317,6 +317,15 @@ def test_a_server_that_answers_health_but_fails_every_request_is_out_in_bounded_
     assert f"vLLM server at {bad.url} failed {server_pool.STRIKES} requests in a row" in caplog.text
     assert "out of the pool for the rest of the run" in caplog.text
     assert len(bad.reloads) <= server_pool.STRIKES and pool.servers[1].out
+    reloads = len(bad.reloads)
+    push(pool, tmp_path, "run-2")  # out for good: not given the next weights, not asked for them
+    assert len(bad.reloads) == reloads and pool.servers[1].out and pool.servers[1].lost
+    assert len(pool.complete(BODIES, "generating")) == len(BODIES)
+    other = pool_of([good.url, bad.url], main=False)
+    other.servers[1].out, other.servers[1].lost = True, "failed"
+    other.confirm("run-2")
+    assert other.servers[1].lost and other.servers[0].holds == "run-2"
+    other.close()
     pool.close()
 
     (alone,) = servers(1)

@@ -274,7 +274,7 @@ class ServerPool:
             self._wait_for_one()
 
     def _reload(self, server: Server, pushing: str) -> None:
-        if server.lost and not server.client.answers():
+        if server.out or (server.lost and not server.client.answers()):
             return
         assert self.folder is not None
         try:
@@ -335,6 +335,8 @@ class ServerPool:
             list(self.pool.map(self._ask, self.servers))
 
     def _ask(self, server: Server) -> None:
+        if server.out:  # out for the rest of the run, whatever it holds
+            return
         try:
             server.holds = self._holds(server.client)
         except ServerError as error:
