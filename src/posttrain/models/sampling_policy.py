@@ -51,13 +51,6 @@ class SamplingPolicy:
     def truncates(self) -> bool:
         return bool(self.top_k) or self.top_p < 1.0 or self.min_p > 0.0
 
-    def describe(self) -> str:
-        parts = [f"top_k {self.top_k}"] if self.top_k else []
-        parts += [f"top_p {self.top_p:g}"] if self.top_p < 1.0 else []
-        parts += [f"min_p {self.min_p:g}"] if self.min_p > 0.0 else []
-        parts += [f"repetition_penalty {self.repetition_penalty:g}"] if self.repetition_penalty != 1.0 else []
-        return ", ".join(parts) or "the full distribution"
-
 
 def policy_of(config: object) -> SamplingPolicy:
     """The sampling policy an online method's config sets (its ``top_k``, ``top_p``, ``min_p``,
@@ -68,6 +61,13 @@ def policy_of(config: object) -> SamplingPolicy:
         float(getattr(config, "min_p", 0.0) or 0.0),
         float(getattr(config, "repetition_penalty", 1.0)),
     )
+
+
+def penalty_scale(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """What the repetition penalty multiplies each logit by (vLLM's and transformers' rule: a positive logit
+    of a token already ``seen`` in the row divided by the penalty, a negative one multiplied; 1 elsewhere)."""
+    factor = torch.where(logits.detach() > 0, 1.0 / penalty, penalty).to(logits.dtype)
+    return torch.where(seen, factor, torch.ones_like(factor))
 
 
 def kept_tokens(logits: torch.Tensor, policy: SamplingPolicy) -> torch.Tensor:
@@ -134,10 +134,7 @@ class Replay:
             seen = self._first_seen(logits.shape[-1], logits.device)[index // self.width] <= (
                 index % self.width
             ).unsqueeze(1)
-            penalty = policy.repetition_penalty
-            # vLLM's and transformers' rule: a positive logit divided by the penalty, a negative one multiplied
-            factor = torch.where(logits.detach() > 0, 1.0 / penalty, penalty).to(logits.dtype)
-            scale = torch.where(seen, factor, torch.ones_like(factor))
+            scale = penalty_scale(logits, seen, policy.repetition_penalty)
             logits = logits * scale
         if policy.truncates:
             keep = torch.empty(logits.shape, dtype=torch.bool, device=logits.device)

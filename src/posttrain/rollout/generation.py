@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from posttrain.models.sampling_policy import SamplingPolicy, kept_tokens
+from posttrain.models.sampling_policy import SamplingPolicy, kept_tokens, penalty_scale
 
 MASK = (1 << 62) - 1
 _C1, _C2, _C3 = 0x3C79AC492BA7B653 & MASK, 0x1C69B3F74AC4AE35 & MASK, 0x2545F4914F6CDD1D & MASK
@@ -112,9 +112,7 @@ class PolicyProcessor:
             width = input_ids.shape[1]
             own = torch.arange(width, device=scores.device) >= self.padding.to(scores.device).unsqueeze(1)
             counts = torch.zeros_like(scores).scatter_add_(1, input_ids, own.to(scores.dtype))
-            penalty = policy.repetition_penalty
-            factor = torch.where(scores > 0, 1.0 / penalty, penalty).to(scores.dtype)
-            scores = torch.where(counts > 0, scores * factor, scores)
+            scores = scores * penalty_scale(scores, counts > 0, policy.repetition_penalty)
         if not self.sampled:
             return scores
         scores = scores / self.temperature
