@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from posttrain.config.trainer import TrainerConfig
@@ -13,6 +14,10 @@ from posttrain.dist import DistInfo
 class RunContext:
     config: TrainerConfig
     dist: DistInfo
+    #: set as soon as this process is asked to stop (SIGTERM, SIGINT: ``training.stops``), mid-step too: a part
+    #: that would wait for something the stop may have taken (a server that came down with the allocation) gives
+    #: up instead of waiting, so the run saves after its last whole step
+    stopping: threading.Event = field(default_factory=threading.Event)
 
     @property
     def output_dir(self) -> Path:

@@ -187,7 +187,7 @@ def loop_inputs(
         outputs=open_outputs(ctx, state.tracker_ids, plan.total_steps, state.step),
         total_steps=plan.total_steps,
         step_plan=plan.step_plan,
-        stops=StopSignals(config.exit_duration_in_mins),
+        stops=StopSignals(config.exit_duration_in_mins, ctx.stopping),
         meter=build_meter(ctx, engine.module, engine.device, getattr(torch, config.model.dtype)),
         observers=profiling_observers(config, ctx.dist.rank, engine.device),
         perplexity=spec.perplexity,

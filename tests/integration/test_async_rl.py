@@ -133,13 +133,15 @@ def test_a_longer_lag_and_weights_synced_every_other_batch(served: dict[str, Any
 
 def test_servers_signalled_with_the_trainer_still_save(served: dict[str, Any], tmp_path: Path) -> None:
     """One allocation ends: SIGTERM to the trainer and to its server at once, a batch generated ahead in
-    flight there. The trainer ends its step and saves without waiting for a batch whose server is gone (the
-    checkpoint says which it left out), exits 0; resumed against another server, it goes on, generating what
-    was left out again and saying why."""
+    flight there (the server, shutting down, holds it unanswered). The trainer waits neither for that answer
+    nor for the server to come back: it saves after its last whole step, without the batches whose server is
+    gone (the checkpoint says which it left out), and exits 0; resumed against another server, it goes on,
+    generating what was left out again and saying why."""
     import os
     import signal
     import subprocess
     import sys
+    import threading
     import time
 
     from posttrain.testing.env import child_env
@@ -155,6 +157,7 @@ def test_servers_signalled_with_the_trainer_still_save(served: dict[str, Any], t
     )
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
+    lines: list[str] = []
     with vllm_server(path, tmp_path / "server.log", port) as server:
         command = [sys.executable, "-m", "posttrain", "train", str(path)]
         trainer = subprocess.Popen(
@@ -165,13 +168,22 @@ def test_servers_signalled_with_the_trainer_still_save(served: dict[str, Any], t
             env=child_env(),
             start_new_session=True,
         )
+        assert trainer.stdout is not None
+        reader = threading.Thread(target=lambda: lines.extend(trainer.stdout), daemon=True)  # type: ignore[arg-type]
+        reader.start()
         metrics = out / "train-log-metrics.jsonl"
         deadline = time.time() + 240
         while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
             time.sleep(0.1)
         for process in (trainer, server):  # the allocation's end reaches both
             os.killpg(process.pid, signal.SIGTERM)
-        said, _ = trainer.communicate(timeout=240)
+        try:
+            trainer.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait()
+        reader.join(timeout=10)
+        said = "".join(lines)
     assert trainer.returncode == 0, said[-4000:]
     last = json.loads(metrics.read_text().splitlines()[-1])["iter"]
     assert f"stopped early at step {last}" in said and "Traceback" not in said, said[-4000:]

@@ -225,6 +225,38 @@ def test_a_stop_saves_without_a_batch_whose_servers_are_gone(caplog: pytest.LogC
     assert "in flight when the run that wrote the checkpoint stopped" in caplog.text
 
 
+def test_a_batch_given_up_at_a_stop_is_left_out_and_generated_again(caplog: pytest.LogCaptureFixture) -> None:
+    """The batch a step waits for gives up at a stop (``GenerationStopped``: its servers are gone): settling
+    before a push does not raise, taking it does, and the checkpoint leaves it out with those still in flight;
+    the resumed run generates both from its weights."""
+    import pickle
+
+    from posttrain.rollout.generation import GenerationStopped
+
+    caplog.set_level(logging.INFO, logger="posttrain")
+    engine = _Engine()
+    backend = SimpleNamespace(name="server", alive=lambda: False)
+
+    def generate(batch: int, _: object) -> Completions:
+        if batch >= 2:
+            raise GenerationStopped("the run is stopping and every vLLM server is lost")
+        return engine.generate(batch, _)
+
+    ahead = Ahead(generate, backend, engine.push, 1, 1, 8, 1, True)
+    _train(ahead, engine, range(2))
+    engine.now = 2
+    ahead.advance(2)  # settles (batch 2 gave up), pushes, launches batch 3
+    with pytest.raises(GenerationStopped):
+        ahead.take(2)
+    saved = pickle.loads(pickle.dumps(ahead.saved(lambda: True)))
+    ahead.close()
+    assert saved["batches"] == {} and sorted(saved["left_out"]) == [2, 3]
+    again = Ahead(engine.generate, engine, engine.push, 1, 1, 8, 1, False)
+    again.restore(saved, 2, resumed=True)
+    assert _train(again, engine, range(2, 5)) == {2: 2, 3: 2, 4: 3}
+    assert "in flight when the run that wrote the checkpoint stopped" in caplog.text
+
+
 def test_a_known_lag_is_corrected_by_the_engines_log_probabilities(tiny_model_dir: Path) -> None:
     """The engine sampled from the weights before an update (a lag of one); the trainer's log-probabilities
     are the weights after it. The correction's weights are min(exp(l_new - l_engine), C) per token, computed by

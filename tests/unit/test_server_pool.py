@@ -46,6 +46,7 @@ class FakeServer:
         self.tag: str | None = None
         self.served = 0
         self.reloads: list[str] = []
+        self.held = threading.Event()
         self.start()
 
     def start(self) -> None:
@@ -84,6 +85,9 @@ class FakeServer:
                     return self._json("Success: LoRA adapter unloaded")
                 if self.path == "/v1/completions" and body["model"] not in {"m", *outer.adapters}:
                     return self.send_error(404, f"model {body['model']} not found")
+                if self.path == "/v1/completions" and outer.broken == "hold":
+                    outer.held.wait(30)  # a server shutting down: the request held, never answered
+                    return self.send_error(503)
                 if self.path == "/v1/completions" and outer.broken == "hang":
                     time.sleep(2.0)  # past the client's request_timeout
                     return self.send_error(504)
@@ -250,6 +254,59 @@ def test_a_stalled_push_and_every_server_lost_are_each_one_line(servers: Any, tm
     assert time.monotonic() - started < 10
     assert f"every vLLM server of the run is lost ({a.url} refused the connection" in line
     assert b.url in line and "within 1.5 s (vllm_server_timeout)" in line and "posttrain vllm-serve" in line
+
+
+def test_a_process_asked_to_stop_does_not_wait_for_lost_servers(servers: Any, tmp_path: Path) -> None:
+    """Every server lost while the process is stopping (its allocation ended: the servers went with it): the
+    call gives up at once (``GenerationStopped``) instead of waiting vllm_server_timeout for one to return;
+    not stopping, the same pool waits as before."""
+    from posttrain.rollout.generation import GenerationStopped
+
+    stopping = threading.Event()
+    (only,) = servers(1)
+    pool = ServerPool([only.url], 60.0, 5.0, 10.0, main=True, stopping=stopping.is_set)
+    pool.start(lambda client: "m")
+    push(pool, tmp_path, "run-1")
+    only.stop()
+    threading.Timer(0.5, stopping.set).start()  # the signal comes while the call waits
+    started = time.monotonic()
+    with pytest.raises(GenerationStopped, match=f"every vLLM server is lost: {only.url} refused"):
+        pool.complete(BODIES, "generating")
+    assert time.monotonic() - started < 10  # not the 60 s of vllm_server_timeout
+
+
+def test_a_stopping_process_does_not_wait_for_an_answer_a_closing_server_holds(
+    servers: Any, tmp_path: Path
+) -> None:
+    """A server shutting down closes its port but holds the requests in flight unanswered: a process asked to
+    stop gives them up once /health no longer answers, not after request_timeout; a server that still answers
+    /health is waited for, stop or not."""
+    from posttrain.rollout.generation import GenerationStopped
+
+    stopping = threading.Event()
+    (closing,) = servers(1)
+    pool = ServerPool([closing.url], 60.0, 60.0, 10.0, main=True, stopping=stopping.is_set)
+    pool.start(lambda client: "m")
+    push(pool, tmp_path, "run-1")
+    closing.broken = "hold"
+    stopping.set()
+    threading.Timer(3.0, closing.held.set).start()  # answered (503) after 3 s: waited for while it answers
+    started = time.monotonic()
+    with pytest.raises(GenerationStopped, match="every vLLM server is lost"):  # its 503, then no server
+        pool.complete(BODIES[:1], "generating")
+    assert time.monotonic() - started >= 3.0
+    closing.held.clear()
+    (other,) = servers(1)
+    pool = ServerPool([other.url], 60.0, 60.0, 10.0, main=True, stopping=stopping.is_set)
+    pool.start(lambda client: "m")
+    push(pool, tmp_path, "run-2")
+    other.broken = "hold"
+    threading.Timer(1.0, lambda: other.server.socket.close()).start()  # its port closes, the request held
+    started = time.monotonic()
+    with pytest.raises(GenerationStopped, match=f"{other.url} no longer answers"):
+        pool.complete(BODIES[:1], "generating")
+    assert time.monotonic() - started < 15  # not request_timeout's 60 s
+    other.held.set()
 
 
 def test_a_server_absent_at_the_start_is_said_and_joins_later(

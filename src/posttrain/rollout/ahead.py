@@ -42,7 +42,7 @@ import torch
 
 from posttrain.errors import UserError
 from posttrain.logs import say
-from posttrain.rollout.generation import Completions, Sampling
+from posttrain.rollout.generation import Completions, GenerationStopped, Sampling
 
 #: where a process's batches generated ahead are kept in the loop state (saved with resumable checkpoints)
 STATE_KEY = "ahead"
@@ -117,6 +117,7 @@ class Ahead:
         self.waited = 0.0  # the trainer's wait for generations, since the last batch was taken
         self.idle_since: float | None = None  # when the generator last ran out of work
         self.idle = 0.0  # the generator's wait for weights, since the last batch was taken
+        self.given_up: list[int] = []  # batches taken whose generation gave up at a stop (never trained)
 
     def version(self, batch: int) -> int:
         return weights_version(batch, self.staleness, self.every)
@@ -183,7 +184,11 @@ class Ahead:
                 f"generated batch {batch} was not handed to the engine (launched: {self.launched})"
             )
         started = time.perf_counter()
-        completions = found.future.result()
+        try:
+            completions = found.future.result()
+        except GenerationStopped:  # the stop took its servers: the checkpoint leaves it out
+            self.given_up.append(batch)
+            raise
         self.waited += time.perf_counter() - started
         return completions, found.version
 
@@ -203,7 +208,8 @@ class Ahead:
         """Wait until no generation is in flight (before the weights change, or an evaluation generates)."""
         started = time.perf_counter()
         for found in self.pending.values():
-            found.future.result()
+            with contextlib.suppress(GenerationStopped):  # raised again when its batch is taken
+                found.future.result()
         self.waited += time.perf_counter() - started
 
     def forget_weights(self) -> None:
@@ -277,7 +283,7 @@ class SavedAhead:
         """The batches in flight, waited for; and those left out at a stop."""
         ahead, stopping = self.ahead, self.stopping()
         alive = getattr(ahead.pinned.backend, "alive", lambda: True)
-        batches, left_out = {}, []
+        batches, left_out = {}, list(ahead.given_up)
         for k, found in sorted(ahead.pending.items()):
             future = found.future
             while stopping and not future.done() and alive():

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +31,13 @@ from posttrain.context import RunContext
 from posttrain.data.prompts import ORIGIN_KEY, decode_row, prompt_of
 from posttrain.data.sampler import shard_order
 from posttrain.data.samples import IGNORE_INDEX, pad_rows, target_labels, target_rows
+from posttrain.dist import all_reduce_sum
 from posttrain.errors import UserError
 from posttrain.rollout.ahead import STATE_KEY, Ahead, SavedAhead
 from posttrain.rollout.generation import (
     Completions,
     GenerationBackend,
+    GenerationStopped,
     Sampling,
     TransformersBackend,
     completion_key,
@@ -73,7 +75,14 @@ def longest_prompt(data: Any) -> int:
 
 
 def build_backend(
-    config: Any, module: torch.nn.Module, stops: list[int], pad_id: int, data: Any, rows: int, dist: Any
+    config: Any,
+    module: torch.nn.Module,
+    stops: list[int],
+    pad_id: int,
+    data: Any,
+    rows: int,
+    dist: Any,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> GenerationBackend:
     """The run's generation backend: transformers' ``generate`` on the training weights, or vLLM
     (``use_vllm``): an engine in this process, or the run's server (``vllm_mode: server``)."""
@@ -82,7 +91,7 @@ def build_backend(
     if config.vllm_mode == "server":
         from posttrain.rollout.vllm_server import build_server_backend
 
-        return build_server_backend(config, module, stops, longest_prompt(data), dist)
+        return build_server_backend(config, module, stops, longest_prompt(data), dist, stopping)
     from posttrain.rollout.vllm_engine import build_vllm_backend
 
     return build_vllm_backend(config, module, stops, longest_prompt(data), rows, dist)
@@ -222,7 +231,14 @@ class OnlineSteps:
         self.pad_id = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
         self.stops = stop_ids(tokenizer, engine.module)
         self.backend = build_backend(
-            config, engine.module, self.stops, self.pad_id, plan.data, self.mine, ctx.dist
+            config,
+            engine.module,
+            self.stops,
+            self.pad_id,
+            plan.data,
+            self.mine,
+            ctx.dist,
+            ctx.stopping.is_set,
         )
         from posttrain.rollout.agent import multi_turn
 
@@ -278,6 +294,12 @@ class OnlineSteps:
         for batch in range(first, batches):
             self.trainer_state = self._trainer_state(state, epoch, batch, batches)
             micro_batches = self._resumed(state, done) if done else self._generate(epoch, batch)
+            if micro_batches is None:  # a stop came while its servers were gone: saved after the last step
+                state.stop_reason = (
+                    f"a stop signal came while step {state.step + 1}'s batch was generated and every vLLM server "
+                    "was gone; that step was not trained"
+                )
+                return
             if self.updates > 1:  # what the batch's next updates need after a resume
                 state.rank_state[self.state_key] = {
                     "epoch": epoch,
@@ -352,19 +374,27 @@ class OnlineSteps:
                     del self.orders[old]
             return self.orders[epoch]
 
-    def _generate(self, epoch: int, batch: int) -> list[dict[str, Any]]:
-        """This rank's completions of the batch, the method's values for them, and the micro-batches."""
+    def _generate(self, epoch: int, batch: int) -> list[dict[str, Any]] | None:
+        """This rank's completions of the batch, the method's values for them, and the micro-batches (None:
+        the generation gave up at a stop, on some process)."""
         first, slots, slot_rows, prompt_ids, keys = self._slots(epoch, batch)
         started = time.perf_counter()
         index, version, ahead = self.global_batch(epoch, batch), self.global_batch(epoch, batch), None
-        if self.ahead is not None:  # generated ahead, from older weights (rollout/ahead.py)
-            self.ahead.advance(index)
-            ahead, version = self.ahead.take(index)
-        completions = self.method.completions_for(self, epoch, batch, slot_rows, prompt_ids, keys)
-        if completions is None:  # the policy's own samples
-            completions = ahead or self.complete(
-                self.engine.module, slot_rows, prompt_ids, self.sampling, keys, self.logprobs()
-            )
+        completions: Completions | None = None
+        try:
+            if self.ahead is not None:  # generated ahead, from older weights (rollout/ahead.py)
+                self.ahead.advance(index)
+                ahead, version = self.ahead.take(index)
+            completions = self.method.completions_for(self, epoch, batch, slot_rows, prompt_ids, keys)
+            if completions is None:  # the policy's own samples
+                completions = ahead or self.complete(
+                    self.engine.module, slot_rows, prompt_ids, self.sampling, keys, self.logprobs()
+                )
+        except GenerationStopped:
+            completions = None
+        if self._given_up(completions is None):
+            return None
+        assert completions is not None
         prompt_ids = completions.prompt_ids or prompt_ids
         self.metrics.generation_time = time.perf_counter() - started
         generated = GeneratedBatch(epoch, batch, first, slots, slot_rows, prompt_ids, completions)
@@ -380,6 +410,13 @@ class OnlineSteps:
         self.method.finish_batches(self, generated, micro_batches)
         self._log(generated, version)
         return micro_batches
+
+    def _given_up(self, here: bool) -> bool:
+        """Whether a process's generation of this batch gave up at a stop (its servers gone): every process
+        agrees before any of them trains or saves (one number summed, on server runs of several processes)."""
+        if self.ctx.dist.world_size > 1 and self.config.use_vllm and self.config.vllm_mode == "server":
+            return all_reduce_sum([float(here)], self.ctx.dist)[0] > 0
+        return here
 
     def _generate_ahead(self, index: int, backend: GenerationBackend) -> Completions:
         """Batch ``index``'s completions for this rank, generated ahead (on the background thread) from what the
@@ -471,7 +508,6 @@ def model_labels(completions: Completions, index: int) -> list[int]:
 def tool_records(completions: Completions, dist: Any) -> dict[str, float]:
     """TRL's tool records over every rank's completions of a batch: ``tools/call_frequency`` (calls per
     completion) and ``tools/failure_frequency`` (failed calls per call, 0 without calls)."""
-    from posttrain.dist import all_reduce_sum
 
     calls, failures, count = all_reduce_sum(
         [float(completions.tool_calls), float(completions.tool_failures), float(len(completions.ids))], dist

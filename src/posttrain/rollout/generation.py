@@ -217,6 +217,11 @@ def generating(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
         module.train(training)
 
 
+class GenerationStopped(RuntimeError):
+    """Generation gave up because the run is stopping (a signal came while it waited for a server that the
+    stop took with it): the step it was for is not trained, and the run saves after its last whole step."""
+
+
 class GenerationBackend(Protocol):
     """Where an online run's completions come from (the feed and the multi-turn rollouts depend on this
     alone): transformers' ``generate`` on the training weights (``TransformersBackend``), or an engine with

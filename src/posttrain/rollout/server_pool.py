@@ -17,6 +17,10 @@ which servers may serve a batch, what happens when one is lost and when it comes
   (kept in the weights folder until the next push; a LoRA run's adapter loaded again unless the server still
   holds it) and it serves again. Every server lost: the run waits ``vllm_server_timeout`` for one to come
   back, then stops naming them and the command that starts one.
+- A process asked to stop (``stopping``: a signal came) waits for no server that the stop took with it: not
+  for a lost server to come back, nor for the answer of one that no longer answers ``/health`` (a vLLM server
+  shutting down holds its requests unanswered until their connections close). Its generation gives up
+  (``GenerationStopped``) and the run saves after its last whole step.
 - Nothing retries without a bound. A server whose requests fail :data:`STRIKES` times in a row (each failure
   at most ``request_timeout``; a success in between starts the count again) is out for the rest of the run,
   though it answers ``/health``: one line names it and what it answered. A request is sent at most
@@ -31,11 +35,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import http.client
+import io
 import json
+import select
 import shutil
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +52,7 @@ from typing import Any
 
 from posttrain.errors import UserError
 from posttrain.logs import get_logger
+from posttrain.rollout.generation import GenerationStopped
 from posttrain.rollout.vllm_engine import check_reload
 
 #: seconds between two looks at a lost server while the others generate
@@ -126,21 +134,59 @@ class ServerClient:
         doing: str = "",
         fix: str = "",
         text_answer: bool = False,
+        stopping: Callable[[], bool] | None = None,
     ) -> Any:
-        """The JSON answer (``text_answer``: the answer as text, for vLLM's endpoints that answer in words)."""
+        """The JSON answer (``text_answer``: the answer as text, for vLLM's endpoints that answer in words).
+        ``stopping``: a request with a body waits for its answer watching it (see :meth:`_watched`)."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
             self.url + path, data=data, headers={"Content-Type": "application/json"}
         )
         try:
-            with urllib.request.urlopen(request, timeout=timeout or self.request_timeout) as response:
-                text = response.read().decode()
+            if stopping is not None and data is not None:
+                text = self._watched(path, data, timeout or self.request_timeout, stopping).decode()
+            else:
+                with urllib.request.urlopen(request, timeout=timeout or self.request_timeout) as response:
+                    text = response.read().decode()
             if text_answer:
                 return text
             return json.loads(text) if text.strip() else None
         except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as error:
             kind, why = failure(error)
             raise ServerError(self.url, doing or f"POST {path}", why, fix, kind) from None
+
+    def _watched(self, path: str, data: bytes, timeout: float, stopping: Callable[[], bool]) -> bytes:
+        """POST ``data`` and wait for the answer (``timeout`` seconds at most) a second at a time: once this
+        process is asked to stop, a server that no longer answers ``/health`` (shutting down with the
+        allocation: it holds the request without answering until its connections close) is not waited for
+        (``GenerationStopped``); one that answers is."""
+        parts = urllib.parse.urlsplit(self.url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = kind(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
+        try:
+            connection.request(
+                "POST", parts.path.rstrip("/") + path, body=data, headers={"Content-Type": "application/json"}
+            )
+            deadline, looked = time.monotonic() + timeout, 0.0
+            while not select.select([connection.sock], [], [], 1.0)[0]:
+                now = time.monotonic()
+                if now > deadline:
+                    raise TimeoutError("timed out")
+                if stopping() and now - looked > 2.0:
+                    looked = now
+                    if not self.answers(2.0):
+                        raise GenerationStopped(
+                            f"the run is stopping and the vLLM server at {self.url} no longer answers"
+                        )
+            response = connection.getresponse()
+            answer = response.read()
+            if response.status >= 400:
+                raise urllib.error.HTTPError(
+                    self.url + path, response.status, response.reason, response.headers, io.BytesIO(answer)
+                )
+            return answer
+        finally:
+            connection.close()
 
     def answers(self, seconds: float = 2.0) -> bool:
         """Whether ``/health`` answers within ``seconds``."""
@@ -202,8 +248,10 @@ class ServerPool:
         sync_timeout: float,
         main: bool,
         adapter: bool = False,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self.servers = [Server(ServerClient(url, timeout, request_timeout)) for url in urls]
+        self.stopping = stopping  # this process was asked to stop: no wait for a lost server to come back
         self.timeout, self.sync_timeout, self.main = timeout, sync_timeout, main
         self.adapter = adapter  # a LoRA run's pushes are adapters, loaded by vLLM's LoRA endpoints
         self.tag: str | None = None  # the current push's tag (an adapter's: its name on the servers)
@@ -367,7 +415,9 @@ class ServerPool:
         failures: list[str] = []
         for _ in range(TRIES):
             try:
-                answer: dict[str, Any] = server.client.call("/v1/completions", body, doing=doing)
+                answer: dict[str, Any] = server.client.call(
+                    "/v1/completions", body, doing=doing, stopping=self.stopping
+                )
             except ServerError as error:
                 if not error.lost:
                     raise
@@ -420,6 +470,11 @@ class ServerPool:
             raise self.gave_up
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline and not self.closed:
+            if self.stopping():
+                raise GenerationStopped(
+                    "the run is stopping and every vLLM server is lost: "
+                    + "; ".join(f"{s.client.url} {s.lost}" for s in self.servers)
+                )
             if all(server.out for server in self.servers):
                 why = "; ".join(f"{s.client.url} {s.lost}" for s in self.servers)
                 self.gave_up = UserError(

@@ -28,7 +28,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -250,7 +250,13 @@ class VLLMServerBackend(EngineCopy):
     name = "vllm-server"
 
     def __init__(
-        self, config: Any, module: torch.nn.Module, stop_ids: Sequence[int], dist: Any, needed: int
+        self,
+        config: Any,
+        module: torch.nn.Module,
+        stop_ids: Sequence[int],
+        dist: Any,
+        needed: int,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self.stop_ids, self.dist = list(stop_ids), dist
         urls = server_urls_of(config)
@@ -262,6 +268,7 @@ class VLLMServerBackend(EngineCopy):
             float(config.weight_sync_timeout),
             dist.is_main,
             adapter=bool(self.adapter.rank),
+            stopping=stopping,
         )
         self.weight_sync_timeout = float(config.weight_sync_timeout)
         self.weights_dir = getattr(config, "vllm_server_weights_dir", None)
@@ -440,11 +447,16 @@ class NcclWeights:
 
 
 def build_server_backend(
-    config: Any, module: torch.nn.Module, stops: Sequence[int], longest: int, dist: Any
+    config: Any,
+    module: torch.nn.Module,
+    stops: Sequence[int],
+    longest: int,
+    dist: Any,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> VLLMServerBackend:
     """The run's server backend (rank 0 checks the server; vLLM need not be installed where training runs)."""
     from posttrain.models.dimensions import read_dimensions
     from posttrain.models.token_logps import unwrap
 
     needed = model_context(config, read_dimensions(unwrap(module).config), longest)
-    return VLLMServerBackend(config, module, stops, dist, needed)
+    return VLLMServerBackend(config, module, stops, dist, needed, stopping)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from types import FrameType
 from typing import Any
@@ -37,8 +38,11 @@ def ignore_stop_signals(worker: int = 0) -> None:
 
 
 class StopSignals:
-    def __init__(self, exit_duration_in_mins: float | None = None) -> None:
+    def __init__(
+        self, exit_duration_in_mins: float | None = None, event: threading.Event | None = None
+    ) -> None:
         self.started = time.monotonic()
+        self.event = event or threading.Event()  # set when a signal comes (``RunContext.stopping``)
         self.limit_s = exit_duration_in_mins * 60 if exit_duration_in_mins else None
         self.signal_name = ""
         self._previous: dict[int, Any] = {}
@@ -60,6 +64,7 @@ class StopSignals:
         if self.signal_name and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
+        self.event.set()
 
     def check(self, kill_switch_path: str, step_time: float) -> list[float]:
         """This rank's flags: [kill switch present, signal received, time limit (before the next step ends)]."""
