@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.errors import UserError
-from posttrain.rollout import sandbox
+from posttrain.rollout import code_tests, sandbox
 from posttrain.rollout.sandbox import Limits, confinement, remove_tree, run_python
 
 LIMITS = Limits(wall=8, cpu=4, memory=256 * 2**20, processes=16, disk=32 * 2**20)
@@ -448,7 +448,7 @@ SQUARE_TESTS = ["assert square(2) == 4", "assert square(3) == 9", "assert square
     ],
 )
 def test_code_tests_are_compared_where_the_program_cannot_reach(code: str, score: float) -> None:
-    assert sandbox.tests_passed(code, SQUARE_TESTS, LIMITS) == pytest.approx(score)
+    assert code_tests.tests_passed(code, SQUARE_TESTS, LIMITS) == pytest.approx(score)
 
 
 @FULL
@@ -463,7 +463,7 @@ def test_code_tests_take_setup_statements_and_other_assertions() -> None:
         "assert add(1, 2) == 3.0",  # Python's equality of plain values: 3 == 3.0
         "this is not python",
     ]
-    assert sandbox.tests_passed(code, tests, LIMITS) == pytest.approx(5 / 7)
+    assert code_tests.tests_passed(code, tests, LIMITS) == pytest.approx(5 / 7)
 
 
 def test_the_command_runs_scores_and_checks(tmp_path: Path) -> None:

@@ -185,6 +185,12 @@ def _sandbox_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout", type=float, default=None, help="wall-clock seconds (default code_tests' 10)"
     )
     score.add_argument("--json", action="store_true", help='print {"score": ...}')
+    for action in (run, score):
+        action.add_argument(
+            "--accept-weaker",
+            action="store_true",
+            help="run where this machine's sandbox lacks a confinement (as sandbox_accept_weaker: true)",
+        )
     actions.add_parser("check", help="what the sandbox holds on this machine, one line per confinement")
 
 
@@ -196,7 +202,8 @@ def _sandbox_arguments(parser: argparse.ArgumentParser) -> None:
     model code and prints what it printed (--json: returncode, stdout, stderr, timed_out); posttrain exits 0
     whenever the program ran, whatever it did. score FILE.py --tests TESTS.py scores FILE as code_tests scores a
     completion whose code is FILE and whose tests are TESTS's lines. check prints what holds on this machine,
-    one line per confinement, and exits 1 when a required one is missing.""",
+    one line per confinement, and exits 1 when a required one is missing. run and score refuse (exit 2, the
+    python tool's line) where a required confinement is missing, unless --accept-weaker.""",
 )
 def cmd_sandbox(args: argparse.Namespace) -> int:
     from posttrain.rollout import sandbox
@@ -214,14 +221,16 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
         if args.timeout is None
         else sandbox.Limits(wall=args.timeout, cpu=int(args.timeout) + 1)
     )
-    missing = sandbox.confinement().missing
-    if missing:
-        print(f"note: this machine's sandbox lacks {'; '.join(missing)}", file=sys.stderr)
+    # the rule of the python tool and the code_tests reward: refused where a confinement is missing, unless
+    # accepted as the run's sandbox_accept_weaker accepts it
+    missing = sandbox.require(args.accept_weaker, key="--accept-weaker").missing
     if args.action == "run":
         _show_run(sandbox.run_python(code, limits, strict=not missing), args.json)
         return 0
+    from posttrain.rollout.code_tests import tests_passed
+
     tests = [line for line in _read(args.tests, f"--tests {args.tests}").splitlines() if line.strip()]
-    score = sandbox.tests_passed(code, tests, limits, strict=not missing)
+    score = tests_passed(code, tests, limits, strict=not missing)
     print(json.dumps({"score": score}) if args.json else f"score {score:g} ({len(tests)} tests)")
     return 0
 
@@ -233,11 +242,22 @@ def _read(path: Path, named: str) -> str:
         raise UserError(f"{named}: cannot read it ({error.strerror})") from None
 
 
+def _shown(text: str, stream: Any) -> str:
+    """What a program printed, for ``stream``: on a terminal its control characters (escape sequences that
+    would move the cursor, retitle the window or rewrite earlier lines) written as escapes, newlines and tabs
+    kept."""
+    if not stream.isatty():
+        return text
+    return "".join(
+        c if c in "\n\t" or (c.isprintable() and not 0x7F <= ord(c) <= 0x9F) else repr(c)[1:-1] for c in text
+    )
+
+
 def _show_run(ran: Any, as_json: bool) -> None:
     """What a sandboxed program printed, and how it ended (``--json``: one object)."""
     if as_json:
         print(json.dumps({k: getattr(ran, k) for k in ("returncode", "stdout", "stderr", "timed_out")}))
         return
-    print(ran.stdout, end="")
-    print(ran.stderr, end="", file=sys.stderr)
+    print(_shown(ran.stdout, sys.stdout), end="")
+    print(_shown(ran.stderr, sys.stderr), end="", file=sys.stderr)
     print(f"(exit {ran.returncode}{', timed out' if ran.timed_out else ''})")

@@ -141,7 +141,8 @@ def code_tests(config: CodeTestsReward) -> RewardFunction:
     """The share of the row's tests each completion's last Python block passes, in the sandbox."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from posttrain.rollout.sandbox import Limits, last_code_block, tests_passed
+    from posttrain.rollout.code_tests import last_code_block, tests_passed
+    from posttrain.rollout.sandbox import Limits
 
     limits = Limits(
         wall=config.timeout,

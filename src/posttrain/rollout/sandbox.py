@@ -34,15 +34,11 @@ and Landlock where it exists.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import functools
 import json
 import math
-import operator
 import os
-import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -50,7 +46,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +55,9 @@ from posttrain.errors import UserError
 
 CHILD = Path(__file__).with_name("sandbox_child.py")
 LAUNCH_FAILED = 125
+#: open files per process of the program (RLIMIT_NOFILE): with the processes' limit, its share of the host's
+#: file table
+FILES_OPEN = 256
 
 
 @dataclass(frozen=True)
@@ -96,11 +95,28 @@ class SandboxError(RuntimeError):
 # ---------------------------------------------------------------------------------- the run's cgroups
 
 
-def _cgroup_v1(controller: str, settings: dict[str, str]) -> Path | None:
+def _own_v1(controller: str) -> Path | None:
+    """This process's cgroup in a v1 hierarchy (``/proc/self/cgroup``'s ``N:memory:/path``)."""
     root = Path("/sys/fs/cgroup") / controller
-    try:
-        group = Path(tempfile.mkdtemp(prefix="posttrain-sandbox-", dir=root))
-    except OSError:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, names, path = line.split(":", 2)
+            if controller in names.split(","):
+                return root / path.strip("/")
+    return None
+
+
+def _cgroup_v1(controller: str, settings: dict[str, str]) -> Path | None:
+    """A child of this process's v1 cgroup (so under the job's own limit), else of the hierarchy's root."""
+    root = Path("/sys/fs/cgroup") / controller
+    for parent in dict.fromkeys(p for p in (_own_v1(controller), root) if p is not None):
+        _sweep(parent)
+        try:
+            group = Path(tempfile.mkdtemp(prefix="posttrain-sandbox-", dir=parent))
+            break
+        except OSError:
+            continue
+    else:
         return None
     try:
         for name, value in settings.items():
@@ -120,6 +136,7 @@ def _cgroup_v2(limits: Limits) -> Path | None:
     except (OSError, StopIteration):
         return None
     for parent in (base / line[3:].strip("/"), base):
+        _sweep(parent)
         try:
             if not {"memory", "pids"} <= set((parent / "cgroup.subtree_control").read_text().split()):
                 continue
@@ -135,6 +152,24 @@ def _cgroup_v2(limits: Limits) -> Path | None:
         except OSError:
             _remove_cgroup(group)
     return None
+
+
+_SWEPT: set[Path] = set()
+#: an empty run cgroup older than this is one whose starter died (a run's launcher joins its own in ms)
+STALE_S = 60.0
+
+
+def _sweep(parent: Path) -> None:
+    """Once per process and parent: remove the empty run cgroups a killed trainer left (the sandboxes in them
+    died with it: each launcher dies with its starter)."""
+    if parent in _SWEPT:
+        return
+    _SWEPT.add(parent)
+    with contextlib.suppress(OSError):
+        for group in parent.glob("posttrain-sandbox-*"):
+            with contextlib.suppress(OSError):
+                if time.time() - group.stat().st_mtime > STALE_S and not (group / "cgroup.procs").read_text():
+                    os.rmdir(group)
 
 
 def run_cgroups(limits: Limits) -> tuple[list[Path], list[str]]:
@@ -217,22 +252,48 @@ def _exit_code(code: int) -> int:
     return -(code - 128) if 128 < code < 160 else code
 
 
-def run_python(
+class Launched:
+    """A sandboxed program started (:func:`launched`): its process with the parent's ends of its pipes
+    (``stdin``, ``stdout``, ``stderr``), and the launcher's report (what held, the program's PID)."""
+
+    def __init__(self, process: subprocess.Popen, report: _Reader, held: list[str]) -> None:
+        self.process, self.report, self.held = process, report, held
+        self.pidfd: int | None = None
+        self.watcher = threading.Thread(target=self._watch, daemon=True)
+        self.watcher.start()
+
+    def _watch(self) -> None:
+        """A handle on the program's process 1 as soon as the launcher names it (killing it ends the run)."""
+        while self.pidfd is None and self.process.poll() is None:
+            self.pidfd = _program_pidfd(self.report.kept)
+            time.sleep(0.005)
+        if self.pidfd is None:
+            self.pidfd = _program_pidfd(self.report.kept)
+
+    def notes(self) -> list[dict[str, Any]]:
+        text = self.report.kept.decode(errors="replace")
+        found = []
+        for line in text.splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    found.append(json.loads(line))
+        return found
+
+
+@contextlib.contextmanager
+def launched(
     code: str,
     limits: Limits = Limits(),
-    stdin: str = "",
     strict: bool = True,
     files: dict[str, str] | None = None,
-    output_bytes: int | None = None,
     namespaces: bool = True,
-) -> Ran:
-    """Run ``code`` as a Python program in the sandbox (see the module docstring). ``strict``: refuse to run
-    where the kernel makes no namespaces (``SandboxError``), else run on the host with what holds
-    (``namespaces: False`` asks for that directly: the tests of the weaker path)."""
-    started = time.perf_counter()
-    root = tempfile.mkdtemp(prefix="posttrain-sandbox-")  # empty on the host: the new root's mount point
+) -> Iterator[Launched]:
+    """``code`` running as a Python program in the sandbox (see the module docstring) inside the block; at
+    its end the whole run is killed and its cgroups and directory removed. ``strict``: refuse to run where
+    the kernel makes no namespaces (``SandboxError``), else run on the host with what holds (``namespaces:
+    False`` asks for that directly: the tests of the weaker path)."""
+    root = tempfile.mkdtemp(prefix="posttrain-sandbox-", dir=sandbox_tmp())  # the new root's mount point
     os.chmod(root, 0o711)  # the weaker path's user (nobody) walks through it to its directory
-    workdir = os.path.join(root, "host")  # the program's directory only where it runs on the host
     groups, held = run_cgroups(limits)
     if strict and namespaces and not groups:  # never without them, silently: the run asked for them
         shutil.rmtree(root, ignore_errors=True)
@@ -246,11 +307,12 @@ def run_python(
         "memory": int(limits.memory),
         "file_size": int(limits.file_size),
         "processes": int(limits.processes),
+        "files_open": FILES_OPEN,
         "disk": int(limits.disk),
         "cgroups": [str(g) for g in groups],
         "binds": _binds(),
         "root": root,
-        "workdir": workdir,
+        "workdir": os.path.join(root, "host"),  # the program's directory only where it runs on the host
         "program": ["main.py"],
         "files": {"main.py": code, **(files or {})},
         "strict": strict,
@@ -258,8 +320,8 @@ def run_python(
     }
     spec_r, spec_w = os.pipe()
     report_r, report_w = os.pipe()
-    pidfd: int | None = None
     process = None
+    run: Launched | None = None
     try:
         process = subprocess.Popen(
             [sys.executable, "-I", str(CHILD), str(spec_r), str(report_w)],
@@ -277,42 +339,56 @@ def run_python(
         with os.fdopen(spec_w, "wb") as out:
             spec_w = -1
             out.write(json.dumps(spec).encode())
-        budget = output_bytes or limits.output * 4
-        readers = [_Reader(process.stdout, budget), _Reader(process.stderr, budget)]
         report = _Reader(os.fdopen(report_r, "rb", buffering=0), 1 << 20)
         report_r = -1
-        for reader in (*readers, report):
-            reader.start()
-        feeder = threading.Thread(target=_feed, args=(process.stdin, stdin.encode()), daemon=True)
-        feeder.start()
-        deadline = started + limits.wall
-        timed_out = False
-        while process.poll() is None:
-            if pidfd is None:
-                pidfd = _program_pidfd(report.kept)
-            if time.perf_counter() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.005)
-        if pidfd is None:
-            pidfd = _program_pidfd(report.kept)
+        report.start()
+        run = Launched(process, report, held)
+        yield run
     finally:
         for fd in (spec_r, spec_w, report_r, report_w):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        _end(process, pidfd, groups)
+        if run is not None:
+            run.watcher.join(timeout=1)
+        _end(process, run.pidfd if run is not None else None, groups)
         remove_tree(root)  # empty, or the weaker path's directory: whatever the program left there
-    for reader in (*readers, report):
-        reader.join(timeout=2)
-    notes = [
-        json.loads(line) for line in report.kept.decode(errors="replace").splitlines() if line.startswith("{")
-    ]
+    run.report.join(timeout=2)
+    notes = run.notes()
     failed = next((n["failed"] for n in notes if "failed" in n), None)
     if process.returncode == LAUNCH_FAILED and failed:
         raise SandboxError(failed)
     for note in notes:
-        held += note.get("held", [])
+        run.held += note.get("held", [])
+
+
+def run_python(
+    code: str,
+    limits: Limits = Limits(),
+    stdin: str = "",
+    strict: bool = True,
+    files: dict[str, str] | None = None,
+    output_bytes: int | None = None,
+    namespaces: bool = True,
+) -> Ran:
+    """Run ``code`` as a Python program in the sandbox to its end or its wall time: what it printed (the
+    first ``output_bytes``, default the limits' output) and how it ended."""
+    started = time.perf_counter()
+    budget = output_bytes or limits.output * 4
+    timed_out = False
+    with launched(code, limits, strict, files, namespaces) as run:
+        process = run.process
+        readers = [_Reader(process.stdout, budget), _Reader(process.stderr, budget)]
+        for reader in readers:
+            reader.start()
+        feeder = threading.Thread(target=_feed, args=(process.stdin, stdin.encode()), daemon=True)
+        feeder.start()
+        try:
+            process.wait(timeout=max(0.0, started + limits.wall - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    for reader in readers:
+        reader.join(timeout=2)
     chars = limits.output if output_bytes is None else output_bytes
     return Ran(
         _exit_code(process.returncode),
@@ -320,7 +396,7 @@ def run_python(
         readers[1].text(chars),
         timed_out,
         time.perf_counter() - started,
-        held,
+        run.held,
     )
 
 
@@ -342,19 +418,65 @@ def _program_pidfd(report: bytes) -> int | None:
 
 
 def _end(process: subprocess.Popen | None, pidfd: int | None, groups: list[Path]) -> None:
-    """Kill the program's PID namespace, the launcher's group and the cgroups' members; reap; never raise."""
+    """Kill the program's PID namespace, then the launcher's group and the cgroups' members; reap; never
+    raise. Process 1 of the namespace goes first, so the launcher's child and the launcher end by themselves
+    and each reaps its own: none is left a zombie to a trainer that is process 1 of a container."""
     if pidfd is not None:
         with contextlib.suppress(OSError):
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         with contextlib.suppress(OSError):
             os.close(pidfd)
     if process is not None:
+        if pidfd is not None:
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                process.wait(timeout=2)
         with contextlib.suppress(OSError):
             os.killpg(process.pid, signal.SIGKILL)
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             process.wait(timeout=10)
+        if os.getpid() == 1:  # orphans of the launcher's group come to process 1: reap them
+            _reap_orphans(process.pid)
     for group in groups:
         _remove_cgroup(group)
+
+
+def _reap_orphans(group: int) -> None:
+    """Reap this process's children that are in process group ``group`` (the launcher's, after it died)."""
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and int(fields[2]) == group:  # parent, process group
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(int(entry.name), os.WNOHANG)
+
+
+def sandbox_tmp() -> str:
+    """Where a run's empty root directory is made: the temporary directory when every user may walk through
+    it (the program's mapped user must reach it: a SLURM job's private TMPDIR is not so), else ``/tmp`` or
+    ``/dev/shm``; none: one line."""
+    for place in dict.fromkeys((tempfile.gettempdir(), "/tmp", "/dev/shm")):
+        if _walkable(place):
+            return place
+    raise SandboxError(
+        f"no directory for the sandbox's root: the temporary directory {tempfile.gettempdir()} and /tmp are "
+        "not open for other users to walk through (mode o+x on every directory up to them); set TMPDIR to one"
+    )
+
+
+def _walkable(place: str) -> bool:
+    path = os.path.realpath(place)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        return False
+    parts = path.split("/")
+    try:
+        return all(os.stat("/".join(parts[:end]) or "/").st_mode & 0o001 for end in range(1, len(parts) + 1))
+    except OSError:
+        return False
 
 
 def remove_tree(path: str) -> None:
@@ -503,197 +625,3 @@ def accept_weaker(value: bool) -> None:
 
 def weaker_accepted() -> bool:
     return os.environ.get(WEAKER) == "1"
-
-
-# --------------------------------------------------------------------------------- the code reward
-
-_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
-_COMPARE: dict[type, Callable[[Any, Any], bool]] = {
-    ast.Eq: operator.eq,
-    ast.NotEq: operator.ne,
-    ast.Lt: operator.lt,
-    ast.LtE: operator.le,
-    ast.Gt: operator.gt,
-    ast.GtE: operator.ge,
-    ast.In: lambda a, b: a in b,
-    ast.NotIn: lambda a, b: a not in b,
-    ast.Is: lambda a, b: a is b,
-    ast.IsNot: lambda a, b: a is not b,
-}
-
-
-def last_code_block(text: str) -> str | None:
-    """The last fenced code block (```python ... ```) of a completion."""
-    found = _BLOCK.findall(text)
-    return found[-1] if found else None
-
-
-@dataclass(frozen=True)
-class Check:
-    """One top-level assertion: sides the parent knows (literals) or the sandbox evaluates (expressions)."""
-
-    op: str | None  # a comparison's name; None: the expression's truth
-    sides: tuple[tuple[str, Any], ...]  # ("value", literal) or ("expr", source)
-
-
-def plan_test(test: str) -> list[tuple[str, Any]]:
-    """A test as steps: ``("run", source)`` executed in the sandbox, ``("check", Check)`` compared outside."""
-    try:
-        module = ast.parse(test)
-    except SyntaxError:
-        return [("run", test)]  # the sandbox reports the error: the test fails
-    steps: list[tuple[str, Any]] = []
-    for statement in module.body:
-        test_node = statement.test if isinstance(statement, ast.Assert) else None
-        if (
-            isinstance(test_node, ast.Compare)
-            and len(test_node.ops) == 1
-            and type(test_node.ops[0]) in _COMPARE
-        ):
-            sides = tuple(_side(node) for node in (test_node.left, test_node.comparators[0]))
-            steps.append(("check", Check(type(test_node.ops[0]).__name__, sides)))
-        elif test_node is not None:
-            steps.append(("check", Check(None, (_side(test_node),))))
-        else:
-            steps.append(("run", ast.unparse(statement)))
-    return steps
-
-
-def _side(node: ast.expr) -> tuple[str, Any]:
-    try:
-        return ("value", ast.literal_eval(node))
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return ("expr", ast.unparse(node))
-
-
-#: the harness that runs inside: it reads its job before the program's code runs, holds its own references
-#: to what it uses, and reports values as plain data (exact builtin types, bounded) on its own lines
-HARNESS = r"""
-import json as _json, sys as _sys
-_read, _write, _type, _repr, _sorted = _sys.stdin.read, _sys.__stdout__.write, type, repr, sorted
-_exec, _eval, _compile, _flush, _dict = exec, eval, compile, _sys.__stdout__.flush, dict
-_job = _json.loads(_read())
-_nonce, _dumps = _job["nonce"], _json.dumps
-_PLAIN = (int, float, str, bool, type(None))
-
-
-def _plain(value, budget=[100000]):
-    budget[0] -= 1
-    if budget[0] < 0:
-        raise ValueError("value too large")
-    kind = _type(value)
-    if kind in _PLAIN:
-        return [kind.__name__, _repr(value) if kind is float else value]
-    if kind in (list, tuple, set, frozenset):
-        items = [_plain(v) for v in value]
-        return [kind.__name__, _sorted(items, key=_dumps) if kind in (set, frozenset) else items]
-    if kind is dict:
-        return ["dict", [[_plain(k), _plain(v)] for k, v in value.items()]]
-    raise TypeError("not plain data: " + kind.__name__)
-
-
-def _say(*fields):
-    _write(_dumps([_nonce, *fields]) + "\n")
-    _flush()
-
-
-_names = {"__name__": "__main__", "__builtins__": __builtins__}
-try:
-    _exec(_compile(_job["code"], "solution.py", "exec"), _names)
-    _say("code", True)
-except BaseException as _error:
-    _say("code", False)
-for _index, _steps in enumerate(_job["tests"]):
-    _scope = _dict(_names)
-    for _number, (_kind, _source) in enumerate(_steps):
-        try:
-            if _kind == "run":
-                _exec(_compile(_source, "test", "exec"), _scope)
-                _say(_index, _number, "ran")
-            else:
-                _say(_index, _number, "value", _plain(_eval(_compile(_source, "test", "eval"), _scope)))
-        except BaseException as _error:
-            _say(_index, _number, "error", _type(_error).__name__)
-            break
-"""
-
-
-def _from_plain(value: Any) -> Any:
-    kind, data = value
-    if kind == "float":
-        return float(data)
-    if kind in ("int", "str", "bool", "NoneType"):
-        expected = {"int": int, "str": str, "bool": bool, "NoneType": type(None)}[kind]
-        if type(data) is not expected:
-            raise ValueError(f"not a {kind}")
-        return data
-    if kind in ("list", "tuple", "set", "frozenset"):
-        items = [_from_plain(v) for v in data]
-        return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](items)
-    if kind == "dict":
-        return {_from_plain(k): _from_plain(v) for k, v in data}
-    raise ValueError(f"unknown kind {kind!r}")
-
-
-def tests_passed(code: str | None, tests: list[str], limits: Limits, strict: bool | None = None) -> float:
-    """The share of ``tests`` the code passes (0 without code, or when nothing comes back): each test's
-    expressions evaluated in the sandbox, its comparisons made here."""
-    if not code or not tests:
-        return 0.0
-    plans = [plan_test(test) for test in tests]
-    nonce = secrets.token_hex(16)
-    jobs: list[list[tuple[str, str]]] = []
-    for plan in plans:
-        steps: list[tuple[str, str]] = []
-        for kind, step in plan:
-            if kind == "run":
-                steps.append(("run", step))
-            else:
-                steps += [("eval", source) for what, source in step.sides if what == "expr"]
-        jobs.append(steps)
-    job = json.dumps({"nonce": nonce, "code": code, "tests": jobs})
-    strict = not weaker_accepted() if strict is None else strict
-    ran = run_python(HARNESS, limits, stdin=job, strict=strict, output_bytes=4 << 20)
-    answers: dict[tuple[int, int], tuple[str, Any]] = {}
-    for line in ran.stdout.splitlines():
-        try:
-            fields = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(fields, list) or len(fields) < 4 or fields[0] != nonce or fields[1] == "code":
-            continue
-        answers.setdefault((fields[1], fields[2]), (fields[3], fields[4] if len(fields) > 4 else None))
-    passed = sum(_test_passes(index, plan, answers) for index, plan in enumerate(plans))
-    return passed / len(tests)
-
-
-def _test_passes(index: int, plan: list[tuple[str, Any]], answers: dict[tuple[int, int], Any]) -> bool:
-    number = 0
-    for kind, step in plan:
-        if kind == "run":
-            if answers.get((index, number), ("missing",))[0] != "ran":
-                return False
-            number += 1
-            continue
-        values = []
-        for what, source in step.sides:
-            if what == "value":
-                values.append(source)
-                continue
-            answer = answers.get((index, number), ("missing", None))
-            number += 1
-            if answer[0] != "value":
-                return False
-            try:
-                values.append(_from_plain(answer[1]))
-            except (ValueError, TypeError, KeyError):
-                return False
-        try:
-            holds = (
-                bool(values[0]) if step.op is None else _COMPARE[getattr(ast, step.op)](values[0], values[1])
-            )
-        except Exception:  # a comparison of plain values that Python refuses (1 < "a")
-            return False
-        if not holds:
-            return False
-    return True

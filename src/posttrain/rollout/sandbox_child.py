@@ -26,6 +26,7 @@ the fallback, ``program`` argv after the interpreter, ``files`` name -> text for
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -50,6 +51,22 @@ BIND_TCP, CONNECT_TCP = 1, 2
 SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1, 2
 NOBODY = 65534
 DEVICES = ("null", "zero", "urandom", "random")
+MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+KEYCTL_JOIN_SESSION_KEYRING = 1
+#: per architecture: the seccomp audit value and the numbers of the system calls the filter looks at
+SYSCALLS = {
+    "x86_64": {
+        "arch": 0xC000003E, "keyctl": 250, "add_key": 248, "request_key": 249, "socket": 41,
+        "socketpair": 53, "io_uring_setup": 425,
+    },
+    "aarch64": {
+        "arch": 0xC00000B7, "keyctl": 219, "add_key": 217, "request_key": 218, "socket": 198,
+        "socketpair": 199, "io_uring_setup": 425,
+    },
+}  # fmt: skip
+#: the address families a program may open sockets of (its network namespace has no way out anyway)
+FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
 
 
 class RulesetAttr(ctypes.Structure):
@@ -59,6 +76,28 @@ class RulesetAttr(ctypes.Structure):
 class PathBeneath(ctypes.Structure):
     _pack_ = 1
     _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
+
+
+class MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+class SockFilter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(SockFilter))]
 
 
 class CapHeader(ctypes.Structure):
@@ -102,10 +141,33 @@ def _locked_flags(path: str) -> int:
 
 
 def _bind_read_only(source: str, target: str) -> None:
+    """``source`` bound on ``target`` read-only, with every mount under it (a writable submount of a
+    read-only directory stays writable otherwise): one ``mount_setattr`` where the kernel has it (5.12), else
+    each submount remounted."""
     _mount(source, target, None, MS_BIND | MS_REC)
     _mount(
         "none", target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | _locked_flags(source)
     )
+    attr = MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
+    done = LIBC.syscall(MOUNT_SETATTR, AT_FDCWD, target.encode(), AT_RECURSIVE, ctypes.byref(attr), 32)
+    if done == 0:
+        return
+    for mounted in _submounts(target):
+        _mount(
+            "none", mounted, None,
+            MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | _locked_flags(mounted),
+        )  # fmt: skip
+
+
+def _submounts(target: str) -> list[str]:
+    """The mount points strictly under ``target`` (``/proc/self/mountinfo``'s fifth field, octal-escaped)."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4].encode().decode("unicode_escape")
+            if point.startswith(target.rstrip("/") + "/"):
+                found.append(point)
+    return found
 
 
 def _write(path: str, text: str) -> None:
@@ -153,6 +215,10 @@ def _new_root(spec: dict) -> None:
 def _no_capabilities() -> None:
     """No new user namespaces (the kernel counts them per namespace), then every capability dropped."""
     _write("/proc/sys/user/max_user_namespaces", "0")
+    # counted per user namespace and charged to the trainer's user too: the program's share is bounded
+    for name, value in (("max_inotify_instances", "16"), ("max_inotify_watches", "4096")):
+        with contextlib.suppress(OSError):
+            _write(f"/proc/sys/user/{name}", value)
     with open("/proc/sys/kernel/cap_last_cap") as f:
         last = int(f.read())
     for cap in range(last + 1):
@@ -196,6 +262,58 @@ def _landlock(writable: tuple[str, ...], outside: bool = False) -> list[str]:
     return held
 
 
+def _filter_program(table: dict[str, int]) -> list[tuple[int, str | int, str | int, int]]:
+    """The seccomp filter as (code, jump if true, jump if false, k) with labels: no keyring calls, no
+    io_uring (its sockets would pass the socket rule), sockets of :data:`FAMILIES` only, no other ABI."""
+    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, errno = 0x7FFF0000, 0x00050000
+    steps: list[tuple[int, str | int, str | int, int]] = [
+        (load, 0, 0, 4),  # the architecture
+        (jeq, 0, "nosys", table["arch"]),
+        (load, 0, 0, 0),  # the system call's number
+        (jge, "nosys", 0, 0x40000000),  # x32's numbers on x86_64
+    ]
+    for name in ("keyctl", "add_key", "request_key", "io_uring_setup"):
+        steps.append((jeq, "refuse", 0, table[name]))
+    steps += [
+        (jeq, "family", 0, table["socket"]),
+        (jeq, "family", 0, table["socketpair"]),
+        (ret, 0, 0, allow),
+    ]
+    steps.append((load, 0, 0, 16))  # "family": the first argument's low 32 bits (an int)
+    steps += [(jeq, "allow", 0, family) for family in FAMILIES]
+    steps += [
+        (ret, 0, 0, errno | 97),  # EAFNOSUPPORT
+        (ret, 0, 0, allow),  # "allow"
+        (ret, 0, 0, errno | 1),  # "refuse": EPERM
+        (ret, 0, 0, errno | 38),  # "nosys": ENOSYS
+    ]
+    return steps
+
+
+def _seccomp() -> list[str]:
+    """A fresh, empty session keyring (not the trainer's), then the filter of :func:`_filter_program`; what
+    held. An architecture without a table gets neither (said by its absence in ``posttrain sandbox check``)."""
+    table = SYSCALLS.get(os.uname().machine)
+    if table is None:
+        return []
+    held = []
+    if LIBC.syscall(table["keyctl"], KEYCTL_JOIN_SESSION_KEYRING, None) >= 0:
+        held.append("a session keyring of its own")
+    steps = _filter_program(table)
+    family = next(i for i, (code, _, _, k) in enumerate(steps) if code == 0x20 and k == 16)
+    labels = {"family": family, "allow": len(steps) - 3, "refuse": len(steps) - 2, "nosys": len(steps) - 1}
+    program = (SockFilter * len(steps))()
+    for index, (code, true, false, k) in enumerate(steps):
+        jt = labels[true] - index - 1 if isinstance(true, str) else true
+        jf = labels[false] - index - 1 if isinstance(false, str) else false
+        program[index] = SockFilter(code, jt, jf, k)
+    fprog = SockFprog(len(steps), program)
+    LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    _check(LIBC.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp")
+    return [*held, "no keyring calls, no io_uring, sockets of Unix and IP families only (seccomp)"]
+
+
 def program(spec: dict, held: list[str], report: int) -> None:
     """P: process 1 of the new PID namespace, which becomes the program."""
     LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -212,6 +330,11 @@ def program(spec: dict, held: list[str], report: int) -> None:
     held += _landlock(("/home/sandbox", "/tmp", "/dev/shm", "/dev/null"))
     # counted per user namespace: a second fence behind the run's pids cgroup
     resource.setrlimit(resource.RLIMIT_NPROC, (spec["processes"], spec["processes"]))
+    try:
+        held += _seccomp()
+    except OSError as error:
+        os.write(report, json.dumps({"failed": f"{type(error).__name__}: {error}"}).encode() + b"\n")
+        os._exit(125)
     os.write(report, json.dumps({"held": held}).encode() + b"\n")
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -221,7 +344,7 @@ def program(spec: dict, held: list[str], report: int) -> None:
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONUNBUFFERED": "1",
     }
-    os.execve(sys.executable, [sys.executable, "-I", *spec["program"]], env)
+    os.execve(sys.executable, [sys.executable, "-I", "-u", *spec["program"]], env)
 
 
 # ------------------------------------------------------------------------------ N and L
@@ -249,6 +372,7 @@ def namespaces(spec: dict, go: int, ready: int, report: int) -> None:
     spec["opened"] = open_binds(spec["binds"])
     os.setresgid(0, 0, 0)  # become the namespace's root: the unprivileged user outside
     os.setresuid(0, 0, 0)
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # a change of user clears it: set again
     held = ["user (mapped to an unprivileged user)", "mount", "PID", "IPC", "network", "UTS"]
     child = os.fork()
     if child == 0:
@@ -272,7 +396,8 @@ def limits(spec: dict) -> list[str]:
     resource.setrlimit(resource.RLIMIT_CPU, (spec["cpu"], spec["cpu"] + 1))
     resource.setrlimit(resource.RLIMIT_AS, (spec["memory"], spec["memory"]))
     resource.setrlimit(resource.RLIMIT_FSIZE, (spec["file_size"], spec["file_size"]))
-    held = ["CPU time per process", "memory per process", "file size"]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (spec["files_open"], spec["files_open"]))
+    held = ["CPU time per process", "memory per process", "file size", "open files per process"]
     for group in spec["cgroups"]:
         _write(os.path.join(group, "cgroup.procs"), str(os.getpid()))
     return held
@@ -303,6 +428,7 @@ def on_the_host(spec: dict, held: list[str], report: int) -> None:
         os.setresuid(NOBODY, NOBODY, NOBODY)
         held.append("runs as nobody")
     held += _landlock((spec["workdir"], "/dev/null"), outside=True)
+    held += _seccomp()
     if os.getuid() == 0:
         held.append("runs as the trainer's root (its Python is not reachable by nobody)")
     os.write(report, json.dumps({"held": held, "pid": os.getpid()}).encode() + b"\n")
@@ -314,7 +440,7 @@ def on_the_host(spec: dict, held: list[str], report: int) -> None:
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONUNBUFFERED": "1",
     }
-    os.execve(sys.executable, [sys.executable, "-I", *spec["program"]], env)
+    os.execve(sys.executable, [sys.executable, "-I", "-u", *spec["program"]], env)
 
 
 def open_binds(directories: list[str]) -> list[tuple[str, str | None, int]]:
@@ -342,6 +468,12 @@ def main() -> None:
     # program inherits the ignored signals; the sandbox ends it with SIGKILL at its time limit.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # whoever started it (a reward worker, the trainer, the command) dies: so does the launcher, then its
+    # child and the program's process 1 (each set the same), which ends the program's whole namespace
+    parent = os.getppid()
+    LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the setting took
+        os._exit(125)
     with os.fdopen(int(sys.argv[1]), "rb") as source:
         spec = json.loads(source.read())
     report = int(sys.argv[2])
