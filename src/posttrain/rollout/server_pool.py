@@ -79,8 +79,14 @@ LOST_KINDS = {REFUSED, RESET, TIMEOUT, SERVER_FAILED}
 START_COMMAND = "posttrain vllm-serve CONFIG --port PORT"
 
 
+class Closing(OSError):
+    """A server that stopped answering ``/health`` while it held a request of a process asked to stop."""
+
+
 def failure(error: BaseException) -> tuple[str, str]:
     """A failed request, as (kind, words): refused, reset, timed out, an HTTP status, or what it said."""
+    if isinstance(error, Closing):
+        return RESET, "stopped answering while the run stops (it is shutting down)"
     if isinstance(error, urllib.error.HTTPError):
         body = ""
         with contextlib.suppress(Exception):
@@ -123,8 +129,15 @@ class ServerClient:
     """JSON over HTTP to one server (the standard library's client: no dependency for a handful of calls);
     every failure is a :class:`ServerError` naming the server and what the run was asking of it."""
 
-    def __init__(self, url: str, timeout: float, request_timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout: float,
+        request_timeout: float = 600.0,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.url, self.timeout, self.request_timeout = url, timeout, request_timeout
+        self.stopping = stopping  # the process was asked to stop (see :meth:`_watched`)
 
     def call(
         self,
@@ -134,17 +147,16 @@ class ServerClient:
         doing: str = "",
         fix: str = "",
         text_answer: bool = False,
-        stopping: Callable[[], bool] | None = None,
     ) -> Any:
         """The JSON answer (``text_answer``: the answer as text, for vLLM's endpoints that answer in words).
-        ``stopping``: a request with a body waits for its answer watching it (see :meth:`_watched`)."""
+        A request with a body waits for its answer watching the server (see :meth:`_watched`)."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
             self.url + path, data=data, headers={"Content-Type": "application/json"}
         )
         try:
-            if stopping is not None and data is not None:
-                text = self._watched(path, data, timeout or self.request_timeout, stopping).decode()
+            if data is not None:
+                text = self._watched(path, data, timeout or self.request_timeout).decode()
             else:
                 with urllib.request.urlopen(request, timeout=timeout or self.request_timeout) as response:
                     text = response.read().decode()
@@ -155,11 +167,11 @@ class ServerClient:
             kind, why = failure(error)
             raise ServerError(self.url, doing or f"POST {path}", why, fix, kind) from None
 
-    def _watched(self, path: str, data: bytes, timeout: float, stopping: Callable[[], bool]) -> bytes:
+    def _watched(self, path: str, data: bytes, timeout: float) -> bytes:
         """POST ``data`` and wait for the answer (``timeout`` seconds at most) a second at a time: once this
         process is asked to stop, a server that no longer answers ``/health`` (shutting down with the
         allocation: it holds the request without answering until its connections close) is not waited for
-        (``GenerationStopped``); one that answers is."""
+        (:class:`Closing`: it is lost); one that answers is."""
         parts = urllib.parse.urlsplit(self.url)
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         connection = kind(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
@@ -172,12 +184,10 @@ class ServerClient:
                 now = time.monotonic()
                 if now > deadline:
                     raise TimeoutError("timed out")
-                if stopping() and now - looked > 2.0:
+                if self.stopping() and now - looked > 2.0:
                     looked = now
                     if not self.answers(2.0):
-                        raise GenerationStopped(
-                            f"the run is stopping and the vLLM server at {self.url} no longer answers"
-                        )
+                        raise Closing()
             response = connection.getresponse()
             answer = response.read()
             if response.status >= 400:
@@ -250,7 +260,7 @@ class ServerPool:
         adapter: bool = False,
         stopping: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.servers = [Server(ServerClient(url, timeout, request_timeout)) for url in urls]
+        self.servers = [Server(ServerClient(url, timeout, request_timeout, stopping)) for url in urls]
         self.stopping = stopping  # this process was asked to stop: no wait for a lost server to come back
         self.timeout, self.sync_timeout, self.main = timeout, sync_timeout, main
         self.adapter = adapter  # a LoRA run's pushes are adapters, loaded by vLLM's LoRA endpoints
@@ -318,7 +328,7 @@ class ServerPool:
         self.drop_weights()
         self.folder, self.previous, self.tag = folder, self.tag, tag
         list(self.pool.map(lambda server: self._reload(server, pushing), self.servers))
-        if not self._serving():
+        if not self._serving() and not self.stopping():  # stopping: the generation that follows gives up
             self._wait_for_one()
 
     def _reload(self, server: Server, pushing: str) -> None:
@@ -415,9 +425,7 @@ class ServerPool:
         failures: list[str] = []
         for _ in range(TRIES):
             try:
-                answer: dict[str, Any] = server.client.call(
-                    "/v1/completions", body, doing=doing, stopping=self.stopping
-                )
+                answer: dict[str, Any] = server.client.call("/v1/completions", body, doing=doing)
             except ServerError as error:
                 if not error.lost:
                     raise
