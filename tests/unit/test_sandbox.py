@@ -505,3 +505,196 @@ def test_a_strict_sandbox_whose_cgroups_cannot_be_made_refuses_in_one_line(
     with pytest.raises(sandbox.SandboxError, match=r"cgroups .* could not be made for this program"):
         sandbox.run_python("print(1)", sandbox.Limits(wall=30), strict=True)
     assert sandbox.run_python("print(1)", sandbox.Limits(wall=30), strict=False).stdout.strip() == "1"
+
+
+# ------------------------------------------------------------------------------ round three
+
+
+@FULL
+def test_the_trainers_keyrings_vsock_and_other_families_are_out_of_reach() -> None:
+    """A keyring call (the trainer's session keyring shared through every login), io_uring (whose sockets
+    would pass a socket rule) and every address family but Unix and IP fail; its session keyring is its own
+    (seccomp and a fresh keyring, named by the check)."""
+    key = subprocess.run(
+        [sys.executable, "-c", "import ctypes; print(ctypes.CDLL(None).syscall(250, 0, -3, 0))"],
+        capture_output=True,
+        text=True,
+    )  # the trainer's own session keyring, for comparison
+    ran = run(
+        """
+        import ctypes, socket
+        libc = ctypes.CDLL(None, use_errno=True)
+        def errno(result):
+            return ctypes.get_errno() if result < 0 else 0
+        print(errno(libc.syscall(250, 0, -3, 0)), errno(libc.syscall(248, b"user", b"k", b"v", 1, -3)))
+        print(errno(libc.syscall(425, 1, 0)))
+        found = []
+        for family in (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6, 40, socket.AF_NETLINK, socket.AF_PACKET):
+            try:
+                socket.socket(family, socket.SOCK_DGRAM).close()
+                found.append(0)
+            except OSError as error:
+                found.append(error.errno)
+        print(found)
+        """
+    )
+    assert ran.ok, ran.stderr
+    lines = ran.stdout.splitlines()
+    assert lines[0] == "1 1" and lines[1] == "1", (lines, key.stdout)  # EPERM: keyctl, add_key; io_uring
+    assert lines[2] == "[0, 0, 0, 97, 97, 97]"  # Unix, IPv4, IPv6 open; vsock, netlink, packet refused
+    assert any("session keyring of its own" in line for line in HOLDS.held)
+    assert any("seccomp" in line for line in HOLDS.held)
+
+
+@FULL
+def test_file_table_and_inotify_are_bounded_per_run() -> None:
+    ran = run(
+        """
+        import os, resource, ctypes
+        files = []
+        try:
+            while True:
+                files.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError as error:
+            print(len(files), error.errno)
+        libc = ctypes.CDLL(None, use_errno=True)
+        made = 0
+        while libc.inotify_init() >= 0 and made < 1000:
+            made += 1
+        print(made)
+        """
+    )
+    assert ran.ok, ran.stderr
+    opened, inotify = ran.stdout.splitlines()
+    assert int(opened.split()[0]) < sandbox.FILES_OPEN and opened.split()[1] == "24"  # EMFILE
+    assert int(inotify) <= 16
+
+
+@FULL
+@pytest.mark.skipif(os.getuid() != 0, reason="mounting a writable submount needs root")
+def test_a_writable_mount_under_a_read_only_bind_is_read_only_inside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bound = tmp_path / "bound"
+    (bound / "sub").mkdir(parents=True)
+    os.chmod(tmp_path, 0o755)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(bound / "sub")], check=True)
+    try:
+        binds = sandbox._binds
+        monkeypatch.setattr(sandbox, "_binds", lambda: [*binds(), str(bound)])
+        ran = run(
+            f"""
+            try:
+                open("{bound}/sub/x", "w").write("x")
+                print("wrote")
+            except OSError as error:
+                print(error.errno)
+            """
+        )
+    finally:
+        subprocess.run(["umount", str(bound / "sub")], check=True)
+    assert ran.ok and ran.stdout.strip() == "30", ran  # EROFS
+
+
+def test_a_sandbox_dies_with_whoever_started_it_on_sigkill(tmp_path: Path) -> None:
+    """The reward worker, the trainer or the command is SIGKILLed while a program runs (SLURM, the OOM
+    killer): the launcher, its child and the program's process 1 die with it, so the program does too."""
+    starter = tmp_path / "starter.py"
+    starter.write_text(
+        textwrap.dedent(
+            """
+            import sys, time
+            from posttrain.rollout.sandbox import Limits, launched
+            with launched("import time\\ntime.sleep(120)", Limits(wall=120, cpu=120), strict=False) as run:
+                while run.pidfd is None:
+                    time.sleep(0.01)
+                print(run.process.pid, [n["pid"] for n in run.notes() if "pid" in n][0], flush=True)
+                time.sleep(120)
+            """
+        )
+    )
+    process = subprocess.Popen([sys.executable, str(starter)], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    launcher, program = map(int, process.stdout.readline().split())
+    process.kill()
+    process.wait()
+
+    def running(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        return state != "Z"
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (running(launcher) or running(program)):
+        time.sleep(0.05)
+    assert not running(launcher) and not running(program)
+
+
+@FULL
+def test_stale_run_cgroups_are_swept_by_the_next_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A killed trainer's empty run cgroups are removed by the next process that makes one; one a live run
+    uses (a process in it) is left."""
+    groups, _ = sandbox.run_cgroups(LIMITS)  # real ones, where this machine makes them
+    assert groups
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = groups[0]
+    try:
+        stale = groups[0]
+        parent = stale.parent
+        other = Path(tempfile.mkdtemp(prefix="posttrain-sandbox-", dir=parent))
+        (other / "cgroup.procs").write_text(str(sleeper.pid))
+        monkeypatch.setattr(sandbox, "_SWEPT", set())
+        monkeypatch.setattr(sandbox, "STALE_S", -1.0)
+        sandbox._sweep(parent)
+        assert not stale.exists() and other.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        for group in [*groups, other]:
+            sandbox._remove_cgroup(group)
+
+
+@FULL
+def test_a_private_tmpdir_is_walked_around(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TMPDIR in a directory only its owner may enter (SLURM's per-job one, a home): the sandbox's root goes
+    where the mapped user can walk (/tmp), and the program runs."""
+    private = tmp_path / "private"
+    (private / "tmp").mkdir(parents=True)
+    private.chmod(0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(private / "tmp"))
+    assert sandbox.sandbox_tmp() != str(private / "tmp")
+    ran = run("print('ran')")
+    assert ran.ok and ran.stdout.strip() == "ran", ran
+
+
+@FULL
+def test_output_printed_without_a_flush_is_kept_at_a_timeout() -> None:
+    ran = run("import sys, time\nsys.stdout.write('unflushed')\ntime.sleep(30)\n", Limits(wall=1.5, cpu=10))
+    assert ran.timed_out and ran.stdout == "unflushed"
+
+
+def test_the_command_refuses_where_the_tool_would_and_escapes_terminal_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+    import io
+
+    from posttrain.commands import tools
+
+    weaker = sandbox.Confinement(("CPU time per process",), (sandbox.REQUIRED["namespaces"],))
+    monkeypatch.setattr(sandbox, "confinement", lambda: weaker)
+    program = tmp_path / "p.py"
+    program.write_text("print('\\x1b]0;owned\\x07\\x1b[2Jx')\n")
+    args = argparse.Namespace(action="run", file=program, timeout=None, json=False, accept_weaker=False)
+    with pytest.raises(UserError, match=r"lacks on this machine: namespaces.* --accept-weaker: true"):
+        tools.cmd_sandbox(args)
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    shown = tools._shown("\x1b]0;owned\x07\x1b[2Jx\n\tok", Terminal())
+    assert shown == "\\x1b]0;owned\\x07\\x1b[2Jx\n\tok"
+    assert tools._shown("\x1b[2J", io.StringIO()) == "\x1b[2J"  # a pipe gets the bytes

@@ -119,19 +119,22 @@ class ModelReward(RewardConfig):
 class CodeTestsReward(RewardConfig):
     """The share of the row's tests that the completion's last Python block passes, run in the sandbox
     (``rollout.sandbox``: namespaces of its own, a read-only system, no network, memory, processes and disk
-    limited for the whole run, none of the parent's environment; ``posttrain sandbox check``). A test's
-    expressions are evaluated in the sandbox and its comparisons made outside it, so the program cannot forge
-    its score. 0 without a code block."""
+    limited for the whole run, none of the parent's environment; ``posttrain sandbox check``). Each test runs
+    whole in a second sandbox that never runs the program, with the real builtins; the names it does not
+    define (builtins' names aside) are the program's, which answers for them with plain data
+    (``rollout.code_tests``), so a program answers for its own functions and cannot forge its score. 0
+    without a code block."""
 
     type: Literal["code_tests"] = "code_tests"
     """A built-in reward: run the code against tests."""
 
     column: str = "tests"
-    """The data column holding the tests: a list of tests, each one or more statements (``assert f(2) == 4``;
-    a top-level ``assert`` comparison is compared outside the sandbox, other statements run inside)."""
+    """The data column holding the tests: a list of tests, each one or more statements (``assert f(2) == 4``,
+    setup, loops, ``try``/``except`` of the program's exceptions); a test passes when it runs to its end."""
 
     timeout: HumanFloat = Field(default=10.0, gt=0.0)
-    """Wall-clock seconds a completion's program may run (its CPU time is limited to the same)."""
+    """Wall-clock seconds a completion's judgement may take, the program's and the tests' sandboxes together
+    (each one's CPU time is limited to the same); ``reward_timeout`` ends them sooner."""
 
     memory: HumanInt = Field(default=512 * 2**20, gt=0)
     """Memory of the program and everything it starts, in bytes (``512Mi``); also each process's address

@@ -26,6 +26,7 @@ not (``==`` on an instance is identity). The whole judgement has the reward's wa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -266,6 +267,8 @@ def _relay(program: Launched, tests: Launched, verdicts: dict[int, bool], count:
                     tests.process.stdin.flush()
                 except (OSError, ValueError):
                     return
+        with contextlib.suppress(OSError, ValueError):  # the program ended: what it did not answer fails now
+            tests.process.stdin.close()
 
     relay = threading.Thread(target=answers, daemon=True)
     relay.start()
@@ -289,8 +292,15 @@ def _relay(program: Launched, tests: Launched, verdicts: dict[int, bool], count:
                 return
 
 
-def tests_passed(code: str | None, tests: list[str], limits: Limits, strict: bool | None = None) -> float:
-    """The share of ``tests`` the code passes (0 without code, or when nothing comes back in time)."""
+def tests_passed(
+    code: str | None,
+    tests: list[str],
+    limits: Limits,
+    strict: bool | None = None,
+    cancel: threading.Event | None = None,
+) -> float:
+    """The share of ``tests`` the code passes (0 without code, or when nothing comes back in time;
+    ``cancel`` set: the sandboxes end at once, what came back counts)."""
     if not code or not tests:
         return 0.0
     strict = not weaker_accepted() if strict is None else strict
@@ -307,6 +317,7 @@ def tests_passed(code: str | None, tests: list[str], limits: Limits, strict: boo
                 return 0.0
         relay = threading.Thread(target=_relay, args=(program, judge, verdicts, len(tests)), daemon=True)
         relay.start()
-        relay.join(timeout=max(0.0, deadline - time.monotonic()))
+        while relay.is_alive() and time.monotonic() < deadline and not (cancel and cancel.is_set()):
+            relay.join(timeout=0.05)
         # leaving the block ends both sandboxes (their pipes close, the relay ends)
     return sum(verdicts.get(i, False) for i in range(len(tests))) / len(tests)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,10 +160,18 @@ def code_tests(config: CodeTestsReward) -> RewardFunction:
             )
         tests = [[t] if isinstance(t, str) else list(t or []) for t in columns[config.column]]
         codes = [last_code_block(text_of(c)) for c in completions]
-        with ThreadPoolExecutor(max_workers=config.parallel) as pool:
+        cancel = threading.Event()
+        pool = ThreadPoolExecutor(max_workers=config.parallel)
+        try:
             return list(
-                pool.map(lambda pair: tests_passed(pair[0], pair[1], limits), zip(codes, tests, strict=True))
+                pool.map(
+                    lambda pair: tests_passed(pair[0], pair[1], limits, cancel=cancel),
+                    zip(codes, tests, strict=True),
+                )
             )
+        finally:  # reward_timeout in this process: the sandboxes end now, not at their own wall time
+            cancel.set()
+            pool.shutdown(wait=False, cancel_futures=True)
 
     reward.__name__ = "code_tests"
     return reward
