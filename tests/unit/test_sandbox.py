@@ -698,3 +698,40 @@ def test_the_command_refuses_where_the_tool_would_and_escapes_terminal_output(
     shown = tools._shown("\x1b]0;owned\x07\x1b[2Jx\n\tok", Terminal())
     assert shown == "\\x1b]0;owned\\x07\\x1b[2Jx\n\tok"
     assert tools._shown("\x1b[2J", io.StringIO()) == "\x1b[2J"  # a pipe gets the bytes
+
+
+@FULL
+@pytest.mark.skipif(
+    os.getuid() != 0 or not Path("/usr/bin/unshare").exists(), reason="a PID namespace of its own needs root"
+)
+def test_no_zombie_is_left_to_a_trainer_that_is_process_1(tmp_path: Path) -> None:
+    """A container's trainer is process 1: orphans come to it. Runs ended at their time limit leave it none."""
+    script = tmp_path / "pid1.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, time
+            from pathlib import Path
+            from posttrain.rollout.sandbox import Limits, run_python
+            assert os.getpid() == 1
+            for _ in range(3):
+                assert run_python("import time\\ntime.sleep(30)", Limits(wall=0.5, cpu=5)).timed_out
+            time.sleep(0.5)
+            states = []
+            for entry in Path("/proc").iterdir():
+                if entry.name.isdigit():
+                    try:
+                        states.append((entry / "stat").read_text().rsplit(")", 1)[1].split()[0])
+                    except OSError:
+                        pass
+            print(states.count("Z"))
+            """
+        )
+    )
+    done = subprocess.run(
+        ["/usr/bin/unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "0", done.stdout + done.stderr
