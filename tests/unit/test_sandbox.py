@@ -667,6 +667,9 @@ def test_a_private_tmpdir_is_walked_around(tmp_path: Path, monkeypatch: pytest.M
     assert sandbox.sandbox_tmp() != str(private / "tmp")
     ran = run("print('ran')")
     assert ran.ok and ran.stdout.strip() == "ran", ran
+    monkeypatch.setattr(sandbox, "_walkable", lambda place: False)  # nowhere to walk to: one line
+    with pytest.raises(UserError, match=r"no directory for the sandbox's root: .* set TMPDIR to one"):
+        run("print('ran')")
 
 
 @FULL

@@ -88,7 +88,7 @@ class Ran:
         return self.returncode == 0 and not self.timed_out
 
 
-class SandboxError(RuntimeError):
+class SandboxError(UserError):
     """The sandbox could not be built (the launcher says why)."""
 
 
