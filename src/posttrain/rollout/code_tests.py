@@ -254,6 +254,16 @@ def _lines(stream: Any, limit: int = LINE_BYTES) -> Any:
         yield line
 
 
+def _send(stream: Any, data: bytes) -> bool:
+    """``data`` written to a sandbox's stdin; False when it is closed (the sandbox ended)."""
+    try:
+        stream.write(data)
+        stream.flush()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def _relay(program: Launched, tests: Launched, verdicts: dict[int, bool], count: int) -> None:
     """Requests from the tests' side to the program's, answers back (each a bounded line), verdicts kept."""
 
@@ -262,10 +272,7 @@ def _relay(program: Launched, tests: Launched, verdicts: dict[int, bool], count:
         for line in _lines(program.process.stdout):
             if line.startswith(b"A ") and sent < LINES:
                 sent += 1
-                try:
-                    tests.process.stdin.write(line[2:])
-                    tests.process.stdin.flush()
-                except (OSError, ValueError):
+                if not _send(tests.process.stdin, line[2:]):
                     return
         with contextlib.suppress(OSError, ValueError):  # the program ended: what it did not answer fails now
             tests.process.stdin.close()
@@ -276,11 +283,7 @@ def _relay(program: Launched, tests: Launched, verdicts: dict[int, bool], count:
     for line in _lines(tests.process.stdout):
         if line.startswith(b"Q ") and asked < LINES:
             asked += 1
-            try:
-                program.process.stdin.write(line[2:])
-                program.process.stdin.flush()
-            except (OSError, ValueError):
-                pass
+            _send(program.process.stdin, line[2:])
         elif line.startswith(b"R "):
             try:
                 index, passed = json.loads(line[2:])
@@ -310,10 +313,7 @@ def tests_passed(
         program = stack.enter_context(launched(PROGRAM, limits, strict))
         judge = stack.enter_context(launched(TESTS, limits, strict))
         for side, job in ((program, {"code": code}), (judge, {"tests": list(tests)})):
-            try:
-                side.process.stdin.write(json.dumps(job).encode() + b"\n")
-                side.process.stdin.flush()
-            except OSError:
+            if not _send(side.process.stdin, json.dumps(job).encode() + b"\n"):
                 return 0.0
         relay = threading.Thread(target=_relay, args=(program, judge, verdicts, len(tests)), daemon=True)
         relay.start()
