@@ -381,6 +381,7 @@ class OnlineSteps:
         started = time.perf_counter()
         index, version, ahead = self.global_batch(epoch, batch), self.global_batch(epoch, batch), None
         completions: Completions | None = None
+        stopped = False
         try:
             if self.ahead is not None:  # generated ahead, from older weights (rollout/ahead.py)
                 self.ahead.advance(index)
@@ -391,10 +392,9 @@ class OnlineSteps:
                     self.engine.module, slot_rows, prompt_ids, self.sampling, keys, self.logprobs()
                 )
         except GenerationStopped:
-            completions = None
-        if self._given_up(completions is None):
+            stopped = True
+        if self._given_up(stopped) or completions is None:
             return None
-        assert completions is not None
         prompt_ids = completions.prompt_ids or prompt_ids
         self.metrics.generation_time = time.perf_counter() - started
         generated = GeneratedBatch(epoch, batch, first, slots, slot_rows, prompt_ids, completions)
