@@ -47,8 +47,26 @@ def last_code_block(text: str) -> str | None:
     return found[-1] if found else None
 
 
+#: plain data back from its JSON form, on both sides (``handles``: the program's objects a request names)
+DECODE = r"""
+def _value(data, handles=()):
+    kind, item = data
+    if kind == "handle":
+        return handles[item]
+    if kind == "float":
+        return float(item)
+    if kind in ("int", "str", "bool", "NoneType"):
+        if type(item) is not {"int": int, "str": str, "bool": bool, "NoneType": type(None)}[kind]:
+            raise TypeError("not " + kind)
+        return item
+    if kind == "dict":
+        return {_value(k, handles): _value(v, handles) for k, v in item}
+    return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](_value(v, handles) for v in item)
+"""
+
 #: the program's side: reads its code, runs it, then answers requests, one JSON line each way
-PROGRAM = r"""
+PROGRAM = (
+    r"""
 import json as _json, os as _os, sys as _sys
 _loads, _dumps, _write, _type, _repr, _sorted = _json.loads, _json.dumps, _os.write, type, repr, sorted
 _readline = _sys.stdin.buffer.readline
@@ -79,19 +97,9 @@ def _answer(value):
         return ["handle", len(_handles) - 1]
 
 
-def _value(data):
-    kind, item = data
-    if kind == "handle":
-        return _handles[item]
-    if kind == "float":
-        return float(item)
-    if kind in ("int", "str", "bool", "NoneType"):
-        return item
-    if kind == "dict":
-        return {_value(k): _value(v) for k, v in item}
-    return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](_value(v) for v in item)
-
-
+"""
+    + DECODE
+    + r"""
 _job = _loads(_readline())
 _names = {"__name__": "__main__", "__builtins__": __builtins__}
 try:
@@ -107,21 +115,23 @@ while True:
         if _op == "get":
             _reply = _answer(_names[_fields[0]]) if _fields[0] in _names else ["missing"]
         elif _op == "call":
-            _args = [_value(a) for a in _fields[1]]
-            _result = _handles[_fields[0]](*_args, **{k: _value(v) for k, v in _fields[2].items()})
+            _args = [_value(a, _handles) for a in _fields[1]]
+            _result = _handles[_fields[0]](*_args, **{k: _value(v, _handles) for k, v in _fields[2].items()})
             _changed = [[i, _plain(a, [100000])] for i, a in enumerate(_args) if _type(a) in (list, dict, set)]
             _reply = _answer(_result) + [_changed]
         elif _op == "attr":
             _reply = _answer(getattr(_handles[_fields[0]], _fields[1]))
         else:
-            _reply = _answer(_handles[_fields[0]][_value(_fields[1])])
+            _reply = _answer(_handles[_fields[0]][_value(_fields[1], _handles)])
     except BaseException as _error:
         _reply = ["error", _type(_error).__name__]
     _write(1, ("\nA " + _dumps([_number, *_reply]) + "\n").encode())  # on a line of its own
 """
+)
 
 #: the tests' side: runs each test with the real builtins, the program's names asked of the other side
-TESTS = r"""
+TESTS = (
+    r"""
 import ast, builtins, io, json, os, sys
 _in, _out = sys.stdin.buffer.readline, os.write
 job = json.loads(_in())
@@ -164,28 +174,18 @@ def plain(value):
     raise TypeError("only plain data is passed to the program")
 
 
-def value(data):
-    kind, item = data
-    if kind == "float":
-        return float(item)
-    if kind in ("int", "str", "bool", "NoneType"):
-        if type(item) is not {"int": int, "str": str, "bool": bool, "NoneType": type(None)}[kind]:
-            raise TypeError("not " + kind)
-        return item
-    if kind == "dict":
-        return {value(k): value(v) for k, v in item}
-    return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](value(v) for v in item)
-
-
+"""
+    + DECODE
+    + r"""
 def result(got, args=()):
     if got[0] == "error":
         kind = getattr(builtins, str(got[1]), None)
         raise kind() if isinstance(kind, type) and issubclass(kind, Exception) else ProgramError(got[1])
     if got[0] == "missing":
         raise NameError("the program does not define it")
-    found = Remote(got[1]) if got[0] == "handle" else value(got[1])
+    found = Remote(got[1]) if got[0] == "handle" else _value(got[1])
     for index, changed in (got[2] if len(got) > 2 else []):
-        target, new = args[index], value(changed)
+        target, new = args[index], _value(changed)
         if isinstance(target, list) and isinstance(new, list):
             target[:] = new
         elif isinstance(target, (dict, set)) and type(new) is type(target):
@@ -239,6 +239,7 @@ for index, test in enumerate(job["tests"]):
         pass
     _out(1, ("R " + json.dumps([index, passed]) + "\n").encode())
 """
+)
 
 
 def _lines(stream: Any, limit: int = LINE_BYTES) -> Any:

@@ -265,10 +265,19 @@ class Launched:
     def _watch(self) -> None:
         """A handle on the program's process 1 as soon as the launcher names it (killing it ends the run)."""
         while self.pidfd is None and self.process.poll() is None:
-            self.pidfd = _program_pidfd(self.report.kept)
+            self.pidfd = self._pidfd()
             time.sleep(0.005)
         if self.pidfd is None:
-            self.pidfd = _program_pidfd(self.report.kept)
+            self.pidfd = self._pidfd()
+
+    def _pidfd(self) -> int | None:
+        """A handle on the program's first process (process 1 of its PID namespace) once the launcher sent
+        its PID: killing it ends the namespace, whatever the program did to its process group or session."""
+        pid = next((note["pid"] for note in self.notes() if "pid" in note), None)
+        if pid is not None:
+            with contextlib.suppress(OSError, TypeError):
+                return os.pidfd_open(pid)
+        return None
 
     def notes(self) -> list[dict[str, Any]]:
         text = self.report.kept.decode(errors="replace")
@@ -405,16 +414,6 @@ def _feed(stream: Any, data: bytes) -> None:
         stream.write(data)
     with contextlib.suppress(OSError):
         stream.close()
-
-
-def _program_pidfd(report: bytes) -> int | None:
-    """A handle on the program's first process (process 1 of its PID namespace) once the launcher sent its
-    PID: killing it ends the namespace, whatever the program did to its process group or session."""
-    for line in bytes(report).decode(errors="replace").splitlines():
-        if line.startswith("{") and '"pid"' in line:
-            with contextlib.suppress(ValueError, OSError):
-                return os.pidfd_open(json.loads(line)["pid"])
-    return None
 
 
 def _end(process: subprocess.Popen | None, pidfd: int | None, groups: list[Path]) -> None:

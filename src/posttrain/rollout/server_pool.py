@@ -150,15 +150,15 @@ class ServerClient:
     ) -> Any:
         """The JSON answer (``text_answer``: the answer as text, for vLLM's endpoints that answer in words).
         A request with a body waits for its answer watching the server (see :meth:`_watched`)."""
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + path, data=data, headers={"Content-Type": "application/json"}
-        )
         try:
-            if data is not None:
-                text = self._watched(path, data, timeout or self.request_timeout).decode()
+            if body is not None:
+                text = self._watched(
+                    path, json.dumps(body).encode(), timeout or self.request_timeout
+                ).decode()
             else:
-                with urllib.request.urlopen(request, timeout=timeout or self.request_timeout) as response:
+                with urllib.request.urlopen(
+                    self.url + path, timeout=timeout or self.request_timeout
+                ) as response:
                     text = response.read().decode()
             if text_answer:
                 return text
