@@ -13,7 +13,13 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install demo test test-vllm vllm-env lint format bench gpu-wheels clean
+.PHONY: install demo test test-slow test-vllm vllm-env lint format bench gpu-wheels clean
+
+# The suite runs in TEST_WORKERS processes (pytest-xdist; 2 for the 2-core machine CI uses), the tests that
+# share a module's set-up in one of them (tests/conftest.py groups them), the others wherever a worker is
+# free. The slowest tests and modules are listed at the end.
+TEST_WORKERS ?= 2
+PYTEST := -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -45,9 +51,9 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 
 vllm-env: $(VLLM_STAMP)
 
-# The tests marked `vllm`, each in its own process (an in-process engine changes its process for good)
+# The tests marked `vllm`, each engine in a process of its own (an in-process engine changes its process for good)
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -m vllm -p no:cacheprovider tests
+	$(VLLM_VENV)/bin/python -m pytest $(PYTEST) -m vllm tests
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
@@ -55,7 +61,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -m "not gpu and not slow" tests
+	$(BIN)/python -m pytest $(PYTEST) -m "not gpu and not slow" tests
+
+# The tests marked `slow` (CI runs them after `make test`: .ci/run)
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST) -m "slow and not gpu and not vllm" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

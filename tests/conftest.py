@@ -16,6 +16,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Under pytest-xdist (make test: one worker per core) each worker and the runs it starts take one thread:
+# two workers of two threads each on two cores would wait on one another at every operator.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -76,6 +81,7 @@ def make_base_config(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> d
     }
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``gpu`` tests skip cleanly on machines without CUDA, ``vllm`` tests where vLLM is not installed (its
     CPU build runs them: ``make test-vllm``)."""
@@ -91,3 +97,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, skip in skips.items():
             if skip is not None and marker in item.keywords:
                 item.add_marker(skip)
+        if (group := _shared_set_up(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _shared_set_up(item: pytest.Item) -> str | None:
+    """The module whose set-up ``item`` shares with other tests (a fixture of module or class scope: a
+    training run, a server), so that pytest-xdist's ``--dist loadgroup`` gives that module's tests to one
+    worker and the set-up is made once; None for a test that shares nothing, which goes to any worker."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    shared = any(
+        definitions and definitions[-1].scope in ("module", "class", "package")
+        for definitions in info.name2fixturedefs.values()
+    )
+    return item.nodeid.split("::", 1)[0] if shared else None
+
+
+# the suite's guard on its own time: its hooks (tests/suite_time.py)
+from tests.suite_time import pytest_runtest_logreport, pytest_sessionfinish  # noqa: E402, F401
