@@ -121,6 +121,7 @@ def test_ep2_matches_the_unsharded_module_under_zero_0_1_2(moe_config: dict, tmp
         assert torch.equal(plain(input_ids=tokens).logits, sharded(input_ids=tokens).logits)
 
 
+@pytest.mark.slow  # make test-slow (CI runs it)
 def test_ep2_killed_and_resumed_continues_exactly(moe_config: dict, tmp_path: Path) -> None:
     base = merge(
         moe_config,

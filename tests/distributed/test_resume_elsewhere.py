@@ -28,7 +28,7 @@ def fixed_batch(base_config: dict, stage: int) -> dict:
     return config
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])  # ZeRO 3: make test-slow
 def test_killed_on_two_resumed_on_one_then_on_two(base_config: dict, tmp_path: Path, stage: int) -> None:
     config = fixed_batch(base_config, stage)
     reference = train(merge(config, logger={"output_dir": str(tmp_path / "reference")}))
@@ -50,6 +50,7 @@ def test_killed_on_two_resumed_on_one_then_on_two(base_config: dict, tmp_path: P
         assert got[step]["lr"] == pytest.approx(expected[step]["lr"], abs=1e-12), step
 
 
+@pytest.mark.slow  # make test-slow (CI runs it)
 def test_a_global_batch_that_cannot_be_kept_is_refused_or_accepted(base_config: dict, tmp_path: Path) -> None:
     config = merge(base_config, micro_batch_size=2)  # 4 samples per step on 2 processes, 2 on 1
     resume_chain(config, tmp_path, [(2, 3)])
@@ -70,6 +71,7 @@ def test_a_global_batch_that_cannot_be_kept_is_refused_or_accepted(base_config: 
     assert steps[-1] == 3 + (31 - 6), steps[-5:]
 
 
+@pytest.mark.slow  # make test-slow (CI runs it)
 def test_bf16_zero2_on_two_resumed_on_one_runs_bf16_optimizer(base_config: dict, tmp_path: Path) -> None:
     """bfloat16: ZeRO 2 on two processes, killed after step 3, resumed on one process, where bf16 runs as
     DeepSpeed's BF16_Optimizer (stage 1): its float32 master weights and Adam moments come from DeepSpeed's

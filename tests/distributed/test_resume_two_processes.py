@@ -18,6 +18,7 @@ pytestmark = pytest.mark.distributed
 
 
 # ZeRO 2 with packing is resumed with sequence parallelism in test_sequence_parallel.py
+@pytest.mark.slow  # make test-slow (CI runs it)
 @pytest.mark.parametrize(("stage", "pack", "kill_at", "total"), [(3, False, 10, 20)], ids=["zero3"])
 def test_sigkill_then_resume_two_processes(
     base_config: dict, tmp_path: Path, stage: int, pack: bool, kill_at: int, total: int
@@ -36,7 +37,9 @@ def test_sigterm_to_the_launcher_stops_both_ranks_and_saves(base_config: dict, t
     assert not (Path(base_config["logger"]["output_dir"]) / "kill-switch").exists()  # the relay cleaned up
 
 
-@pytest.mark.parametrize("to", ["group", "every"])
+@pytest.mark.parametrize(
+    "to", ["group", pytest.param("every", marks=pytest.mark.slow)]
+)  # every: make test-slow
 def test_a_group_or_slurm_signal_to_two_processes_with_workers_saves_and_resumes(
     base_config: dict, tmp_path: Path, to: str
 ) -> None:

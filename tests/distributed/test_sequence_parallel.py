@@ -116,6 +116,7 @@ def test_sp2_matches_sp1_under_every_zero_stage(base_config: dict, tmp_path: Pat
         assert worst <= 1e-6, (key, worst)
 
 
+@pytest.mark.slow  # make test-slow (CI runs it)
 def test_sp2_killed_and_resumed_continues_exactly(base_config: dict, tmp_path: Path) -> None:
     base = merge(
         base_config,

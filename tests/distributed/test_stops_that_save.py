@@ -40,6 +40,7 @@ def slow_digits(completions, **kwargs):
 """
 
 
+@pytest.mark.slow  # make test-slow (CI runs it)
 def test_slurms_signal_to_every_process_while_the_reward_workers_score_saves(
     base_config: dict, tmp_path: Path
 ) -> None:

@@ -78,11 +78,13 @@ def test_the_student_moves_toward_the_teacher_and_logs_trls_names(
     ) == 8 * 16  # every batch, one process
 
 
+@pytest.mark.slow  # make test-slow (CI runs it)
 def test_a_killed_run_resumes_exactly(setup: dict[str, Any], tmp_path: Path) -> None:
     results = kill_and_resume(setup["config"], tmp_path, nproc=1, kill_at=2, total=4)
     assert_same_continuation(results, 2, 4)
 
 
+@pytest.mark.slow  # make test-slow (CI runs it)
 @pytest.mark.distributed
 def test_two_processes_give_the_one_process_records(setup: dict[str, Any], tmp_path: Path) -> None:
     runs = {}

@@ -162,6 +162,7 @@ def test_reference_free(base_config: dict, capsys) -> None:
     assert "reference log-probabilities" not in capsys.readouterr().out
 
 
+@pytest.mark.slow  # make test-slow (CI runs it)
 def test_sigkill_then_resume_is_exact_with_a_loss_list_and_scores(base_config: dict, tmp_path: Path) -> None:
     """The reference log-probs are scored again on resume; the weighted list with the score offset continues
     as the uninterrupted run does."""

@@ -105,6 +105,7 @@ def test_every_method_trains_in_fp8(base_config: dict, tmp_path: Path, method: s
     assert len(history) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in history), history
 
 
+@pytest.mark.slow  # make test-slow (CI runs it)
 def test_a_killed_fp8_run_resumes_exactly_and_exports_plain_weights(
     base_config: dict, tmp_path: Path
 ) -> None:

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # make test-slow (CI runs it)
 def test_the_dry_run_runs_every_step_and_writes_the_report(tmp_path: Path) -> None:
     env = {**child_env(), "OUT": str(tmp_path / "out"), "PYTHON": sys.executable}
     command = ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run", "--work", str(tmp_path / "w")]

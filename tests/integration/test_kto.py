@@ -91,6 +91,7 @@ def test_bad_kto_rows_are_named(base_config: dict, tmp_path: Path) -> None:
     assert "row 3" in text and "'label' must be true" in text
 
 
+@pytest.mark.slow  # make test-slow (CI runs it)
 def test_sigkill_then_resume_is_exact(base_config: dict, tmp_path: Path) -> None:
     rows = unpaired(tmp_path / "kto.jsonl", 64)
     base = kto_config(base_config, rows, epochs=3, micro_batch_size=4, gradient_accumulation_steps=2)

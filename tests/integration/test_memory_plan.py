@@ -110,6 +110,7 @@ def test_train_stops_before_loading_when_the_host_cannot_hold_the_states(
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.slow  # make test-slow (CI runs it)
 def test_estimates_within_20_percent_of_the_measured_peak(tmp_path: Path) -> None:
     rows, printed = quick_table(tmp_path)
     assert len(rows) >= 6

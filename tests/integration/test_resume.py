@@ -22,7 +22,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize(
     ("stage", "pack", "kill_at", "total"),
-    [(2, False, 10, 20), (3, True, 5, 12)],
+    [
+        (2, False, 10, 20),
+        pytest.param(3, True, 5, 12, marks=pytest.mark.slow),
+    ],  # ZeRO 3 packed: make test-slow
     ids=["zero2", "zero3-packed"],
 )
 def test_sigkill_then_resume_matches_uninterrupted(
@@ -68,7 +71,7 @@ def test_signal_finishes_step_saves_and_exits_0(
     interrupt_after_three_steps(base_config, tmp_path, sig)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_signal_to_the_whole_group_with_dataloader_workers_saves_and_resumes_exactly(
     base_config: dict, tmp_path: Path, sig: signal.Signals
 ) -> None:

@@ -192,6 +192,7 @@ def test_grpo_scores_completions_with_a_reward_model(
     assert "rewards[0].model=" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # make test-slow (CI runs it)
 def test_sigkill_then_resume_is_exact(base_config: dict, tmp_path: Path) -> None:
     base = reward_config(
         base_config, tmp_path, "resume", epochs=3, micro_batch_size=4, gradient_accumulation_steps=2
