@@ -106,7 +106,7 @@ def _shared_set_up(item: pytest.Item) -> str | None:
     training run, a server), so that pytest-xdist's ``--dist loadgroup`` gives that module's tests to one
     worker and the set-up is made once; None for a test that shares nothing, which goes to any worker."""
     info = getattr(item, "_fixtureinfo", None)
-    if info is None:
+    if info is None or item.get_closest_marker("xdist_group") is not None:  # a group of its own already
         return None
     shared = any(
         definitions and definitions[-1].scope in ("module", "class", "package")

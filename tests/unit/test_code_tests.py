@@ -13,6 +13,9 @@ from posttrain.rollout.sandbox import Limits, confinement
 
 LIMITS = Limits(wall=8, cpu=4, memory=256 * 2**20, processes=16, disk=32 * 2**20)
 FULL = pytest.mark.skipif(bool(confinement().missing), reason="this machine lacks a required confinement")
+# one worker for every test that starts sandboxes: a test here sweeps the machine's idle sandbox cgroups
+# at once (STALE_S), which would take another worker's just made ones
+pytestmark = pytest.mark.xdist_group("sandboxes")
 
 ROOT = "def root(x):\n    return x ** 0.5\n"
 SORT = "def f(x):\n    return sorted(x)\n"

@@ -16,6 +16,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,14 +27,27 @@ from posttrain.rollout.sandbox import Limits, confinement, remove_tree, run_pyth
 LIMITS = Limits(wall=8, cpu=4, memory=256 * 2**20, processes=16, disk=32 * 2**20)
 HOLDS = confinement()
 FULL = pytest.mark.skipif(bool(HOLDS.missing), reason=f"this machine lacks: {HOLDS.missing}")
+# one worker for every test that starts sandboxes: a test here sweeps the machine's idle sandbox cgroups
+# at once (STALE_S), which would take another worker's just made ones
+pytestmark = pytest.mark.xdist_group("sandboxes")
 
 
 def run(code: str, limits: Limits = LIMITS, **kwargs) -> sandbox.Ran:
     return run_python(textwrap.dedent(code), limits, **kwargs)
 
 
-def leftovers() -> list[str]:
-    return [p.name for p in Path(tempfile.gettempdir()).glob("posttrain-sandbox-*")]
+def made_directories(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The temporary directories this process makes from now on (sandboxes other processes run at the same
+    time make theirs beside them)."""
+    made: list[str] = []
+    real = tempfile.mkdtemp
+
+    def recorded(*args: Any, **kwargs: Any) -> str:
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", recorded)
+    return made
 
 
 @pytest.fixture
@@ -114,13 +128,15 @@ def test_the_program_runs_as_nobody_with_no_capabilities_in_its_own_namespaces()
         "import os\nfor _ in range(3000):\n    os.mkdir('d')\n    os.chdir('d')\nprint('kept')",
     ],
 )
-def test_what_it_does_to_its_directory_changes_nothing_outside(attack: str) -> None:
-    before = set(leftovers())
+def test_what_it_does_to_its_directory_changes_nothing_outside(
+    attack: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = made_directories(monkeypatch)
     started = time.perf_counter()
     ran = run(attack)
     assert ran.ok and ran.stdout.strip() == "kept", ran
     assert time.perf_counter() - started < 5
-    assert set(leftovers()) <= before
+    assert made and not [path for path in made if os.path.lexists(path)]  # its root went with it
 
 
 @FULL
@@ -606,7 +622,7 @@ def test_a_sandbox_dies_with_whoever_started_it_on_sigkill(tmp_path: Path) -> No
             import sys, time
             from posttrain.rollout.sandbox import Limits, launched
             with launched("import time\\ntime.sleep(120)", Limits(wall=120, cpu=120), strict=False) as run:
-                while run.pidfd is None:
+                while run.pidfd is None and run.process.poll() is None:
                     time.sleep(0.01)
                 print(run.process.pid, [n["pid"] for n in run.notes() if "pid" in n][0], flush=True)
                 time.sleep(120)
@@ -635,15 +651,15 @@ def test_a_sandbox_dies_with_whoever_started_it_on_sigkill(tmp_path: Path) -> No
 @FULL
 def test_stale_run_cgroups_are_swept_by_the_next_start(monkeypatch: pytest.MonkeyPatch) -> None:
     """A killed trainer's empty run cgroups are removed by the next process that makes one; one a live run
-    uses (a process in it) is left."""
+    uses (a process in it) is left. Swept in a parent of this test's own: every idle group counts as stale
+    here, and a sweep of the machine's parent would take the groups other tests are making at the time."""
     groups, _ = sandbox.run_cgroups(LIMITS)  # real ones, where this machine makes them
     assert groups
+    parent = Path(tempfile.mkdtemp(prefix="posttrain-sweep-", dir=groups[0].parent))
+    stale = Path(tempfile.mkdtemp(prefix="posttrain-sandbox-", dir=parent))
+    other = Path(tempfile.mkdtemp(prefix="posttrain-sandbox-", dir=parent))
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    other = groups[0]
     try:
-        stale = groups[0]
-        parent = stale.parent
-        other = Path(tempfile.mkdtemp(prefix="posttrain-sandbox-", dir=parent))
         (other / "cgroup.procs").write_text(str(sleeper.pid))
         monkeypatch.setattr(sandbox, "_SWEPT", set())
         monkeypatch.setattr(sandbox, "STALE_S", -1.0)
@@ -652,8 +668,9 @@ def test_stale_run_cgroups_are_swept_by_the_next_start(monkeypatch: pytest.Monke
     finally:
         sleeper.kill()
         sleeper.wait()
-        for group in [*groups, other]:
-            sandbox._remove_cgroup(group)
+        for group in [other, stale, parent, *groups]:
+            if group.exists():
+                sandbox._remove_cgroup(group)
 
 
 @FULL
