@@ -109,6 +109,10 @@ class GeneratedBatch:
     rows: list[dict[str, Any]]  # per slot: its prompt's row
     prompt_ids: list[list[int]]
     completions: Completions
+    #: the policy version of the weights it was generated from (batches trained before them) and its staleness
+    #: (batches trained since: 0 on policy; generated ahead, up to ``max_staleness``)
+    version: int = 0
+    staleness: int = 0
 
 
 class OnlineMethod:
@@ -246,7 +250,6 @@ class OnlineSteps:
         self.counters: dict[str, float] = {}  # the loop state's (steps() takes them from it)
         self.orders: dict[int, np.ndarray] = {}  # an epoch's prompt order
         self.orders_lock = threading.Lock()
-        self.lag = 0  # the batch being trained: trained batches since the weights it was generated from
         self.trainer_state = self._trainer_state(None, 0, 0, 1)  # before the first generation
         self.metrics = RolloutMetrics(method, self.backend)
         self.extras = [self.metrics]
@@ -397,18 +400,19 @@ class OnlineSteps:
             return None
         prompt_ids = completions.prompt_ids or prompt_ids
         self.metrics.generation_time = time.perf_counter() - started
-        generated = GeneratedBatch(epoch, batch, first, slots, slot_rows, prompt_ids, completions)
+        generated = GeneratedBatch(
+            epoch, batch, first, slots, slot_rows, prompt_ids, completions, version, index - version
+        )
         started = time.perf_counter()
         values = self.method.after_generation(self, generated)
         self.metrics.scoring_time = time.perf_counter() - started
         if self.turns is not None:
             self.metrics.latest.update(tool_records(completions, self.ctx.dist))
-        self.lag = index - version  # batches trained since the weights the completions come from
         if self.ahead is not None:
             self.metrics.latest.update(self.ahead.records(index, version))
         micro_batches = self.micro_batches(prompt_ids, completions, values)
         self.method.finish_batches(self, generated, micro_batches)
-        self._log(generated, version)
+        self._log(generated)
         return micro_batches
 
     def _given_up(self, here: bool) -> bool:
@@ -477,13 +481,13 @@ class OnlineSteps:
             prompt_ids, completions, values, self.micro, self.pad_id, self.method.mask_truncated
         )
 
-    def _log(self, generated: GeneratedBatch, version: int) -> None:
+    def _log(self, generated: GeneratedBatch) -> None:
         """Rank 0's completions of every ``completions_log_interval``-th generated batch of the run, each with
         the policy version it was sampled from (the batches trained before its weights)."""
         generation = self.global_batch(generated.epoch, generated.batch)
         if self.config.log_completions and not generation % self.config.completions_log_interval:
             fields = [
-                {**self.method.log_fields(self, generated, i), "policy_version": version}
+                {**self.method.log_fields(self, generated, i), "policy_version": generated.version}
                 for i in range(len(generated.rows))
             ]
             self.log.write(generation, generated, fields)

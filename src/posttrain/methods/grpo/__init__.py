@@ -1,6 +1,6 @@
 """Online RL from rewards (``type: grpo``): GRPO and its relatives (DAPO, Dr. GRPO, RLOO, GSPO, REINFORCE).
 
-grpo's own parts: its keys (``config/grpo.py``), its part of the online feed (``rollout.py``: advantages,
+grpo's own parts: its keys (``config/grpo.py``), its part of the online feed (``method.py``: advantages,
 the old policy's and the reference's log-probabilities, the engine-mismatch correction) and the pure
 objectives (``losses.py``). What every online method shares is elsewhere: the prompts (``data/prompts.py``),
 the reward keys and functions (``config/rewards.py``, ``rollout/scorer.py``), generation and the step feed

@@ -95,9 +95,8 @@ class GRPOMethod(OnlineMethod):
         if statistics is not None:
             records = sampling_records(all_gather_rows(statistics[None], self.ctx.dist))
             feed.metrics.latest.update(records)
-            line = (
-                engine_mismatch(records, self.config.model.dtype) if not feed.lag else ""
-            )  # lag: off-policy
+            # generated ahead (staleness > 0): off-policy, the mismatch is not the engine's alone
+            line = engine_mismatch(records, self.config.model.dtype) if not generated.staleness else ""
             if line and not self.mismatch_said:
                 say(line)
                 self.mismatch_said = True
