@@ -51,9 +51,10 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 
 vllm-env: $(VLLM_STAMP)
 
-# The tests marked `vllm`, each engine in a process of its own (an in-process engine changes its process for good)
+# The tests marked `vllm`, each engine in a process of its own (an in-process engine changes its process for
+# good), one test at a time: an engine binds its threads to the cores, and its tests wait on it with deadlines
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest $(PYTEST) -m vllm tests
+	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider --durations=15 -m vllm tests
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
