@@ -19,7 +19,8 @@ export HF_DATASETS_OFFLINE := 1
 # share a module's set-up in one of them (tests/conftest.py groups them), the others wherever a worker is
 # free. The slowest tests and modules are listed at the end.
 TEST_WORKERS ?= 2
-PYTEST := -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup --durations=15
+PYTEST_ONE := -p no:cacheprovider --durations=15  # one process (the vLLM tests)
+PYTEST := $(PYTEST_ONE) -n $(TEST_WORKERS) --dist loadgroup
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -54,7 +55,7 @@ vllm-env: $(VLLM_STAMP)
 # The tests marked `vllm`, each engine in a process of its own (an in-process engine changes its process for
 # good), one test at a time: an engine binds its threads to the cores, and its tests wait on it with deadlines
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider --durations=15 -m vllm tests
+	$(VLLM_VENV)/bin/python -m pytest $(PYTEST_ONE) -m vllm tests
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
