@@ -19,7 +19,8 @@ export HF_DATASETS_OFFLINE := 1
 # share a module's set-up in one of them (tests/conftest.py groups them), the others wherever a worker is
 # free. The slowest tests and modules are listed at the end.
 TEST_WORKERS ?= 2
-PYTEST_ONE := -p no:cacheprovider --durations=15  # one process (the vLLM tests)
+# PYTEST_ONE: one process (the vLLM tests)
+PYTEST_ONE := -p no:cacheprovider --durations=15
 PYTEST := $(PYTEST_ONE) -n $(TEST_WORKERS) --dist loadgroup
 
 $(STAMP): pyproject.toml constraints.txt
