@@ -178,10 +178,12 @@ COMPONENTS = (
 )
 
 
-#: the model stage's transforms, in the order they apply (``stages.model.prepare_model``): checkpointing before
+#: the model stage's transforms, in the order they apply (``stages.model.prepare_model``): a vision-language
+#: model's frozen parts first (adapters then freeze the rest); checkpointing before
 #: adapters wrap the model; embeddings grown once adapters exist; linear layers to float8 beside the adapters;
 #: kernels swapped on the final modules; experts sharded and attention routed before compiling, which captures the blocks as they will run
 MODEL_TRANSFORMS_IN_ORDER = (
+    ("vision-freeze", "posttrain.vision.freeze:freeze_transform"),
     ("activation-checkpointing", "posttrain.models.memory:checkpointing_transform"),
     ("peft", "posttrain.models.peft:peft_transform"),
     ("fit-embeddings", "posttrain.models.embeddings:fit_embeddings_transform"),

@@ -43,6 +43,7 @@ from posttrain.training.engine import Engine
 from posttrain.training.loop import LoopInputs, LoopState, final_evaluation, train_loop
 from posttrain.training.profiling import observers as profiling_observers
 from posttrain.training.stops import StopSignals, ignore_stop_signals, note_stopped
+from posttrain.vision.collate import with_image_batches
 
 
 @dataclass
@@ -116,6 +117,7 @@ def plan_batches(setup: Setup, tokenizer: Any, loaded: LoadedModel) -> Batches:
     sp = config.sequence_parallel_size
     if sp > 1:
         collator = SequenceSlicer(collator, pad_id, sp, ctx.dist.rank % sp, config.micro_batch_size)
+    collator = with_image_batches(collator, tokenizer)  # a vision-language model's images beside the tokens
     collator = HostPrepared(collator)  # what the device would otherwise be asked for, once per micro-batch
     train, sampler, evaluation = _loaders(ctx, plan, collator)
     return Batches(plan, collator, train, sampler, evaluation)

@@ -1,4 +1,5 @@
-"""Checkpoint engine ``huggingface``: exports safetensors + config + tokenizer that transformers loads."""
+"""Checkpoint engine ``huggingface``: exports safetensors + config + tokenizer (a vision-language model's
+processor) that transformers loads."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from posttrain.config.checkpoint import HFCheckpointConfig
 from posttrain.models.expert_parallel import full_experts
 from posttrain.models.peft import is_peft_model
 from posttrain.utils.fs import atomic_dir
+from posttrain.vision.processor import processor_of
 
 
 @contextmanager
@@ -63,6 +65,6 @@ class HFCheckpointEngine(CheckpointEngine):
             adapter.base_model_name_or_path = base_model_place(adapter.base_model_name_or_path or "")
         with atomic_dir(target) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(tmp)
+            if self.tokenizer is not None:  # a vision-language model's processor, its tokenizer included
+                (processor_of(self.tokenizer) or self.tokenizer).save_pretrained(tmp)
             (tmp / "README.md").write_text(card)

@@ -11,6 +11,7 @@ from typing import Any
 from posttrain.commands import command
 from posttrain.errors import UserError
 from posttrain.tiny_model import ARCHITECTURES
+from posttrain.vision.tiny import VISION_ARCHITECTURES
 
 # --------------------------------------------------------------------------------- starters and plots
 
@@ -75,7 +76,10 @@ def _tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=2048, help="the BPE tokenizer's vocabulary")
     parser.add_argument("--heads", type=int, default=4, help="attention heads (half as many key/value heads)")
     parser.add_argument(
-        "--arch", choices=ARCHITECTURES, default="llama", help="llama (dense) or an MoE family"
+        "--arch",
+        choices=(*ARCHITECTURES, *VISION_ARCHITECTURES),
+        default="llama",
+        help="llama (dense), an MoE family, or a vision-language model with its processor (idefics3, llava)",
     )
     parser.add_argument("--experts", type=int, default=8, help="MoE: experts per layer")
     parser.add_argument("--top-k", type=int, default=2, help="MoE: experts per token")
@@ -86,14 +90,22 @@ def _tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 @command(
     "tiny-model",
-    "write a tiny random LLaMA (or mixture-of-experts) model and BPE tokenizer (no network)",
+    "write a tiny random LLaMA (mixture-of-experts, vision-language) model and BPE tokenizer (no network)",
     _tiny_model_arguments,
-    """Write a small random model (LLaMA, or a mixture-of-experts family) and a byte-level BPE tokenizer with a
-    ChatML template ({% generation %} markers), deterministic per seed; nothing is downloaded.""",
+    """Write a small random model (LLaMA, a mixture-of-experts family, or a vision-language model with its
+    processor: Idefics3/SmolVLM or LLaVA at 32x32 pixels) and a byte-level BPE tokenizer with a ChatML
+    template ({% generation %} markers), deterministic per seed; nothing is downloaded.""",
 )
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from posttrain.tiny_model import write_tiny_model
+    from posttrain.vision.tiny import write_tiny_vlm
 
+    if args.arch in VISION_ARCHITECTURES:
+        shape = ("seed", "hidden_size", "layers", "vocab_size", "heads")
+        print(
+            f"wrote {write_tiny_vlm(args.out_dir, args.arch, **{name: getattr(args, name) for name in shape})}"
+        )
+        return 0
     options = ("seed", "hidden_size", "layers", "vocab_size", "heads", "arch", "experts", "top_k", "tied")
     print(f"wrote {write_tiny_model(args.out_dir, **{name: getattr(args, name) for name in options})}")
     return 0

@@ -127,6 +127,18 @@ class ModelConfig(BaseConfig):
     ``{load_in_4bit: true, bnb_4bit_quant_type: nf4}``: ``transformers.BitsAndBytesConfig`` arguments.
     Needs a CUDA GPU."""
 
+    freeze_vision_tower: bool = True
+    """A vision-language model's vision tower (the image encoder) is not trained (LLaMA-Factory's name and
+    default). Has no effect on a text model."""
+
+    freeze_multi_modal_projector: bool = True
+    """A vision-language model's projector (the layers that map image features into the language model) is
+    not trained (LLaMA-Factory's name and default). Has no effect on a text model."""
+
+    freeze_language_model: bool = False
+    """A vision-language model's language model (its LM head included) is not trained: with the tower and
+    projector trained, only the image side learns (LLaMA-Factory's name and default)."""
+
     @field_validator("dtype", mode="before")
     @classmethod
     def _dtype(cls, value: Any) -> Any:

@@ -63,5 +63,10 @@ def check_model(sp: int, facts: ModelFacts | None, attention: str) -> None:
             f"{facts.architecture if facts else 'the model'} has {kv} key/value heads; "
             f"sequence_parallel_size={sp} must divide it or be a multiple of it"
         )
+    if facts is not None and facts.vision:
+        problems.append(
+            f"{facts.architecture} is a vision-language model: sequence parallelism does not split its image "
+            "tokens from their pixels yet; set sequence_parallel_size: 1"
+        )
     if problems:
         raise UserError("; ".join(problems))

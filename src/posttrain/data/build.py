@@ -156,6 +156,13 @@ class DataFactory:
     not reused (part of the data cache's key)."""
 
 
+def data_factory(config: DataConfig, tokenizer: Any) -> DataFactory:
+    """The run's data stages: the method's data factory, read for images when the model reads them."""
+    from posttrain.vision.data import with_images
+
+    return with_images(DATA_FACTORIES.get(config.type).obj, config.type, tokenizer)
+
+
 # --------------------------------------------------------------------------------------- formatting workers
 
 _WORKER: dict[str, Any] = {}
@@ -359,7 +366,7 @@ def build_store(ctx: RunContext, tokenizer: Any, max_length: int, directory: Pat
     caller builds in a temporary directory and renames it). The reports and the train/eval sample ids are
     saved beside the tokens."""
     config = ctx.config.data
-    factory: DataFactory = DATA_FACTORIES.get(config.type).obj
+    factory = data_factory(config, tokenizer)
     planned = _plan_sources(config, ctx)
     total = sum(len(p.held_out) for p in planned)
     workers = _workers(config, total)

@@ -26,12 +26,12 @@ import psutil
 import posttrain
 from posttrain.config.data import DataSourceConfig
 from posttrain.context import RunContext
-from posttrain.data.build import REPORTS, Datasets, build_store, open_datasets
+from posttrain.data.build import REPORTS, Datasets, build_store, data_factory, open_datasets
 from posttrain.dist import barrier
 from posttrain.errors import DataError
 from posttrain.logs import say
-from posttrain.registry import DATA_FACTORIES
 from posttrain.utils.fs import atomic_write_text
+from posttrain.vision.processor import fingerprint as processor_fingerprint
 
 _NOT_CONTENT = {
     "cache_dir",
@@ -90,6 +90,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
             "class": type(tokenizer).__name__,
             "chat_template": getattr(tokenizer, "chat_template", None),
             "special": {k: str(v) for k, v in getattr(tokenizer, "special_tokens_map", {}).items()},
+            "processor": processor_fingerprint(tokenizer),  # how many tokens each image becomes
         },
         sort_keys=True,
     )
@@ -98,13 +99,14 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def cache_key(ctx: RunContext, tokenizer: Any, max_length: int) -> str:
     config = ctx.config
+    factory = data_factory(config.data, tokenizer)
     data = config.data.model_dump(mode="json", exclude=_NOT_CONTENT | {"sources", "eval_sources"})
     code = Path(config.code)
     record = {
         "version": posttrain.__version__,
         "trainer": config.type,
-        "columns": list(DATA_FACTORIES.get(config.data.type).obj.columns),  # the stored layout
-        "format": DATA_FACTORIES.get(config.data.type).obj.revision,  # how rows become tokens
+        "columns": list(factory.columns),  # the stored layout
+        "format": factory.revision,  # how rows become tokens
         "data": data,
         "max_length": max_length,
         "sources": [source_fingerprint(s) for s in config.data.sources],

@@ -21,6 +21,7 @@ from torch.utils.data import Dataset
 
 from posttrain.data.samples import IGNORE_INDEX
 from posttrain.data.store import SampleStore
+from posttrain.vision import images
 
 Item = dict[str, Any]
 
@@ -164,11 +165,16 @@ class PackedView(View):
             label[0] = IGNORE_INDEX  # nothing before it in its own sample
             labels.append(label)
             positions.append(np.arange(stop - start, dtype=np.int64))
-        return {
+        item: Item = {
             "input_ids": np.concatenate(ids),
             "labels": np.concatenate(labels),
             "position_ids": np.concatenate(positions),
         }
+        if images.IMAGES_COLUMN in self.store.columns:  # a vision-language run: the spans' images, in order
+            spans = self.members[self.offsets[number] : self.offsets[number + 1]]
+            stored = [self.store.get(images.IMAGES_COLUMN, int(self.span_sample[s])) for s in spans]
+            item[images.IMAGES_COLUMN] = images.join(stored)
+        return item
 
     def sequence_lengths(self, column: str = "input_ids") -> np.ndarray:
         per_span = self.span_length[self.members]

@@ -11,6 +11,7 @@ from typing import Any
 
 from posttrain.errors import UserError
 from posttrain.utils.hub import load_or_explain
+from posttrain.vision.processor import auto_model_class
 
 
 @dataclass
@@ -57,12 +58,12 @@ def load_export(path: Path, *, device: str | None = None, merge: bool = False) -
     adapter, base = export_parts(path)
     if adapter:
         from peft import PeftModel
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig
 
         loaded = load_or_explain(
             "the adapter's base_model_name_or_path",
             base,
-            lambda: AutoModelForCausalLM.from_pretrained(base, dtype="auto"),
+            lambda: auto_model_class(AutoConfig.from_pretrained(base)).from_pretrained(base, dtype="auto"),
         )
         with warnings.catch_warnings():  # PEFT calls a transformers API deprecated for v6
             warnings.simplefilter("ignore", FutureWarning)
@@ -70,9 +71,9 @@ def load_export(path: Path, *, device: str | None = None, merge: bool = False) -
         if merge:
             model = model.merge_and_unload()
     else:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+        model = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype="auto")
     tokenizer = _tokenizer(path, base)
     model = model.to(torch.device(_device(device))).eval()
     return Export(model, tokenizer, adapter and not merge, base)

@@ -62,9 +62,8 @@ class ModelShape:
 def model_shape(model: ModelConfig) -> ModelShape:
     """Build the configured model on the meta device and count it (adapters applied as the run will, the
     linear layers FP8 converts chosen as the run will)."""
-    from transformers import AutoModelForCausalLM
-
     from posttrain.models.huggingface import hf_config as read_config
+    from posttrain.vision.processor import auto_model_class
 
     try:
         hf_config = read_config(model)
@@ -72,7 +71,9 @@ def model_shape(model: ModelConfig) -> ModelShape:
         raise not_found("model.name_or_path", model.name_or_path, error) from None
     try:
         with torch.device("meta"):
-            built = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=model.trust_remote_code)
+            built = auto_model_class(hf_config).from_config(
+                hf_config, trust_remote_code=model.trust_remote_code
+            )
             if model.peft_config is not None:
                 from posttrain.models.peft import apply_peft
 

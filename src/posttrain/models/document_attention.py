@@ -45,6 +45,7 @@ from posttrain.data.samples import document_bounds
 from posttrain.errors import UserError
 from posttrain.logs import say
 from posttrain.models.dimensions import more_than_causal, read_dimensions
+from posttrain.vision.processor import is_vision_language
 
 #: the attention name the model is switched to: transformers builds no mask for a name it does not know, and
 #: checks a name holding "sdpa" against the model's sdpa support (Gemma-2 has none, yet is causal attention)
@@ -364,6 +365,15 @@ def unsupported_by_documents(model: torch.nn.Module) -> str:
     return reason
 
 
+def language_model_only(model: torch.nn.Module, name: str) -> str | dict[str, str]:
+    """``set_attn_implementation``'s argument that gives ``name`` to the language model alone: a
+    vision-language model's image encoder attends over each image's patches both ways, never per document."""
+    config = getattr(model, "config", None)
+    if is_vision_language(config) and "text_config" in (getattr(config, "sub_configs", None) or {}):
+        return {"text_config": name}
+    return name
+
+
 def use_document_attention(model: torch.nn.Module) -> str:
     """Switch an ``sdpa`` or ``eager`` model to per-document attention for rows of several documents (eager
     per document is causal ``sdpa``: the same product, without the whole-row mask), unless the model's
@@ -379,7 +389,7 @@ def use_document_attention(model: torch.nn.Module) -> str:
     if _varlen_attn() is not None:
         _parameters(_varlen_attn())  # read the signature now, not inside a compiled block
     AttentionInterface.register(DOCUMENT_ATTENTION, per_document(sdpa_attention_forward))
-    model.set_attn_implementation(DOCUMENT_ATTENTION)
+    model.set_attn_implementation(language_model_only(model, DOCUMENT_ATTENTION))
     model.register_forward_pre_hook(bounds_hook, with_kwargs=True)
     return ""
 

@@ -10,6 +10,7 @@ from typing import Any
 from posttrain.models.dimensions import read_dimensions
 from posttrain.models.moe import MoEFacts, moe_facts_from_dimensions
 from posttrain.models.peft import base_model
+from posttrain.vision.processor import is_vision_language
 
 #: the parts of a gated MLP, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (LLaMA, Qwen, Mistral...)
 GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
@@ -33,6 +34,7 @@ class ModelFacts:
     mlp: tuple[str, ...] = ()  # MLP class names of the built model
     gated_mlp: bool | None = None  # None: not known before the model is built
     moe: MoEFacts | None = None  # the routing of a mixture-of-experts model; None: dense
+    vision: bool = False  # a vision-language model (its config has a vision tower's)
 
 
 def facts_from_hf_config(config: Any) -> ModelFacts:
@@ -49,6 +51,7 @@ def facts_from_hf_config(config: Any) -> ModelFacts:
         vocab_size=dims.vocab or None,
         dtype=_dtype_name(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)),
         moe=moe_facts_from_dimensions(dims),
+        vision=is_vision_language(config),
     )
 
 

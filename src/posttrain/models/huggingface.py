@@ -1,5 +1,5 @@
-"""Model factory ``huggingface``: ``AutoModelForCausalLM`` from a local path or hub name, and its facts from
-the checkpoint's ``config.json``. The run's transforms are applied by the model stage (``stages.model``)."""
+"""Model factory ``huggingface``: ``AutoModelForCausalLM`` (``AutoModelForImageTextToText`` for a
+vision-language checkpoint) from a local path or hub name, and its facts from the checkpoint's ``config.json``. The run's transforms are applied by the model stage (``stages.model``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from posttrain.errors import UserError
 from posttrain.models.facts import ModelFacts, facts_from_hf_config
 from posttrain.registry import ModelFactory
 from posttrain.utils.hub import load_or_explain
+from posttrain.vision.processor import auto_model_class
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,8 +35,6 @@ class HuggingFaceModelFactory(ModelFactory):
             return None
 
     def load(self, config: ModelConfig, ctx: RunContext) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
-
         check_attention_kernel(config.attn_implementation)
         arguments: dict[str, Any] = {
             "dtype": TORCH_DTYPES.get(config.dtype, "auto"),
@@ -45,11 +44,12 @@ class HuggingFaceModelFactory(ModelFactory):
         }
         if config.experts_implementation:
             arguments["experts_implementation"] = config.experts_implementation
+        default = _auto_class(config)
         try:
             return load_or_explain(
                 "model.name_or_path",
                 config.name_or_path,
-                lambda: (self.loader or AutoModelForCausalLM.from_pretrained)(
+                lambda: (self.loader or default.from_pretrained)(
                     config.name_or_path,
                     **arguments,
                     **({"config": hf_config(config)} if config.hf_config_kwargs else {}),
@@ -76,6 +76,17 @@ def hf_config(config: ModelConfig) -> Any:  # -> transformers.PretrainedConfig
     return AutoConfig.from_pretrained(
         config.name_or_path, **config.hub_arguments(), **config.hf_config_kwargs
     )
+
+
+def _auto_class(config: ModelConfig) -> Any:
+    """The auto class for the checkpoint (``vision.processor.auto_model_class``); the causal LM's when its
+    config cannot be read here (loading then says why)."""
+    try:
+        return auto_model_class(hf_config(config))
+    except (OSError, ValueError):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM
 
 
 FACTORY = HuggingFaceModelFactory()

@@ -25,6 +25,7 @@ from posttrain.data.samples import DOCUMENT_KEYS, IGNORE_INDEX, target_labels
 from posttrain.errors import UserError
 from posttrain.models.peft import base_model
 from posttrain.models.sampling_policy import Replay, SamplingPolicy, entropy_of, replay_for
+from posttrain.vision.collate import IMAGE_INPUTS
 
 #: ``tiled_loss_compute: auto`` tiles a micro-batch of at least this many tokens (per rank)
 TILED_LOSS_MIN_TOKENS = 8192
@@ -33,7 +34,7 @@ TILED_LOSS_CHUNK_ELEMENTS = 2**27
 #: the fewest rows of a chunk (smaller matrix products waste the hardware)
 TILED_LOSS_MIN_ROWS = 256
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", *DOCUMENT_KEYS)
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", *DOCUMENT_KEYS, *IMAGE_INPUTS)
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:

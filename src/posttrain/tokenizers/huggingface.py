@@ -1,5 +1,6 @@
 """Tokenizer factory ``huggingface``: ``AutoTokenizer`` from the tokenizer (or model) path, with the chosen
-chat template and a pad token."""
+chat template and a pad token. A vision-language model's tokenizer is its processor's, carrying the
+processor (``vision.processor``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from posttrain.logs import say
 from posttrain.tokenizers.chat_templates import apply_chat_template, check_tools_rendered
 from posttrain.tokenizers.padding import ensure_pad_token
 from posttrain.utils.hub import load_or_explain
+from posttrain.vision.processor import attach, load_processor
 
 
 def build_huggingface_tokenizer(config: TokenizerConfig, ctx: RunContext) -> Any:
@@ -20,8 +22,13 @@ def build_huggingface_tokenizer(config: TokenizerConfig, ctx: RunContext) -> Any
     name = config.name_or_path or ctx.config.model.name_or_path
     own = config.name_or_path and config.name_or_path != ctx.config.model.name_or_path
     key = "tokenizer.name_or_path" if own else "model.name_or_path"  # the tokenizer beside the model
-    tokenizer = load_or_explain(
-        key, name, lambda: AutoTokenizer.from_pretrained(name, **ctx.config.model.hub_arguments())
+    processor = load_processor(name, ctx.config.model)
+    tokenizer = (
+        attach(processor.tokenizer, processor)
+        if processor is not None
+        else load_or_explain(
+            key, name, lambda: AutoTokenizer.from_pretrained(name, **ctx.config.model.hub_arguments())
+        )
     )
     added = apply_chat_template(tokenizer, config.chat_template)
     if added:

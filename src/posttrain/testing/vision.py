@@ -1,0 +1,76 @@
+"""Image rows for tests, the demo and the benchmarks: coloured squares drawn with Pillow, asked about in
+each of the row layouts users have (TRL's image parts, LLaMA-Factory's ``<image>`` placeholders, OpenAI's
+``image_url`` parts, images as bytes), so a model can only answer from the image."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+#: the colours the rows ask about, and their RGB values
+COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220)}
+QUESTION = "What colour is the square?"
+LAYOUTS = ("trl", "llama-factory", "openai", "bytes")
+
+
+def draw_square(path: Path, colour: str, side: int = 32, seed: int = 0) -> Path:
+    """A ``side`` x ``side`` PNG: a square of ``colour`` on a grey ground, at a place drawn from ``seed``."""
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(seed)
+    image = Image.new("RGB", (side, side), (128, 128, 128))
+    size = side // 2
+    left, top = rng.randint(0, side - size), rng.randint(0, side - size)
+    ImageDraw.Draw(image).rectangle([left, top, left + size - 1, top + size - 1], fill=COLOURS[colour])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+    return path
+
+
+def colour_row(image: str | bytes, colour: str, layout: str = "trl") -> dict[str, Any]:
+    """A chat row asking the colour of ``image`` (a path relative to the data file, or PNG bytes), in
+    ``layout``."""
+    if layout == "trl":
+        user = [{"type": "image"}, {"type": "text", "text": QUESTION}]
+        return {
+            "messages": [
+                {"role": "user", "content": user},
+                {"role": "assistant", "content": [{"type": "text", "text": colour}]},
+            ],
+            "images": [image],
+        }
+    if layout == "llama-factory":
+        return {
+            "messages": [
+                {"role": "user", "content": f"<image>{QUESTION}"},
+                {"role": "assistant", "content": colour},
+            ],
+            "images": [image],
+        }
+    if layout == "openai":
+        part = {"type": "image_url", "image_url": {"url": image}}
+        return {
+            "messages": [
+                {"role": "user", "content": [part, {"type": "text", "text": QUESTION}]},
+                {"role": "assistant", "content": colour},
+            ]
+        }
+    if layout == "bytes":
+        row = colour_row(image, colour, "trl")
+        return {**row, "images": [{"bytes": image, "path": None}]}
+    raise ValueError(f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+
+
+def colour_rows(directory: Path, count: int, seed: int = 0, layout: str = "trl") -> list[dict[str, Any]]:
+    """``count`` rows, each a square of a colour drawn from ``seed`` written under ``directory/images``, with
+    its path relative to ``directory`` (where the data file goes)."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(count):
+        colour = rng.choice(sorted(COLOURS))
+        name = f"images/{seed}-{index}.png"
+        draw_square(directory / name, colour, seed=seed * 100003 + index)
+        image: str | bytes = (directory / name).read_bytes() if layout == "bytes" else name
+        rows.append(colour_row(image, colour, layout))
+    return rows

@@ -1,0 +1,54 @@
+"""Image batches: the micro-batch's images opened again and put through the processor's image processor,
+beside the token batch the method's collator makes.
+
+The images of a batch row are those of its samples in order (a packed or padding-free row holds several
+samples, and their images one after another), which is the order of the image tokens in the row: the model
+puts each image's features in place of its tokens in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from posttrain.vision import images
+from posttrain.vision.processor import processor_of
+
+#: the image processors' outputs a model's forward takes (the rest, Idefics3's rows and columns, are not
+#: model inputs)
+IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes")
+
+
+class ImageBatches:
+    """Wraps the run's collator: the samples' image references are taken out before it sees them and the
+    image inputs added to its batch, with ``num_images`` (counted on the host) for the throughput meter."""
+
+    def __init__(self, collate: Any, processor: Any) -> None:
+        self.collate = collate
+        self.processor = processor
+
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped collator's own attributes (its ``pad_id``...)."""
+        if name == "collate":
+            raise AttributeError(name)
+        return getattr(self.collate, name)
+
+    def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        per_sample = [images.decode(s.get(images.IMAGES_COLUMN, b"")) for s in samples]
+        stripped = [{k: v for k, v in s.items() if k != images.IMAGES_COLUMN} for s in samples]
+        batch = dict(self.collate(stripped))
+        rows = int(batch["input_ids"].shape[0])
+        if rows != len(samples):  # the samples laid in one row (padding-free)
+            per_sample = [[ref for refs in per_sample for ref in refs]]
+        batch["num_images"] = sum(len(refs) for refs in per_sample)
+        if batch["num_images"]:
+            opened = [[images.open_image(ref) for ref in refs] for refs in per_sample]
+            inputs = self.processor.image_processor(images=opened, return_tensors="pt")
+            batch.update({key: inputs[key] for key in IMAGE_INPUTS if key in inputs})
+        return batch
+
+
+def with_image_batches(collate: Any, tokenizer: Any) -> Any:
+    """The run's collator, given image batches when the tokenizer carries a processor."""
+    processor = processor_of(tokenizer)
+    return collate if processor is None else ImageBatches(collate, processor)

@@ -1,0 +1,69 @@
+"""A method's data stages in a vision-language run: the method's own formatter where it reads images (SFT),
+a refusal per row where it does not yet (a row's images are never silently dropped), and a length policy
+that never cuts a row with images (its image tokens would be split from their pixels)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from posttrain.config.data import DataConfig
+from posttrain.data.samples import RowError, Sample
+from posttrain.vision import images
+from posttrain.vision.formatting import ORIGIN, format_image_rows
+from posttrain.vision.processor import processor_of
+
+#: the data types whose rows may hold images, and their formatters
+IMAGE_FORMATTERS = {"sft": format_image_rows}
+
+
+def with_images(factory: Any, data_type: str, tokenizer: Any) -> Any:
+    """``factory`` (a ``data.build.DataFactory``) for a run whose tokenizer carries a processor; unchanged
+    for a text model."""
+    if processor_of(tokenizer) is None:
+        return factory
+    formatter = IMAGE_FORMATTERS.get(data_type)
+    if formatter is None:
+        return replace(factory, format_batch=_refusing(factory.format_batch, data_type))
+    return replace(
+        factory,
+        format_batch=formatter,
+        columns=(*factory.columns, images.IMAGES_COLUMN),
+        fit=_fit_with_images(factory.fit),
+        origin_key=ORIGIN,
+        revision=factory.revision * 1000 + 1,
+    )
+
+
+def _refusing(format_batch: Any, data_type: str) -> Any:
+    def format_text_rows(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig) -> list[Any]:
+        text = [i for i, row in enumerate(rows) if not images.row_has_images(row)]
+        formatted = iter(format_batch([rows[i] for i in text], tokenizer, config))
+        refusal = RowError(
+            f"a row with images in a {data_type} run: images train with type sft so far ({data_type} on images "
+            "is not supported yet); remove the images or train with sft"
+        )
+        kept = set(text)
+        return [next(formatted) if i in kept else refusal for i in range(len(rows))]
+
+    return format_text_rows
+
+
+def _fit_with_images(fit: Any) -> Any:
+    def fit_sample(sample: Sample, max_length: int, config: DataConfig) -> tuple[Sample | None, str, bool]:
+        stored = sample[images.IMAGES_COLUMN]
+        if len(sample["input_ids"]) > max_length and images.decode(stored):
+            return (
+                None,
+                f"longer than max_length={max_length}; rows with images are dropped, never cut",
+                False,
+            )
+        tokens = {k: v for k, v in sample.items() if k != images.IMAGES_COLUMN}
+        kept, reason, cut = fit(tokens, max_length, config)
+        if kept is not None:
+            kept = {**kept, images.IMAGES_COLUMN: np.asarray(stored)}
+        return kept, reason, cut
+
+    return fit_sample

@@ -1,0 +1,109 @@
+"""Chat rows with images -> the tokens the processor makes of them, labelled on what the assistant says.
+
+Each row is rendered once with the chat template (the processor's), which writes one image token per image
+part. The labels come from that rendering as they do for text (the template's ``{% generation %}`` marks, or
+token-exact prefix rendering); the processor then expands every image token into the image's tokens, and
+those ids are the sample's: each image is expanded once, by the processor, and what the trainer sees is what
+the processor made. The expanded tokens of an image never carry a label. The row's expansion is checked
+against the processor's own call on the whole rendered row: a processor whose expansion changes the text
+around an image is refused rather than mislabelled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from posttrain.config.data import DataConfig
+from posttrain.data.row_formats import chat_messages
+from posttrain.data.samples import IGNORE_INDEX, RowError, check_messages
+from posttrain.data.sft import assistant_mask, check_turn_ends, drop_context_turns
+from posttrain.vision import images
+from posttrain.vision.processor import image_token, processor_of
+
+#: the row key under which each row reaches the formatter with its place (``file row N``)
+ORIGIN = "__origin__"
+
+
+def text_view(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with their text alone, for the checks every chat row gets (roles, a trained turn)."""
+    return [
+        {
+            **m,
+            "content": "".join(p.get("text", "") for p in m["content"] if p["type"] == "text"),
+        }
+        for m in messages
+    ]
+
+
+def expand(processor: Any, ids: np.ndarray, opened: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The processor's expansion of every image token in ``ids`` (one per image, in order): the expanded ids
+    and, per expanded position, the position of ``ids`` it comes from (-1: an image's own tokens)."""
+    _, token_id = image_token(processor)
+    where = np.flatnonzero(ids == token_id)
+    if len(where) != len(opened):
+        raise RowError(
+            f"the chat template wrote {len(where)} image tokens for the row's {len(opened)} images; the "
+            "processor's template must write one per image part"
+        )
+    pieces, origins, start = [], [], 0
+    token, _ = image_token(processor)
+    for position, image in zip(where.tolist(), opened, strict=True):
+        pieces.append(ids[start:position])
+        origins.append(np.arange(start, position))
+        expanded = processor(text=[token], images=[image], add_special_tokens=False)["input_ids"][0]
+        pieces.append(np.asarray(expanded, dtype=np.int64))
+        origins.append(np.full(len(expanded), -1))
+        start = position + 1
+    pieces.append(ids[start:])
+    origins.append(np.arange(start, len(ids)))
+    return np.concatenate(pieces).astype(np.int64), np.concatenate(origins).astype(np.int64)
+
+
+def format_image_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) -> dict[str, np.ndarray]:
+    """One chat row (with or without images) of a vision-language run -> ``input_ids``, ``labels`` and the
+    image references (``images_json``). ``config``: ``mask_inputs`` and ``check_end_of_turn`` as for text."""
+    processor = processor_of(tokenizer)
+    origin = str(row.get(ORIGIN, ""))
+    text_row = {k: v for k, v in row.items() if k != ORIGIN and k not in images.IMAGE_KEYS}
+    messages, found = images.parts_of(chat_messages(text_row), images.column_images(row))
+    check_messages(text_view(messages))  # roles, a trained assistant turn
+    directory = images.data_directory(origin)
+    refs = [images.reference(image, directory) for image in found]
+    opened = [images.open_image(ref) for ref in refs]
+    ids, mask = assistant_mask(tokenizer, messages)
+    ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+    mask = drop_context_turns(mask, messages)
+    if getattr(config, "check_end_of_turn", True):
+        check_turn_ends(tokenizer, ids, mask)
+    expanded, origins = expand(processor, ids, opened)
+    if not np.array_equal(processor_ids(processor, tokenizer, messages, opened), expanded):
+        raise RowError(
+            "the processor's tokens for this row differ from its expansion of each image in place (its image "
+            "tokens change the text around them), so the labels cannot be placed exactly"
+        )
+    trained = mask if getattr(config, "mask_inputs", True) else np.ones_like(mask)
+    labelled = (origins >= 0) & trained[np.maximum(origins, 0)]  # an image's own tokens: never
+    labels = np.where(labelled, expanded, IGNORE_INDEX)
+    return {"input_ids": expanded, "labels": labels, images.IMAGES_COLUMN: images.encode(refs)}
+
+
+def processor_ids(
+    processor: Any, tokenizer: Any, messages: list[dict[str, Any]], opened: list[Any]
+) -> np.ndarray:
+    """The processor's own ids for the rendered conversation and its images (one call, as TRL makes it)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    out = processor(text=[text], images=[opened] if opened else None, add_special_tokens=False)
+    return np.asarray(out["input_ids"][0], dtype=np.int64)
+
+
+def format_image_rows(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig) -> list[Any]:
+    """The batch formatter of SFT in a vision-language run: each row's sample or its error."""
+    out: list[Any] = []
+    for row in rows:
+        try:
+            out.append(format_image_row(row, tokenizer, config))
+        except RowError as error:
+            out.append(error)
+    return out

@@ -1,0 +1,72 @@
+"""What of a vision-language model trains: its vision tower, its projector (the layers that map image
+features into the language model's width) and its language model, each frozen or trained by
+``model.freeze_vision_tower``, ``model.freeze_multi_modal_projector`` and ``model.freeze_language_model``
+(LLaMA-Factory's names and defaults: the tower and the projector frozen, the language model trained).
+
+The parts are found by the names transformers gives them: ``vision_tower`` / ``vision_model`` / ``visual``
+for the tower, ``multi_modal_projector`` / ``connector`` / ``visual.merger`` for the projector (Qwen's merger
+sits inside its tower), ``language_model`` / ``text_model`` for the language model (its LM head with it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from posttrain.errors import UserError
+from posttrain.vision.processor import is_vision_language
+
+if TYPE_CHECKING:
+    from posttrain.config.trainer import TrainerConfig
+
+TOWERS = ("vision_tower", "vision_model", "visual")
+PROJECTORS = ("multi_modal_projector", "connector", "visual.merger", "mm_projector")
+LANGUAGE = ("language_model", "text_model", "lm_head")
+
+
+def part_of(name: str) -> str | None:
+    """Which part of a VLM a parameter (by its name in the model) belongs to: ``projector``, ``tower``,
+    ``language`` or None (none of the known names)."""
+    pieces = name.split(".")
+    for part, names in (("projector", PROJECTORS), ("tower", TOWERS), ("language", LANGUAGE)):
+        for known in names:
+            width = known.count(".") + 1
+            if any(".".join(pieces[i : i + width]) == known for i in range(len(pieces))):
+                return part
+    return None
+
+
+def freeze_transform(
+    model: torch.nn.Module, config: TrainerConfig, facts: Any, tokenizer: Any
+) -> torch.nn.Module:
+    """The model stage's step: freeze the parts the config freezes (a text model is left as it is)."""
+    hf_config = getattr(model, "config", None)
+    if hf_config is None or not is_vision_language(hf_config):
+        return model
+    frozen = {
+        "tower": config.model.freeze_vision_tower,
+        "projector": config.model.freeze_multi_modal_projector,
+        "language": config.model.freeze_language_model,
+    }
+    found = {"tower": 0, "projector": 0, "language": 0}
+    for name, parameter in model.named_parameters():
+        part = part_of(name)
+        if part is None:
+            continue
+        found[part] += 1
+        if frozen[part]:
+            parameter.requires_grad_(False)
+    missing = [part for part, count in found.items() if not count and part != "projector"]
+    if missing:
+        raise UserError(
+            f"{type(model).__name__}: no parameters named as a vision-language model's "
+            f"{' and '.join(missing)} ({', '.join(TOWERS + LANGUAGE)}), so model.freeze_* cannot apply; "
+            "this architecture is not supported yet"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserError(
+            "model.freeze_vision_tower, freeze_multi_modal_projector and freeze_language_model freeze the "
+            "whole model: nothing would train; set one of them to false"
+        )
+    return model

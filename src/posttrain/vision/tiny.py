@@ -1,0 +1,183 @@
+"""Tiny vision-language models with their processors, built locally (no network): the tiny text tokenizer
+plus the image tokens of each family, a Pillow-only image processor at 32x32 pixels, and a randomly
+initialised model that ``AutoModelForImageTextToText`` and ``AutoProcessor`` load.
+
+Deterministic for a seed, like the text ones (``posttrain tiny-model --arch idefics3``). Qwen2-VL and its
+successors are not built here: transformers 5.24 builds their processor only with torchvision, which has no
+CPU build for this torch on PyPI (see docs/methods.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+#: the vision-language families the tiny builder makes
+VISION_ARCHITECTURES = ("idefics3", "llava")
+#: the side of the square images the tiny processors resize to, in pixels
+IMAGE_SIDE = 32
+
+# ChatML with `{% generation %}` markers, over content lists (TRL's layout: text parts and image parts), an
+# image part written as the family's image token; string content is accepted too.
+_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{% set parts = [{'type': 'text', 'text': message['content']}] %}"
+    "{% else %}{% set parts = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{% for part in parts %}{{ part['text'] }}{% endfor %}{{ '<|im_end|>' }}{% endgeneration %}"
+    "{{ '\n' }}"
+    "{% else %}"
+    "{% for part in parts %}{% if part['type'] == 'image' %}{{ '@IMAGE@' }}{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)
+]
+
+
+def chat_template(image_token: str) -> str:
+    """The tiny VLMs' chat template, an image part rendered as ``image_token``."""
+    return _TEMPLATE.replace("@IMAGE@", image_token)
+
+
+def _text_config(vocab: int, hidden_size: int, layers: int, heads: int, tokenizer: Any) -> dict[str, Any]:
+    return {
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden_size,
+        "intermediate_size": hidden_size * 4,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+
+
+def _idefics3(tokenizer: Any, text: dict[str, Any]) -> tuple[Any, Any]:
+    from transformers import AutoConfig, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer.add_special_tokens({"additional_special_tokens": _IDEFICS3_TOKENS})
+    side = {"longest_edge": IMAGE_SIDE}
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size=side, max_image_size=side)
+    patch, scale = 8, 2  # (32 / 8)^2 = 16 patches, merged 2x2 by the connector: 4 image tokens
+    processor = Idefics3Processor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        chat_template=chat_template("<image>"),
+        image_seq_len=(IMAGE_SIDE // patch) ** 2 // scale**2,
+    )
+    config = AutoConfig.for_model(
+        "idefics3",
+        text_config=text | {"vocab_size": len(tokenizer)},
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": IMAGE_SIDE,
+            "patch_size": patch,
+        },
+        scale_factor=scale,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return config, processor
+
+
+def _llava(tokenizer: Any, text: dict[str, Any]) -> tuple[Any, Any]:
+    from transformers import AutoConfig, LlavaProcessor
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    patch = 16  # (32 / 16)^2 = 4 image tokens
+    images = CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIDE}, crop_size={"height": IMAGE_SIDE, "width": IMAGE_SIDE}
+    )
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        chat_template=chat_template("<image>"),
+        num_additional_image_tokens=1,  # CLIP's class token, dropped by the "default" strategy
+    )
+    config = AutoConfig.for_model(
+        "llava",
+        text_config=text | {"vocab_size": len(tokenizer)},
+        vision_config={
+            "model_type": "clip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": IMAGE_SIDE,
+            "patch_size": patch,
+            "projection_dim": 32,
+        },
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return config, processor
+
+
+_BUILDERS = {"idefics3": _idefics3, "llava": _llava}
+
+
+def build_tiny_vlm(
+    arch: str,
+    *,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    vocab_size: int = 2048,
+    seed: int = 0,
+) -> tuple[Any, Any]:
+    """(model, processor) of a tiny ``arch`` VLM: float32, random weights drawn from ``seed``."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.tiny_model import build_tokenizer
+
+    if arch not in _BUILDERS:
+        raise ValueError(f"arch {arch!r} is not one of {', '.join(VISION_ARCHITECTURES)}")
+    if hidden_size % heads:
+        raise ValueError(f"hidden_size {hidden_size} must be a multiple of the {heads} attention heads")
+    tokenizer = build_tokenizer(vocab_size=vocab_size, seed=seed)
+    text = _text_config(len(tokenizer), hidden_size, layers, heads, tokenizer)
+    config, processor = _BUILDERS[arch](tokenizer, text)
+    tokenizer.chat_template = processor.chat_template  # one template, whichever object renders it
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    generation = model.generation_config
+    generation.bos_token_id, generation.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    generation.pad_token_id = tokenizer.pad_token_id
+    return model, processor
+
+
+def write_tiny_vlm(out_dir: str | Path, arch: str, **sizes: Any) -> Path:
+    """Write a tiny ``arch`` VLM and its processor (tokenizer included) to ``out_dir``, atomically."""
+    from posttrain.utils.fs import atomic_dir
+
+    model, processor = build_tiny_vlm(arch, **sizes)
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+    return Path(out_dir)

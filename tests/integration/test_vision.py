@@ -1,0 +1,295 @@
+"""Vision-language SFT on tiny Idefics3 (SmolVLM's architecture) and LLaVA models built here with their
+processors: rows in every layout users have, the processor's own tokens, labels on the assistant's text
+only, bad image rows reported at once, the frozen parts left as they were, packed and padding-free rows
+giving the padded loss, and an export transformers loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from posttrain.data.samples import IGNORE_INDEX
+from posttrain.errors import DataError
+from posttrain.testing.data import write_jsonl
+from posttrain.testing.vision import QUESTION, colour_rows, draw_square
+from posttrain.vision import images
+from posttrain.vision.formatting import ORIGIN, format_image_rows
+from posttrain.vision.freeze import part_of
+from posttrain.vision.processor import attach
+from tests.integration.helpers import merge, metrics, train
+
+pytestmark = pytest.mark.integration
+
+ARCHS = ("idefics3", "llava")
+
+
+@pytest.fixture(scope="module")
+def vlms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from posttrain.vision.tiny import write_tiny_vlm
+
+    root = tmp_path_factory.mktemp("vlm")
+    return {arch: write_tiny_vlm(root / arch, arch, vocab_size=1024) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def colour_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("colours")
+    write_jsonl(directory / "train.jsonl", colour_rows(directory, 16, seed=1))
+    return directory / "train.jsonl"
+
+
+def processor_and_tokenizer(path: Path) -> tuple[Any, Any]:
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    return processor, attach(processor.tokenizer, processor)
+
+
+def vlm_config(model: Path, source: Path, tmp_path: Path, **changes: Any) -> dict[str, Any]:
+    config = {
+        "type": "sft",
+        "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": True},
+        "data": {"sources": [str(source)], "max_length": 96, "dl_num_workers": 0},
+        "micro_batch_size": 4,
+        "optimizer": {"lr": 1e-3},
+        "scheduler": {"name": "constant", "warmup_ratio": 0},
+        "logger": {"output_dir": str(tmp_path / "run")},
+        "loss_log_interval": 0,
+    }
+    return merge(config, **changes)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_layout_gives_the_processors_tokens_and_labels_only_the_answer(
+    vlms: dict[str, Path], tmp_path: Path, arch: str
+) -> None:
+    processor, tokenizer = processor_and_tokenizer(vlms[arch])
+    draw_square(tmp_path / "images" / "a.png", "red", seed=3)
+    origin = {ORIGIN: f"{tmp_path / 'train.jsonl'} row 1"}
+    png = (tmp_path / "images" / "a.png").read_bytes()
+    inline = {"type": "image", "image": "images/a.png"}
+    layouts = [
+        {
+            "messages": [_user([{"type": "image"}, _text(QUESTION)]), _answer("red")],
+            "images": ["images/a.png"],
+        },
+        {"messages": [_user(f"<image>{QUESTION}"), _answer("red")], "images": ["images/a.png"]},
+        {
+            "messages": [
+                _user([{"type": "image_url", "image_url": {"url": "images/a.png"}}, _text(QUESTION)]),
+                _answer("red"),
+            ]
+        },
+        {"messages": [_user([inline, _text(QUESTION)]), _answer("red")]},
+        {
+            "messages": [_user([{"type": "image"}, _text(QUESTION)]), _answer("red")],
+            "images": [{"bytes": png}],
+        },
+        {
+            "messages": [_user([{"type": "image"}, _text(QUESTION)]), _answer("red")],
+            "images": [f"file://{tmp_path}/images/a.png"],
+        },
+    ]
+    samples = format_image_rows([{**row, **origin} for row in layouts], tokenizer, _Config())
+    assert not [s for s in samples if isinstance(s, Exception)], samples
+    first = samples[0]
+    for sample in samples[1:]:
+        assert np.array_equal(sample["input_ids"], first["input_ids"])
+        assert np.array_equal(sample["labels"], first["labels"])
+
+    # the processor's own call on the rendered row (as TRL makes it) gives the same ids
+    from PIL import Image
+
+    messages = [_user([{"type": "image"}, _text(QUESTION)]), _answer("red")]
+    text = processor.apply_chat_template(messages, tokenize=False)
+    own = processor(
+        text=[text],
+        images=[[Image.open(tmp_path / "images" / "a.png").convert("RGB")]],
+        add_special_tokens=False,
+    )
+    assert first["input_ids"].tolist() == own["input_ids"][0]
+    labelled = first["labels"][first["labels"] != IGNORE_INDEX]
+    assert tokenizer.decode(labelled) == "red<|im_end|>"
+    image_id = processor.image_token_id
+    assert (first["input_ids"] == image_id).sum() == 4  # the tiny processors' 4 tokens per image
+    assert not np.any(first["labels"] == image_id)
+    assert images.decode(first[images.IMAGES_COLUMN]) != []
+
+
+def test_several_images_in_a_row_expand_in_order_and_stay_unlabelled(
+    vlms: dict[str, Path], tmp_path: Path
+) -> None:
+    processor, tokenizer = processor_and_tokenizer(vlms["idefics3"])
+    for name, colour in (("a", "red"), ("b", "blue")):
+        draw_square(tmp_path / f"{name}.png", colour)
+    row = {
+        "messages": [
+            _user("<image> then <image>: which colours?"),
+            _answer("red, blue"),
+            _user("and the first <image>?"),
+            _answer("red"),
+        ],
+        "images": ["a.png", "b.png", "a.png"],
+        ORIGIN: f"{tmp_path / 'rows.jsonl'} row 1",
+    }
+    [sample] = format_image_rows([row], tokenizer, _Config())
+    assert not isinstance(sample, Exception), sample
+    refs = images.decode(sample[images.IMAGES_COLUMN])
+    assert [Path(ref["path"]).name for ref in refs] == ["a.png", "b.png", "a.png"]
+    ids, labels = sample["input_ids"], sample["labels"]
+    assert (ids == processor.image_token_id).sum() == 3 * 4
+    assert tokenizer.decode(labels[labels != IGNORE_INDEX]) == "red, blue<|im_end|>red<|im_end|>"
+
+
+def test_bad_image_rows_are_reported_together_with_their_rows(vlms: dict[str, Path], tmp_path: Path) -> None:
+    draw_square(tmp_path / "good.png", "green")
+    (tmp_path / "broken.png").write_text("not an image")
+    rows = [
+        {"messages": [_user("<image>colour?"), _answer("green")], "images": ["good.png"]},
+        {"messages": [_user("<image>colour?"), _answer("green")], "images": ["missing.png"]},
+        {"messages": [_user("<image>colour?"), _answer("green")], "images": ["broken.png"]},
+        {"messages": [_user("<image><image>colour?"), _answer("green")], "images": ["good.png"]},
+        {"messages": [_user("colour?"), _answer("green")], "images": ["good.png"]},
+        {"messages": [_user("<image>colour?"), _answer("green")], "images": ["https://example.com/a.png"]},
+        {
+            "messages": [_user("<image>colour?"), _answer([{"type": "image"}])],
+            "images": ["good.png", "good.png"],
+        },
+    ]
+    data = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(DataError) as raised:
+        train(vlm_config(vlms["idefics3"], data, tmp_path))
+    message = str(raised.value)
+    expected = {
+        2: "missing.png does not exist",
+        3: "broken.png cannot be read as an image",
+        4: "2 image placeholders",
+        5: "0 image placeholders",
+        6: "is a URL",
+        7: "holds an image",
+    }
+    for row, words in expected.items():
+        line = next((x for x in message.splitlines() if f"bad.jsonl row {row}:" in x), "")
+        assert words in line, (row, message)
+    assert "bad.jsonl row 1:" not in message
+
+
+def test_sft_trains_the_language_model_and_leaves_the_frozen_parts(
+    vlms: dict[str, Path], colour_data: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    before = AutoModelForImageTextToText.from_pretrained(vlms["idefics3"]).state_dict()
+    export = tmp_path / "export"
+    config = vlm_config(
+        vlms["idefics3"],
+        colour_data,
+        tmp_path,
+        train_iters=4,
+        checkpoint=[{"type": "huggingface", "output_dir": str(export), "save_end_of_training": True}],
+    )
+    result = train(config)
+    lines = metrics(config)
+    assert len(lines) == 4 and all(np.isfinite(line["loss"]) for line in lines)
+    after = {name: p.detach() for name, p in result.model.named_parameters()}
+    changed = {part_of(name) for name, value in after.items() if not torch.equal(value, before[name])}
+    assert changed == {"language"}, changed  # tower and projector frozen (the defaults)
+
+    loaded = AutoModelForImageTextToText.from_pretrained(export / "final")
+    processor = AutoProcessor.from_pretrained(export / "final")
+    assert type(processor).__name__ == "Idefics3Processor"
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, after[name]) if name in after else True
+
+    # the projector and tower train when asked (LLaMA-Factory's keys)
+    config = merge(
+        config, model={"freeze_vision_tower": False, "freeze_multi_modal_projector": False}, checkpoint=[]
+    )
+    config["logger"]["output_dir"] = str(tmp_path / "run2")
+    result = train(config)
+    changed = {
+        part_of(n) for n, p in result.model.named_parameters() if not torch.equal(p.detach(), before[n])
+    }
+    assert changed == {"language", "tower", "projector"}, changed
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_and_padding_free_rows_give_the_padded_loss(
+    vlms: dict[str, Path], colour_data: Path, tmp_path: Path, arch: str
+) -> None:
+    """All 16 rows in one optimizer step: the padded batch, one packed sequence, one padding-free row."""
+    losses = {}
+    setups = {
+        "padded": {"micro_batch_size": 16},
+        "packed": {"micro_batch_size": 1, "data": {"pack_samples": True, "max_length": 1024}},
+        "padding_free": {"micro_batch_size": 16, "data": {"padding_free": True}},
+    }
+    for name, changes in setups.items():
+        config = vlm_config(vlms[arch], colour_data, tmp_path / name, train_iters=1, **changes)
+        train(config)
+        losses[name] = metrics(config)[0]["loss"]
+    assert losses["packed"] == pytest.approx(losses["padded"], abs=1e-6, rel=0)
+    assert losses["padding_free"] == pytest.approx(losses["padded"], abs=1e-6, rel=0)
+
+
+def test_rows_with_images_are_refused_by_methods_that_do_not_read_them_yet(
+    vlms: dict[str, Path], tmp_path: Path
+) -> None:
+    draw_square(tmp_path / "a.png", "red")
+    rows = [
+        {
+            "prompt": [_user("<image>colour?")],
+            "chosen": [_answer("red")],
+            "rejected": [_answer("blue")],
+            "images": ["a.png"],
+        }
+    ] * 4
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    config = vlm_config(vlms["idefics3"], data, tmp_path, type="dpo")
+    with pytest.raises(DataError, match="images train with type sft so far"):
+        train(config)
+
+
+def test_image_rows_in_parquet_as_datasets_writes_them(vlms: dict[str, Path], tmp_path: Path) -> None:
+    """``datasets.Image`` columns in Parquet hold ``{bytes, path}``: the rows train as the path rows do."""
+    rows = colour_rows(tmp_path, 8, seed=2, layout="bytes")
+    frame = pd.DataFrame(
+        {"messages": [json.dumps(r["messages"]) for r in rows], "images": [r["images"] for r in rows]}
+    )
+    frame["messages"] = frame["messages"].map(json.loads)
+    frame.to_parquet(tmp_path / "train.parquet")
+    config = vlm_config(vlms["llava"], tmp_path / "train.parquet", tmp_path, train_iters=2)
+    train(config)
+    assert len(metrics(config)) == 2
+
+
+def test_part_names_of_the_families() -> None:
+    assert part_of("model.vision_model.encoder.layers.0.mlp.fc1.weight") == "tower"
+    assert part_of("model.connector.modality_projection.proj.weight") == "projector"
+    assert part_of("model.visual.merger.mlp.0.weight") == "projector"
+    assert part_of("model.visual.blocks.0.attn.qkv.weight") == "tower"
+    assert part_of("model.language_model.layers.0.self_attn.q_proj.weight") == "language"
+    assert part_of("lm_head.weight") == "language"
+
+
+class _Config:
+    mask_inputs = True
+    check_end_of_turn = True
+
+
+def _user(content: Any) -> dict[str, Any]:
+    return {"role": "user", "content": content}
+
+
+def _answer(content: Any) -> dict[str, Any]:
+    return {"role": "assistant", "content": content}
+
+
+def _text(text: str) -> dict[str, str]:
+    return {"type": "text", "text": text}
