@@ -51,10 +51,10 @@ def processor_and_tokenizer(path: Path) -> tuple[Any, Any]:
     return processor, attach(processor.tokenizer, processor)
 
 
-def vlm_config(model: Path, source: Path, tmp_path: Path, **changes: Any) -> dict[str, Any]:
+def vlm_config(weights: Path, source: Path, tmp_path: Path, **changes: Any) -> dict[str, Any]:
     config = {
         "type": "sft",
-        "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": True},
+        "model": {"name_or_path": str(weights), "dtype": "float32", "disable_activation_checkpoint": True},
         "data": {"sources": [str(source)], "max_length": 96, "dl_num_workers": 0},
         "micro_batch_size": 4,
         "optimizer": {"lr": 1e-3},
@@ -207,6 +207,16 @@ def test_sft_trains_the_language_model_and_leaves_the_frozen_parts(
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, after[name]) if name in after else True
 
+    # the export answers with an image from `posttrain chat`
+    from io import StringIO
+
+    from posttrain.inference.chat import Sampling, chat
+
+    out = StringIO()
+    image = next(colour_data.parent.glob("images/*.png"))
+    assert chat(export / "final", prompt=QUESTION, images=(image,), sampling=Sampling(3, 0.0), out=out) == 0
+    assert out.getvalue().strip()
+
     # the projector and tower train when asked (LLaMA-Factory's keys)
     config = merge(
         config, model={"freeze_vision_tower": False, "freeze_multi_modal_projector": False}, checkpoint=[]
@@ -293,3 +303,35 @@ def _answer(content: Any) -> dict[str, Any]:
 
 def _text(text: str) -> dict[str, str]:
     return {"type": "text", "text": text}
+
+
+def test_lora_adapts_the_language_model_and_merges_into_a_vlm_export(
+    vlms: dict[str, Path], colour_data: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.inference.export import load_export
+
+    export = tmp_path / "export"
+    config = vlm_config(
+        vlms["llava"],
+        colour_data,
+        tmp_path,
+        train_iters=2,
+        model={"peft_config": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}},
+        checkpoint=[
+            {
+                "type": "huggingface",
+                "output_dir": str(export),
+                "save_end_of_training": True,
+                "save_merged": True,
+            }
+        ],
+    )
+    result = train(config)
+    adapted = {name.split(".lora_A")[0] for name, _ in result.model.named_parameters() if ".lora_A" in name}
+    assert adapted and {part_of(name) for name in adapted} == {"language"}
+    merged = AutoModelForImageTextToText.from_pretrained(export / "final-merged")
+    assert type(merged).__name__ == "LlavaForConditionalGeneration"
+    loaded = load_export(export / "final", device="cpu", merge=True)
+    assert type(loaded.model).__name__ == "LlavaForConditionalGeneration"

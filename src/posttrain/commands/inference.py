@@ -22,6 +22,13 @@ def _chat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.7, help="0: greedy (default 0.7)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: off)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1... (default: a GPU when there is one)")
+    parser.add_argument(
+        "--image",
+        type=Path,
+        action="append",
+        default=[],
+        help="an image for a vision-language export, put before the first question (repeatable)",
+    )
 
 
 @command(
@@ -37,7 +44,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p)
     options = {"prompt": args.prompt, "system": args.system, "raw": args.raw, "device": args.device}
-    return chat(args.export, sampling=sampling, **options)
+    return chat(args.export, sampling=sampling, images=tuple(args.image), **options)
 
 
 def _merge_arguments(parser: argparse.ArgumentParser) -> None:

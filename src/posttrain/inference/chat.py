@@ -3,6 +3,7 @@
 One shot with ``--prompt``; otherwise a conversation read line by line from standard input (a terminal or a
 pipe) with the history kept, ``/reset`` to start again and ``/exit`` (or end of input) to leave. Messages
 are rendered with the export's own chat template; ``--raw`` continues plain text instead (causal models).
+``--image PATH`` (a vision-language export; repeatable) puts the images before the first question.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, TextIO
 
 from posttrain.errors import UserError
 from posttrain.inference.export import Export, load_export
+from posttrain.vision.processor import processor_of
 
 
 @dataclass(frozen=True)
@@ -65,11 +67,35 @@ def generate(export: Export, inputs: dict[str, Any], sampling: Sampling, out: Te
     return tokenizer.decode(ids[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def reply(export: Export, messages: list[dict[str, str]], sampling: Sampling, out: TextIO) -> str:
+def reply(
+    export: Export, messages: list[dict[str, Any]], sampling: Sampling, out: TextIO, pictures: list[Any] = ()
+) -> str:
+    """The reply to ``messages``; ``pictures``: the images of the image parts, in order (a VLM export)."""
+    if pictures:
+        processor = processor_of(export.tokenizer)
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        inputs = processor(
+            text=[text], images=[list(pictures)], return_tensors="pt", add_special_tokens=False
+        )
+        return generate(export, dict(inputs), sampling, out)
     inputs = export.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
     return generate(export, dict(inputs), sampling, out)
+
+
+def with_images(message: dict[str, Any], paths: list[Path]) -> tuple[dict[str, Any], list[Any]]:
+    """A user message with ``paths`` as image parts before its text, and the images opened (a missing or
+    unreadable one: one line, exit 2)."""
+    from posttrain.data.samples import RowError
+    from posttrain.vision.images import open_image, reference
+
+    try:
+        pictures = [open_image(reference(str(path), None)) for path in paths]
+    except RowError as error:
+        raise UserError(f"--image: {error}") from None
+    parts = [{"type": "image"} for _ in paths] + [{"type": "text", "text": message["content"]}]
+    return {**message, "content": parts}, pictures
 
 
 def continuation(export: Export, text: str, sampling: Sampling, out: TextIO) -> str:
@@ -84,11 +110,14 @@ def chat(
     raw: bool = False,
     sampling: Sampling = Sampling(),
     device: str | None = None,
+    images: tuple[Path, ...] = (),
     lines: TextIO = sys.stdin,
     out: TextIO = sys.stdout,
 ) -> int:
     sampling.check()
     export = load_export(path, device=device)
+    if images and processor_of(export.tokenizer) is None:
+        raise UserError(f"--image: {path} is a text model (it has no image processor); leave --image out")
     if not raw and not export.tokenizer.chat_template:
         raise UserError(
             f"{path}: its tokenizer has no chat template; pass --raw to continue plain text, or train with "
@@ -99,11 +128,13 @@ def chat(
         if raw:
             continuation(export, prompt, sampling, out)
         else:
-            reply(export, [*start, {"role": "user", "content": prompt}], sampling, out)
+            message, pictures = with_images({"role": "user", "content": prompt}, list(images))
+            reply(export, [*start, message], sampling, out, pictures)
         return 0
     what = f"adapter on {export.base}" if export.adapter else str(path)
     print(f"posttrain chat: {what}. /reset starts again, /exit or Ctrl-D leaves.", file=sys.stderr)
     messages = list(start)
+    shown: list[Any] = []
     interactive = lines.isatty()
     while True:
         if interactive:
@@ -114,12 +145,18 @@ def chat(
             return 0
         text = line.rstrip("\n")
         if text.strip() == "/reset":
-            messages = list(start)
+            messages, shown = list(start), []
             continue
         if not text.strip():
             continue
         if raw:
             continuation(export, text, sampling, out)
             continue
-        messages.append({"role": "user", "content": text})
-        messages.append({"role": "assistant", "content": reply(export, messages, sampling, out)})
+        first = not any(m["role"] == "user" for m in messages)  # the images go with the first question
+        message, pictures = with_images({"role": "user", "content": text}, list(images) if first else [])
+        shown = pictures if first else shown
+        messages.append(message if images else {"role": "user", "content": text})
+        answer = reply(export, messages, sampling, out, shown)
+        messages.append(
+            {"role": "assistant", "content": [{"type": "text", "text": answer}] if images else answer}
+        )

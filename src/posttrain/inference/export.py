@@ -11,7 +11,7 @@ from typing import Any
 
 from posttrain.errors import UserError
 from posttrain.utils.hub import load_or_explain
-from posttrain.vision.processor import auto_model_class
+from posttrain.vision.processor import attach, auto_model_class, is_vision_language
 
 
 @dataclass
@@ -84,4 +84,20 @@ def _tokenizer(path: Path, base: str) -> Any:
     from transformers import AutoTokenizer
 
     source = str(path) if (path / "tokenizer_config.json").is_file() else base
+    if _reads_images(path, base):  # a vision-language model: its processor, carried by its tokenizer
+        from transformers import AutoProcessor
+
+        processor = load_or_explain("processor", source, lambda: AutoProcessor.from_pretrained(source))
+        return attach(processor.tokenizer, processor)
     return load_or_explain("tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
+
+
+def _reads_images(path: Path, base: str) -> bool:
+    from transformers import AutoConfig
+
+    try:
+        return is_vision_language(
+            AutoConfig.from_pretrained(path if (path / "config.json").is_file() else base)
+        )
+    except (OSError, ValueError):
+        return False

@@ -76,8 +76,9 @@ def model_shape(model: ModelConfig) -> ModelShape:
             )
             if model.peft_config is not None:
                 from posttrain.models.peft import apply_peft
+                from posttrain.vision.freeze import language_adapter_targets
 
-                built = apply_peft(built, model.peft_config, None)
+                built = apply_peft(built, language_adapter_targets(built, model.peft_config), None)
         shape = shape_of(built, hf_config)
     except (ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as error:
         raise ShapeUnavailable(f"{type(error).__name__}: {error}") from error

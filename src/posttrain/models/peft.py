@@ -8,6 +8,7 @@ import torch
 
 from posttrain.config.peft import peft_config_from_dict
 from posttrain.config.trainer import TrainerConfig
+from posttrain.vision.freeze import language_adapter_targets
 
 
 def apply_peft(
@@ -39,5 +40,7 @@ def is_peft_model(model: Any) -> bool:
 def peft_transform(
     model: torch.nn.Module, config: TrainerConfig, facts: Any, tokenizer: Any
 ) -> torch.nn.Module:
-    """Model transform: ``model.peft_config`` (new adapters) or ``model.peft_pretrained`` (a saved one, trained on)."""
-    return apply_peft(model, config.model.peft_config, config.model.peft_pretrained)
+    """Model transform: ``model.peft_config`` (new adapters) or ``model.peft_pretrained`` (a saved one, trained on);
+    on a vision-language model, new adapters target its language model unless the config names targets."""
+    settings = language_adapter_targets(model, config.model.peft_config)
+    return apply_peft(model, settings, config.model.peft_pretrained)

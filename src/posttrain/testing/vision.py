@@ -74,3 +74,39 @@ def colour_rows(directory: Path, count: int, seed: int = 0, layout: str = "trl")
         image: str | bytes = (directory / name).read_bytes() if layout == "bytes" else name
         rows.append(colour_row(image, colour, layout))
     return rows
+
+
+def colour_accuracy(
+    model_dir: Path, rows: list[dict[str, Any]], directory: Path, swap: bool = False
+) -> float:
+    """Held-out accuracy of a VLM export on colour rows (``trl`` layout, images relative to ``directory``):
+    the answer is the colour whose reply the model finds likeliest. ``swap``: each row is asked about the
+    next row's image instead (the control: a model that reads the image falls to chance)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from posttrain.vision.images import open_image, reference
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    colours = sorted(COLOURS)
+    correct = 0
+    for index, row in enumerate(rows):
+        shown = rows[(index + 1) % len(rows)] if swap else row
+        image = open_image(reference(shown["images"][0], directory))
+        question = row["messages"][:1]
+        prompt = processor.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+        start = len(processor(text=[prompt], images=[[image]], add_special_tokens=False)["input_ids"][0])
+        scores = []
+        for colour in colours:
+            answer = {"role": "assistant", "content": [{"type": "text", "text": colour}]}
+            text = processor.apply_chat_template([*question, answer], tokenize=False)
+            inputs = processor(text=[text], images=[[image]], return_tensors="pt", add_special_tokens=False)
+            with torch.no_grad():
+                logits = model(**inputs).logits[0, :-1].float()
+            targets = inputs["input_ids"][0, 1:]
+            logps = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+            scores.append(float(logps[start - 1 :].sum()))
+        truth = row["messages"][1]["content"][0]["text"]
+        correct += colours[scores.index(max(scores))] == truth
+    return correct / len(rows)

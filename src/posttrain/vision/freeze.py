@@ -70,3 +70,25 @@ def freeze_transform(
             "whole model: nothing would train; set one of them to false"
         )
     return model
+
+
+def language_adapter_targets(
+    model: torch.nn.Module, peft_config: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """A LoRA config on a vision-language model targets the language model's linear layers when it names no
+    target modules or ``all-linear`` (as LLaMA-Factory and TRL's VLM scripts do): the tower and projector keep
+    their frozen weights, and an adapter never lands on the image encoder by accident. A list of names or a
+    pattern is kept as written."""
+    hf_config = getattr(model, "config", None)
+    if peft_config is None or hf_config is None or not is_vision_language(hf_config):
+        return peft_config
+    if peft_config.get("target_modules") not in (None, "all-linear"):
+        return peft_config
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and part_of(name) == "language"
+        and not name.endswith("lm_head")
+    ]
+    return {**peft_config, "target_modules": names}

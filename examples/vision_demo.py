@@ -1,0 +1,61 @@
+"""The vision demo: a tiny vision-language model learns to read the colour of a square from the image.
+
+Builds a tiny Idefics3 (SmolVLM's architecture) with its processor, draws coloured squares with Pillow
+(train and held-out rows from different seeds), measures held-out accuracy, fine-tunes with
+``posttrain train examples/sft-vision.yaml``, and measures again, with the control: the same held-out
+questions asked about another row's image, which a model that reads the image answers at chance (1/3).
+Everything is local. Run inside the project's virtual environment: ``.venv/bin/python examples/vision_demo.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from posttrain.testing.data import write_jsonl  # noqa: E402
+from posttrain.testing.vision import colour_accuracy, colour_rows  # noqa: E402
+
+OUT = ROOT / "demo-out" / "vision"
+CONFIG = ROOT / "examples" / "sft-vision.yaml"
+
+
+def posttrain(*args: str) -> None:
+    print("$ posttrain " + " ".join(args), flush=True)
+    subprocess.run([sys.executable, "-m", "posttrain", *args], check=True, cwd=ROOT)
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    started = time.time()
+    write_jsonl(OUT / "train.jsonl", colour_rows(OUT, 192, seed=1))
+    held_out = colour_rows(OUT, 60, seed=2)  # other squares, other places
+    model_dir = OUT / "tiny-idefics3"
+    posttrain("tiny-model", str(model_dir.relative_to(ROOT)), "--arch", "idefics3", "--seed", "0")
+    before = colour_accuracy(model_dir, held_out, OUT)
+    print(f"\nheld-out accuracy before training (60 squares never seen): {before:.1%}\n")
+    posttrain("train", str(CONFIG.relative_to(ROOT)))
+    trained = OUT / "export" / "final"
+    after = colour_accuracy(trained, held_out, OUT)
+    control = colour_accuracy(trained, held_out, OUT, swap=True)
+    print(f"\nheld-out accuracy after training: {after:.1%}")
+    print(f"control, each question asked about another row's image: {control:.1%} (chance: 33.3%)")
+    print(
+        f"\nbefore {before:.1%} -> after {after:.1%}, images swapped {control:.1%}, in {time.time() - started:.0f} s"
+    )
+    print(
+        f"try it: posttrain chat {trained.relative_to(ROOT)} --image {OUT.relative_to(ROOT)}/images/2-0.png "
+        "--prompt 'What colour is the square?' --temperature 0"
+    )
+    if after < 0.8 or control > 0.6:
+        raise SystemExit("the demo model did not learn to read the image; see demo-out/vision/run")
+
+
+if __name__ == "__main__":
+    main()
