@@ -310,8 +310,6 @@ def test_lora_adapts_the_language_model_and_merges_into_a_vlm_export(
 ) -> None:
     from transformers import AutoModelForImageTextToText
 
-    from posttrain.inference.export import load_export
-
     export = tmp_path / "export"
     config = vlm_config(
         vlms["llava"],
@@ -333,5 +331,13 @@ def test_lora_adapts_the_language_model_and_merges_into_a_vlm_export(
     assert adapted and {part_of(name) for name in adapted} == {"language"}
     merged = AutoModelForImageTextToText.from_pretrained(export / "final-merged")
     assert type(merged).__name__ == "LlavaForConditionalGeneration"
-    loaded = load_export(export / "final", device="cpu", merge=True)
-    assert type(loaded.model).__name__ == "LlavaForConditionalGeneration"
+    from transformers import AutoProcessor
+
+    from posttrain.inference.merge import merge_adapter
+
+    merge_adapter(export / "final", tmp_path / "merged")
+    assert (
+        type(AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")).__name__
+        == "LlavaForConditionalGeneration"
+    )
+    assert type(AutoProcessor.from_pretrained(tmp_path / "merged")).__name__ == "LlavaProcessor"

@@ -23,7 +23,9 @@ def code_lists() -> dict[str, set[str]]:
     from posttrain.config.rewards import Reward
     from posttrain.config.tokenizer import TokenizerConfig
     from posttrain.starters import STARTERS
+    from posttrain.tiny_model import ARCHITECTURES
     from posttrain.tokenizers.chat_templates import PRESETS
+    from posttrain.vision.tiny import VISION_ARCHITECTURES
 
     def literal(model: type, field: str) -> set[str]:
         return set(typing.get_args(model.model_fields[field].annotation))
@@ -37,6 +39,7 @@ def code_lists() -> dict[str, set[str]]:
         "tool-call formats": literal(OnlineTrainerConfig, "tool_call_format") - {"auto"},
         "pad-token strategies": literal(TokenizerConfig, "missing_pad_token_strategy"),
         "starters": set(STARTERS),
+        "tiny-model architectures": {*ARCHITECTURES, *VISION_ARCHITECTURES},
     }
 
 

@@ -9,6 +9,7 @@ from posttrain.checkpoint.model_card import merged_card
 from posttrain.errors import UserError
 from posttrain.inference.export import is_adapter, load_export
 from posttrain.utils.fs import atomic_dir
+from posttrain.vision.processor import processor_of
 
 
 def merge_adapter(adapter: Path, out: Path) -> Path:
@@ -22,6 +23,6 @@ def merge_adapter(adapter: Path, out: Path) -> Path:
     export = load_export(adapter, device="cpu", merge=True)
     with atomic_dir(out) as tmp:
         export.model.save_pretrained(tmp, safe_serialization=True)
-        export.tokenizer.save_pretrained(tmp)
+        (processor_of(export.tokenizer) or export.tokenizer).save_pretrained(tmp)  # a VLM's processor
         (tmp / "README.md").write_text(merged_card(export.base, adapter))
     return out
