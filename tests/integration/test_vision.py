@@ -341,3 +341,25 @@ def test_lora_adapts_the_language_model_and_merges_into_a_vlm_export(
         == "LlavaForConditionalGeneration"
     )
     assert type(AutoProcessor.from_pretrained(tmp_path / "merged")).__name__ == "LlavaProcessor"
+
+
+def test_the_memory_plan_counts_what_trains_and_the_report_counts_images(
+    vlms: dict[str, Path], colour_data: Path, tmp_path: Path
+) -> None:
+    from posttrain.config.model import ModelConfig
+    from posttrain.memory.shape import model_shape
+
+    frozen = model_shape(ModelConfig(name_or_path=str(vlms["idefics3"])))
+    trained = model_shape(
+        ModelConfig(
+            name_or_path=str(vlms["idefics3"]), freeze_vision_tower=False, freeze_multi_modal_projector=False
+        )
+    )
+    assert frozen.params == trained.params == trained.trainable > frozen.trainable
+
+    from posttrain.config import load_config
+    from posttrain.preflight import preflight, report_text
+
+    config = load_config(data=vlm_config(vlms["idefics3"], colour_data, tmp_path))
+    text = report_text(preflight(config, 1), config)
+    assert "16 images (64 image tokens)" in text, text

@@ -60,6 +60,8 @@ class DataReport:
     packed: bool = False
     sources: list[str] = field(default_factory=list)
     leaked: int = 0
+    images: int = 0  # a vision-language run: images in the stored samples
+    image_tokens: int = 0  # and the positions their features take
 
     def summary(self, name: str) -> str:
         parts = [f"{name}: {self.rows} rows -> {self.samples} samples"]
@@ -73,6 +75,8 @@ class DataReport:
             parts.append(f"{self.tokens} tokens, {self.target_tokens / self.tokens:.1%} trained")
         else:  # prompts (grpo): what is trained is sampled while training
             parts.append(f"{self.tokens} tokens")
+        if self.images:
+            parts.append(f"{self.images} images ({self.image_tokens} image tokens)")
         return ", ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
@@ -154,6 +158,8 @@ class DataFactory:
     revision: int = 1
     """Raised when ``format_batch`` turns the same rows into other tokens, so that stores built before are
     not reused (part of the data cache's key)."""
+    measure: Callable[[Sample], tuple[int, int]] | None = None
+    """A kept sample's images and image tokens, for the reports (a vision-language run)."""
 
 
 def data_factory(config: DataConfig, tokenizer: Any) -> DataFactory:
@@ -180,6 +186,7 @@ class Chunk:
     dropped: Counter[str]
     truncated: int
     errors: list[str] = field(default_factory=list)  # bad rows, "file:row: what is wrong"
+    images: np.ndarray | None = None  # per kept sample: (images, image tokens)
 
 
 def _plain(value: Any) -> Any:
@@ -258,7 +265,14 @@ def format_chunk(rows: list[Row], held_out: np.ndarray, process: bool) -> Chunk:
         c: np.concatenate([s[c] for s in kept]) if kept else np.zeros(0, np.int64) for c in factory.columns
     }
     lengths = {c: np.array([len(s[c]) for s in kept], dtype=np.int64) for c in factory.columns}
-    return Chunk(flat, lengths, np.array(kept_held, dtype=bool), hashes, held_out, dropped, truncated, errors)
+    measured = (
+        np.array([factory.measure(s) for s in kept], np.int64).reshape(-1, 2) if factory.measure else None
+    )
+    chunk = Chunk(
+        flat, lengths, np.array(kept_held, dtype=bool), hashes, held_out, dropped, truncated, errors
+    )
+    chunk.images = measured
+    return chunk
 
 
 @dataclass
@@ -404,6 +418,10 @@ def build_store(ctx: RunContext, tokenizer: Any, max_length: int, directory: Pat
                 eval_report.rows += len(chunk.row_held_out) - rows_train
                 report.dropped.update(chunk.dropped)
                 report.truncated += chunk.truncated
+                if chunk.images is not None:
+                    for part, where in ((train_report, ~chunk.held_out), (eval_report, chunk.held_out)):
+                        part.images += int(chunk.images[where, 0].sum())
+                        part.image_tokens += int(chunk.images[where, 1].sum())
                 progress.advance(len(chunk.row_hashes))
             if len(bad) >= MAX_ROW_ERRORS:
                 break

@@ -63,6 +63,7 @@ def model_shape(model: ModelConfig) -> ModelShape:
     """Build the configured model on the meta device and count it (adapters applied as the run will, the
     linear layers FP8 converts chosen as the run will)."""
     from posttrain.models.huggingface import hf_config as read_config
+    from posttrain.vision.freeze import freeze_parts
     from posttrain.vision.processor import auto_model_class
 
     try:
@@ -74,6 +75,7 @@ def model_shape(model: ModelConfig) -> ModelShape:
             built = auto_model_class(hf_config).from_config(
                 hf_config, trust_remote_code=model.trust_remote_code
             )
+            built = freeze_parts(built, model)  # a vision-language model's frozen tower and projector
             if model.peft_config is not None:
                 from posttrain.models.peft import apply_peft
                 from posttrain.vision.freeze import language_adapter_targets

@@ -13,7 +13,7 @@ from posttrain.config.data import DataConfig
 from posttrain.data.samples import RowError, Sample
 from posttrain.vision import images
 from posttrain.vision.formatting import ORIGIN, format_image_rows
-from posttrain.vision.processor import processor_of
+from posttrain.vision.processor import image_token, processor_of
 
 #: the data types whose rows may hold images, and their formatters
 IMAGE_FORMATTERS = {"sft": format_image_rows}
@@ -27,8 +27,14 @@ def with_images(factory: Any, data_type: str, tokenizer: Any) -> Any:
     formatter = IMAGE_FORMATTERS.get(data_type)
     if formatter is None:
         return replace(factory, format_batch=_refusing(factory.format_batch, data_type))
+    _, token_id = image_token(processor_of(tokenizer))
+
+    def measure(sample: Sample) -> tuple[int, int]:
+        return len(images.decode(sample[images.IMAGES_COLUMN])), int((sample["input_ids"] == token_id).sum())
+
     return replace(
         factory,
+        measure=measure,
         format_batch=formatter,
         columns=(*factory.columns, images.IMAGES_COLUMN),
         fit=_fit_with_images(factory.fit),

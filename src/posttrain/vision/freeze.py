@@ -18,6 +18,7 @@ from posttrain.errors import UserError
 from posttrain.vision.processor import is_vision_language
 
 if TYPE_CHECKING:
+    from posttrain.config.model import ModelConfig
     from posttrain.config.trainer import TrainerConfig
 
 TOWERS = ("vision_tower", "vision_model", "visual")
@@ -41,13 +42,19 @@ def freeze_transform(
     model: torch.nn.Module, config: TrainerConfig, facts: Any, tokenizer: Any
 ) -> torch.nn.Module:
     """The model stage's step: freeze the parts the config freezes (a text model is left as it is)."""
+    return freeze_parts(model, config.model)
+
+
+def freeze_parts(model: torch.nn.Module, settings: ModelConfig) -> torch.nn.Module:
+    """Freeze the parts of a vision-language model that ``settings`` (``model:``) freezes; the memory plan
+    calls it on the model it builds on the meta device, so it counts what trains as the run does."""
     hf_config = getattr(model, "config", None)
     if hf_config is None or not is_vision_language(hf_config):
         return model
     frozen = {
-        "tower": config.model.freeze_vision_tower,
-        "projector": config.model.freeze_multi_modal_projector,
-        "language": config.model.freeze_language_model,
+        "tower": settings.freeze_vision_tower,
+        "projector": settings.freeze_multi_modal_projector,
+        "language": settings.freeze_language_model,
     }
     found = {"tower": 0, "projector": 0, "language": 0}
     for name, parameter in model.named_parameters():
