@@ -363,3 +363,42 @@ def test_the_memory_plan_counts_what_trains_and_the_report_counts_images(
     config = load_config(data=vlm_config(vlms["idefics3"], colour_data, tmp_path))
     text = report_text(preflight(config, 1), config)
     assert "16 images (64 image tokens)" in text, text
+
+
+@pytest.mark.slow
+def test_two_processes_under_zero3_give_one_processs_numbers_and_a_killed_run_resumes_exactly(
+    vlms: dict[str, Path], colour_data: Path, tmp_path: Path
+) -> None:
+    """ZeRO-3 over 2 processes (the frozen tower partitioned with the rest) trains as one process does, and
+    a run SIGKILLed after its checkpoint at step 2 and resumed with ``auto_resume`` ends where the
+    uninterrupted one does."""
+    from tests.resume_helpers import assert_same_continuation, kill_and_resume
+
+    base = vlm_config(
+        vlms["idefics3"],
+        colour_data,
+        tmp_path,
+        micro_batch_size=2,
+        deepspeed={"zero_optimization": {"stage": 3}},
+    )
+    (tmp_path / "two").mkdir()
+    results = kill_and_resume(base, tmp_path / "two", nproc=2, kill_at=2, total=4)
+    assert_same_continuation(results, kill_at=2, total=4)
+
+    from safetensors.torch import load_file
+
+    from tests.resume_helpers import cli
+
+    exports = {}
+    for name, nproc, stage in (("one", 1, 0), ("pair", 2, 3)):
+        config = merge(base, train_iters=1, deepspeed={"zero_optimization": {"stage": stage}})
+        config["gradient_accumulation_steps"] = 3 - nproc  # the same global batch of 4
+        config["logger"]["output_dir"] = str(tmp_path / name)
+        config["checkpoint"] = [
+            {"type": "huggingface", "output_dir": str(tmp_path / name / "x"), "save_end_of_training": True}
+        ]
+        done = cli(config, tmp_path / f"{name}.yaml", nproc)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        exports[name] = load_file(tmp_path / name / "x" / "final" / "model.safetensors")
+    diff = max(float((exports["one"][k] - exports["pair"][k]).abs().max()) for k in exports["one"])
+    assert diff < 1e-5, diff
