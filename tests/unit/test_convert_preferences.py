@@ -116,3 +116,23 @@ def test_flash_attention_becomes_sdpa_unless_kept(system: str, tmp_path: Path) -
         yaml.safe_load((tmp_path / "kept.yaml").read_text())["model"]["attn_implementation"]
         == "flash_attention_2"
     )
+
+
+def test_vision_freezes_carry_over_from_erniekit_and_megatron_bridge() -> None:
+    """ERNIEKit VL's ``freeze_config`` and Megatron-Bridge's VLM ``model.freeze_*`` set all three of
+    posttrain's keys: what the source does not freeze trains there, so it trains here too."""
+    conv = convert(SYSTEMS["erniekit"], erniekit(stage="SFT", freeze_config="freeze_vision | freeze_aligner"))
+    model = load_config(data=conv.config).model
+    assert (model.freeze_vision_tower, model.freeze_multi_modal_projector, model.freeze_language_model) == (
+        True,
+        True,
+        False,
+    )
+    conv = convert(SYSTEMS["erniekit"], erniekit(stage="SFT", freeze_config="freeze_vision freeze_mtp"))
+    assert verdicts(conv)["freeze_config"] == "not supported"
+    source = {"model": {"freeze_language_model": True}, "train": {"train_iters": 5}}
+    conv = convert(SYSTEMS["megatron-bridge"], source)
+    assert verdicts(conv)["model.freeze_language_model"] == SAME
+    assert conv.config["model"]["freeze_language_model"] is True
+    assert conv.config["model"]["freeze_vision_tower"] is False  # Megatron-Bridge trains the tower by default
+    assert conv.config["model"]["freeze_multi_modal_projector"] is False

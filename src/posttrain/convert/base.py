@@ -385,3 +385,23 @@ def rules_markdown(system: System, intro: str) -> str:
             only = f" (`type: {'/'.join(types[0])}` only)" if types else ""
             out.append(f"| `{path}` | `{value!r}` | {why}{only} |")
     return "\n".join(out) + "\n"
+
+
+#: posttrain's keys for what of a vision-language model is frozen
+FREEZE_KEYS = (
+    "model.freeze_vision_tower",
+    "model.freeze_multi_modal_projector",
+    "model.freeze_language_model",
+)
+
+
+def vision_freezes(
+    conv: Conversion, frozen: dict[str, bool], key: str, own: tuple[str, ...] = FREEZE_KEYS
+) -> str:
+    """Write all three ``model.freeze_*`` keys from a source that names what it freezes: what it does not
+    name trains (the source's default), whatever posttrain's own defaults are. ``own``: the targets ``key``
+    itself sets (noted as its in the converted file)."""
+    for target in FREEZE_KEYS:
+        conv.set(target, bool(frozen.get(target, False)), key if target in own else "")
+    named = [t.removeprefix("model.") for t in FREEZE_KEYS if frozen.get(t)]
+    return f"{', '.join(named) or 'nothing'} frozen; the other parts train"

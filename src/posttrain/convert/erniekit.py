@@ -24,6 +24,7 @@ from posttrain.convert.base import (
     remember,
     resumable_engine,
     step_limit,
+    vision_freezes,
 )
 from posttrain.convert.fp8 import erniekit_fp8_on, erniekit_fp8_setting, erniekit_quantize
 
@@ -304,8 +305,30 @@ def _finish(conv: Conversion) -> None:
     conv.config.setdefault("scheduler", {})["type"] = "megatron"
 
 
+_ERNIE_FREEZES = {
+    "freeze_vision": "model.freeze_vision_tower",
+    "freeze_aligner": "model.freeze_multi_modal_projector",
+    "freeze_llm": "model.freeze_language_model",
+}
+
+
+def _freeze_config(conv: Conversion, key: str, value: Any) -> str:
+    """ERNIEKit's ``freeze_config`` (VL models): the parts it names, separated by spaces or ``|``."""
+    names = [n for n in str(value or "").replace("|", " ").split() if n]
+    unknown = [n for n in names if n not in _ERNIE_FREEZES]
+    if unknown:
+        raise Unsupported(f"{', '.join(unknown)}: posttrain freezes {', '.join(_ERNIE_FREEZES)} only")
+    return vision_freezes(conv, {_ERNIE_FREEZES[n]: True for n in names}, key)
+
+
 RULES = (
     Rule("stage", "type", SAME, apply=_stage),
+    Rule(
+        "freeze_config",
+        "model.freeze_vision_tower / freeze_multi_modal_projector",
+        SAME,
+        apply=_freeze_config,
+    ),
     Rule("fine_tuning", "model.peft_config", SAME, apply=_fine_tuning),
     Rule("lora", "model.peft_config", SAME, apply=_lora_flag),
     Rule("lora_rank", "model.peft_config.r", SAME, apply=_lora("lora_rank")),

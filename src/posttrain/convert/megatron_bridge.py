@@ -23,6 +23,7 @@ from posttrain.convert.base import (
     remember,
     resumable_engine,
     to,
+    vision_freezes,
 )
 from posttrain.convert.fp8 import (
     megatron_layer_rules,
@@ -68,6 +69,22 @@ def _is_number(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+_FREEZES = {
+    "model.freeze_vision_model": "model.freeze_vision_tower",
+    "model.freeze_vision_projection": "model.freeze_multi_modal_projector",
+    "model.freeze_language_model": "model.freeze_language_model",
+}
+
+
+def _freeze(conv: Conversion, key: str, value: Any) -> str:
+    """A VLM provider's ``freeze_*`` flags (all False by default there: every part trains): the three are
+    written together, so posttrain's defaults (tower and projector frozen) never stand in for Megatron's."""
+    frozen = conv.scratch.setdefault("frozen", {})
+    frozen[_FREEZES[key]] = bool(value)
+    vision_freezes(conv, frozen, key, own=(_FREEZES[key],))
+    return f"{_FREEZES[key]}: {bool(value)} (parts no freeze_* key names train, as in Megatron-Bridge)"
 
 
 def _dataset_root(conv: Conversion, key: str, value: Any) -> str:
@@ -507,6 +524,14 @@ RULES = (
         "Megatron's sequence parallelism belongs to tensor parallelism (size 1 here)",
     ),
     Rule("model.seq_length", "data.max_length", SAME),
+    *(
+        Rule(f"model.{name}", target, SAME, apply=_freeze)
+        for name, target in (
+            ("freeze_vision_model", "model.freeze_vision_tower"),
+            ("freeze_vision_projection", "model.freeze_multi_modal_projector"),
+            ("freeze_language_model", "model.freeze_language_model"),
+        )
+    ),
     *megatron_rules("model"),
     *megatron_layer_rules("model"),
     Rule("model.*", "", NOT_NEEDED, _ARCHITECTURE),
