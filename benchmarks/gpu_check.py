@@ -73,6 +73,7 @@ TEST_ORDER = (
     "test_long_sequences_gpu.py",
     "test_observability_gpu.py",
     "test_gpu_training.py",
+    "test_vision_gpu.py",
     "test_memory_plan_gpu.py",
 )
 #: (name, what is compared, the least ratio); plan errors are checked separately (within 20%)
