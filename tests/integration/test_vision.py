@@ -402,3 +402,14 @@ def test_two_processes_under_zero3_give_one_processs_numbers_and_a_killed_run_re
         exports[name] = load_file(tmp_path / name / "x" / "final" / "model.safetensors")
     diff = max(float((exports["one"][k] - exports["pair"][k]).abs().max()) for k in exports["one"])
     assert diff < 1e-5, diff
+
+
+def test_a_text_model_refuses_rows_with_images(base_config: dict, tmp_path: Path) -> None:
+    """A LLaMA-Factory row's ``<image>`` would otherwise train as text, its image silently dropped."""
+    draw_square(tmp_path / "a.png", "red")
+    rows = [{"messages": [_user("<image>colour?"), _answer("red")], "images": ["a.png"]}] * 4
+    rows += [{"messages": [_user("colour?"), _answer("red")]}] * 4
+    base_config["data"]["sources"] = [str(write_jsonl(tmp_path / "rows.jsonl", rows))]
+    with pytest.raises(DataError, match="no image processor") as raised:
+        train(base_config)
+    assert "rows.jsonl row 5" not in str(raised.value)

@@ -1,6 +1,7 @@
-"""A method's data stages in a vision-language run: the method's own formatter where it reads images (SFT),
-a refusal per row where it does not yet (a row's images are never silently dropped), and a length policy
-that never cuts a row with images (its image tokens would be split from their pixels)."""
+"""A method's data stages with images in mind: in a vision-language run, the method's own formatter where it
+reads images (SFT), a refusal per row where it does not yet, and a length policy that never cuts a row with
+images (its image tokens would be split from their pixels); in a text model's run, a refusal per row with
+images. A row's images are never silently dropped."""
 
 from __future__ import annotations
 
@@ -22,11 +23,13 @@ IMAGE_FORMATTERS = {"sft": format_image_rows}
 def with_images(factory: Any, data_type: str, tokenizer: Any) -> Any:
     """``factory`` (a ``data.build.DataFactory``) for a run whose tokenizer carries a processor; unchanged
     for a text model."""
-    if processor_of(tokenizer) is None:
-        return factory
+    if processor_of(tokenizer) is None:  # a text model: a row's images are refused, never dropped
+        why = "the model is a text model (no image processor): train images with a vision-language model"
+        return replace(factory, format_batch=_refusing(factory.format_batch, why))
     formatter = IMAGE_FORMATTERS.get(data_type)
     if formatter is None:
-        return replace(factory, format_batch=_refusing(factory.format_batch, data_type))
+        why = f"images train with type sft so far ({data_type} on images is not supported yet); remove the images or train with sft"
+        return replace(factory, format_batch=_refusing(factory.format_batch, why))
     _, token_id = image_token(processor_of(tokenizer))
 
     def measure(sample: Sample) -> tuple[int, int]:
@@ -43,14 +46,13 @@ def with_images(factory: Any, data_type: str, tokenizer: Any) -> Any:
     )
 
 
-def _refusing(format_batch: Any, data_type: str) -> Any:
+def _refusing(format_batch: Any, why: str) -> Any:
+    """``format_batch`` for the rows without images; each row with images is its error (``why``)."""
+
     def format_text_rows(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig) -> list[Any]:
         text = [i for i, row in enumerate(rows) if not images.row_has_images(row)]
         formatted = iter(format_batch([rows[i] for i in text], tokenizer, config))
-        refusal = RowError(
-            f"a row with images in a {data_type} run: images train with type sft so far ({data_type} on images "
-            "is not supported yet); remove the images or train with sft"
-        )
+        refusal = RowError(f"a row with images: {why}")
         kept = set(text)
         return [next(formatted) if i in kept else refusal for i in range(len(rows))]
 
