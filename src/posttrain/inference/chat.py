@@ -87,6 +87,8 @@ def reply(
 def with_images(message: dict[str, Any], paths: list[Path]) -> tuple[dict[str, Any], list[Any]]:
     """A user message with ``paths`` as image parts before its text, and the images opened (a missing or
     unreadable one: one line, exit 2)."""
+    if not paths:
+        return message, []
     from posttrain.data.samples import RowError
     from posttrain.vision.images import open_image, reference
 

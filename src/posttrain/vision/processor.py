@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from posttrain.errors import UserError
+
 #: the tokenizer attribute that carries the processor of a vision-language model
 ATTRIBUTE = "posttrain_processor"
 
@@ -58,17 +60,25 @@ def fingerprint(tokenizer: Any) -> dict[str, Any] | None:
 
 def load_processor(name: str, model: Any) -> Any:
     """``AutoProcessor`` from ``name`` when the model (``model:``, a ``ModelConfig``) is a vision-language
-    model; None for a text model (or a checkpoint whose config cannot be read here)."""
+    model; None for a text model (or a checkpoint with no transformers config)."""
     from transformers import AutoConfig, AutoProcessor
 
     from posttrain.utils.hub import load_or_explain
 
-    try:
-        config = AutoConfig.from_pretrained(
-            model.name_or_path, **model.hub_arguments(), **model.hf_config_kwargs
+    try:  # through the hub helper: a missing model or an unreachable Hub is one line, at once
+        config = load_or_explain(
+            "model.name_or_path",
+            model.name_or_path,
+            lambda: AutoConfig.from_pretrained(
+                model.name_or_path, **model.hub_arguments(), **model.hf_config_kwargs
+            ),
         )
-    except (OSError, ValueError):
+    except ValueError:  # not a transformers config: the tokenizer's own load says what is wrong
         return None
+    except UserError:
+        if name == model.name_or_path:  # the tokenizer beside the model would fail the same way: say it now
+            raise
+        return None  # a model only its own factory reads, its tokenizer elsewhere
     if not is_vision_language(config):
         return None
     key = "tokenizer.name_or_path" if name != model.name_or_path else "model.name_or_path"
