@@ -22,6 +22,7 @@ from posttrain.vision import images
 from posttrain.vision.formatting import ORIGIN, format_image_rows
 from posttrain.vision.freeze import part_of
 from posttrain.vision.processor import attach
+from tests.conftest import make_base_config
 from tests.integration.helpers import merge, metrics, train
 
 pytestmark = pytest.mark.integration
@@ -52,17 +53,8 @@ def processor_and_tokenizer(path: Path) -> tuple[Any, Any]:
 
 
 def vlm_config(weights: Path, source: Path, tmp_path: Path, **changes: Any) -> dict[str, Any]:
-    config = {
-        "type": "sft",
-        "model": {"name_or_path": str(weights), "dtype": "float32", "disable_activation_checkpoint": True},
-        "data": {"sources": [str(source)], "max_length": 96, "dl_num_workers": 0},
-        "micro_batch_size": 4,
-        "optimizer": {"lr": 1e-3},
-        "scheduler": {"name": "constant", "warmup_ratio": 0},
-        "logger": {"output_dir": str(tmp_path / "run")},
-        "loss_log_interval": 0,
-    }
-    return merge(config, **changes)
+    """The suite's small SFT config (``make_base_config``) on a VLM and image rows, rows up to 96 tokens."""
+    return merge(merge(make_base_config(weights, source, tmp_path), data={"max_length": 96}), **changes)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

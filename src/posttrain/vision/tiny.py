@@ -65,6 +65,12 @@ def _text_config(vocab: int, hidden_size: int, layers: int, heads: int, tokenize
     }
 
 
+def _tower(patch: int, **more: Any) -> dict[str, Any]:
+    """The tiny image encoder's config: 2 layers of width 32 over 32x32 images cut in ``patch`` pixels."""
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+    return {**shape, "image_size": IMAGE_SIDE, "patch_size": patch, **more}
+
+
 def _idefics3(tokenizer: Any, text: dict[str, Any]) -> tuple[Any, Any]:
     from transformers import AutoConfig, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
@@ -82,14 +88,7 @@ def _idefics3(tokenizer: Any, text: dict[str, Any]) -> tuple[Any, Any]:
     config = AutoConfig.for_model(
         "idefics3",
         text_config=text | {"vocab_size": len(tokenizer)},
-        vision_config={
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "image_size": IMAGE_SIDE,
-            "patch_size": patch,
-        },
+        vision_config=_tower(patch),
         scale_factor=scale,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         tie_word_embeddings=False,
@@ -118,16 +117,7 @@ def _llava(tokenizer: Any, text: dict[str, Any]) -> tuple[Any, Any]:
     config = AutoConfig.for_model(
         "llava",
         text_config=text | {"vocab_size": len(tokenizer)},
-        vision_config={
-            "model_type": "clip_vision_model",
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "image_size": IMAGE_SIDE,
-            "patch_size": patch,
-            "projection_dim": 32,
-        },
+        vision_config=_tower(patch, model_type="clip_vision_model", projection_dim=32),
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,
