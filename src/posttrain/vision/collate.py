@@ -21,7 +21,7 @@ IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image
 
 class ImageBatches:
     """Wraps the run's collator: the samples' image references are taken out before it sees them and the
-    image inputs added to its batch, with ``num_images`` (counted on the host) for the throughput meter."""
+    image inputs added to its batch, with ``num_images``, the micro-batch's images counted on the host."""
 
     def __init__(self, collate: Any, processor: Any) -> None:
         self.collate = collate

@@ -21,8 +21,8 @@ IMAGE_FORMATTERS = {"sft": format_image_rows}
 
 
 def with_images(factory: Any, data_type: str, tokenizer: Any) -> Any:
-    """``factory`` (a ``data.build.DataFactory``) for a run whose tokenizer carries a processor; unchanged
-    for a text model."""
+    """``factory`` (a ``data.build.DataFactory``) for this run: reading images when the tokenizer carries a
+    processor (a vision-language model), refusing rows with images when it does not."""
     if processor_of(tokenizer) is None:  # a text model: a row's images are refused, never dropped
         why = "the model is a text model (no image processor): train images with a vision-language model"
         return replace(factory, format_batch=_refusing(factory.format_batch, why))

@@ -40,7 +40,7 @@ def text_view(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def expand(processor: Any, ids: np.ndarray, opened: list[Any]) -> tuple[np.ndarray, np.ndarray]:
     """The processor's expansion of every image token in ``ids`` (one per image, in order): the expanded ids
     and, per expanded position, the position of ``ids`` it comes from (-1: an image's own tokens)."""
-    _, token_id = image_token(processor)
+    token, token_id = image_token(processor)
     where = np.flatnonzero(ids == token_id)
     if len(where) != len(opened):
         raise RowError(
@@ -48,7 +48,6 @@ def expand(processor: Any, ids: np.ndarray, opened: list[Any]) -> tuple[np.ndarr
             "processor's template must write one per image part"
         )
     pieces, origins, start = [], [], 0
-    token, _ = image_token(processor)
     for position, image in zip(where.tolist(), opened, strict=True):
         pieces.append(ids[start:position])
         origins.append(np.arange(start, position))
@@ -66,6 +65,8 @@ def format_image_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) ->
     image references (``images_json``). ``config``: ``mask_inputs`` and ``check_end_of_turn`` as for text."""
     processor = processor_of(tokenizer)
     origin = str(row.get(ORIGIN, ""))
+    if row.get("tools"):
+        raise RowError("a 'tools' column in a vision-language run: tools with images are not supported yet")
     text_row = {k: v for k, v in row.items() if k != ORIGIN and k not in images.IMAGE_KEYS}
     messages, found = images.parts_of(chat_messages(text_row), images.column_images(row))
     check_messages(text_view(messages))  # roles, a trained assistant turn
