@@ -405,3 +405,31 @@ def test_a_text_model_refuses_rows_with_images(base_config: dict, tmp_path: Path
     with pytest.raises(DataError, match="no image processor") as raised:
         train(base_config)
     assert "rows.jsonl row 5" not in str(raised.value)
+
+
+SMOLVLM_LIKE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def test_a_template_without_generation_marks_labels_by_prefixes(
+    vlms: dict[str, Path], tmp_path: Path
+) -> None:
+    """SmolVLM's kind of template (no ``{% generation %}``, turns closed by ``<end_of_utterance>``): labels from
+    token-exact prefix rendering, the end-of-turn token trained."""
+    processor, tokenizer = processor_and_tokenizer(vlms["idefics3"])
+    processor.chat_template = tokenizer.chat_template = SMOLVLM_LIKE
+    draw_square(tmp_path / "a.png", "blue")
+    row = {
+        "messages": [_user([{"type": "image"}, _text(QUESTION)]), _answer([_text("blue")])],
+        "images": ["a.png"],
+    }
+    [sample] = format_image_rows([{**row, ORIGIN: f"{tmp_path / 'r.jsonl'} row 1"}], tokenizer, _Config())
+    assert not isinstance(sample, Exception), sample
+    labels = sample["labels"]
+    assert tokenizer.decode(labels[labels != IGNORE_INDEX]).strip() == "blue<end_of_utterance>"
+    assert (sample["input_ids"] == processor.image_token_id).sum() == 4

@@ -106,7 +106,15 @@ KEEP_ORIGINAL = "keep-original"
 CHOICES = (KEEP_ORIGINAL, *PRESETS, *ALIASES)
 
 #: end-of-turn tokens recognised in any tokenizer (besides its EOS)
-KNOWN_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
+KNOWN_END_OF_TURN = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<end_of_utterance>",  # Idefics3 / SmolVLM
+)
 
 
 def check_choice(value: str) -> str:
