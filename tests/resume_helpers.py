@@ -6,6 +6,7 @@ import contextlib
 import copy
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +23,28 @@ DYING = Path(__file__).parent / "resources" / "dying_checkpoint.py"
 def cli(
     config: dict[str, Any], path: Path, nproc: int = 1, timeout: int = 300
 ) -> subprocess.CompletedProcess[str]:
+    """``posttrain train`` on ``config`` in a process of its own. Past ``timeout`` the run is stopped with
+    SIGABRT first, so Python's fault handler prints where every thread of it was (the test's error ends with
+    those stacks), then killed."""
     path.write_text(yaml.safe_dump(config))
     command = [sys.executable, "-m", "posttrain", "train", str(path), "--nproc", str(nproc)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=child_env())
+    env = child_env(PYTHONFAULTHANDLER="1")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGABRT)  # the main process: where the run waits
+        try:
+            out, err = process.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+        stacks = err[err.rfind("Fatal Python error") :].split("\nExtension modules:")[0]
+        raise AssertionError(
+            f"posttrain train {path.name} ran past {timeout} s; its last output:\n{out[-2000:]}\n{err[-1500:]}\n"
+            f"where it was:\n{stacks[:8000]}"
+        ) from None
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 def two_nodes(path: Path, timeout: int = 300) -> list[str]:
