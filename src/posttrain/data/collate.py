@@ -80,7 +80,20 @@ class Collator:
         return batch
 
 
-class HostPrepared:
+class CollatorWrapper:
+    """A collator around the run's collator (``collate``), whose own attributes (its ``pad_id``...) it
+    answers for."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "collate":  # not set yet (unpickling): never recurse
+            raise AttributeError(name)
+        return getattr(self.collate, name)
+
+
+class HostPrepared(CollatorWrapper):
     """Wraps the run's collator (and the sequence-parallel slicer, so it sees the slice): what attention and
     the loss would otherwise read back from the device, once per layer or per micro-batch, is computed here on
     the host, once per micro-batch:
@@ -89,15 +102,6 @@ class HostPrepared:
       when the collator left them out (a user's collator);
     - ``target_rows``, the flat positions that predict a label (the tiled loss computes only those).
     """
-
-    def __init__(self, collate: Any) -> None:
-        self.collate = collate
-
-    def __getattr__(self, name: str) -> Any:
-        """The wrapped collator's own attributes (its ``pad_id``...)."""
-        if name == "collate":
-            raise AttributeError(name)
-        return getattr(self.collate, name)
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         batch = dict(self.collate(samples))

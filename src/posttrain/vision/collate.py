@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from posttrain.data.collate import CollatorWrapper
 from posttrain.vision import images
 from posttrain.vision.processor import processor_of
 
@@ -19,19 +20,13 @@ from posttrain.vision.processor import processor_of
 IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes")
 
 
-class ImageBatches:
+class ImageBatches(CollatorWrapper):
     """Wraps the run's collator: the samples' image references are taken out before it sees them and the
     image inputs added to its batch, with ``num_images``, the micro-batch's images counted on the host."""
 
     def __init__(self, collate: Any, processor: Any) -> None:
-        self.collate = collate
+        super().__init__(collate)
         self.processor = processor
-
-    def __getattr__(self, name: str) -> Any:
-        """The wrapped collator's own attributes (its ``pad_id``...)."""
-        if name == "collate":
-            raise AttributeError(name)
-        return getattr(self.collate, name)
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         per_sample = [images.decode(s.get(images.IMAGES_COLUMN, b"")) for s in samples]
