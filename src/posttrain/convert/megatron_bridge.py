@@ -524,14 +524,7 @@ RULES = (
         "Megatron's sequence parallelism belongs to tensor parallelism (size 1 here)",
     ),
     Rule("model.seq_length", "data.max_length", SAME),
-    *(
-        Rule(f"model.{name}", target, SAME, apply=_freeze)
-        for name, target in (
-            ("freeze_vision_model", "model.freeze_vision_tower"),
-            ("freeze_vision_projection", "model.freeze_multi_modal_projector"),
-            ("freeze_language_model", "model.freeze_language_model"),
-        )
-    ),
+    *(Rule(source, target, SAME, apply=_freeze) for source, target in _FREEZES.items()),
     *megatron_rules("model"),
     *megatron_layer_rules("model"),
     Rule("model.*", "", NOT_NEEDED, _ARCHITECTURE),
