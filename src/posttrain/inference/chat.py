@@ -157,7 +157,7 @@ def chat(
         first = not any(m["role"] == "user" for m in messages)  # the images go with the first question
         message, pictures = with_images({"role": "user", "content": text}, list(images) if first else [])
         shown = pictures if first else shown
-        messages.append(message if images else {"role": "user", "content": text})
+        messages.append(message)
         answer = reply(export, messages, sampling, out, shown)
         messages.append(
             {"role": "assistant", "content": [{"type": "text", "text": answer}] if images else answer}

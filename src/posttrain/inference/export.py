@@ -74,30 +74,19 @@ def load_export(path: Path, *, device: str | None = None, merge: bool = False) -
         from transformers import AutoConfig
 
         model = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype="auto")
-    tokenizer = _tokenizer(path, base)
+    tokenizer = _tokenizer(path, base, is_vision_language(model.config))
     model = model.to(torch.device(_device(device))).eval()
     return Export(model, tokenizer, adapter and not merge, base)
 
 
-def _tokenizer(path: Path, base: str) -> Any:
+def _tokenizer(path: Path, base: str, reads_images: bool) -> Any:
     """The export's tokenizer (posttrain saves it with every export), else the base model's."""
     from transformers import AutoTokenizer
 
     source = str(path) if (path / "tokenizer_config.json").is_file() else base
-    if _reads_images(path, base):  # a vision-language model: its processor, carried by its tokenizer
+    if reads_images:  # a vision-language model: its processor, carried by its tokenizer
         from transformers import AutoProcessor
 
         processor = load_or_explain("processor", source, lambda: AutoProcessor.from_pretrained(source))
         return attach(processor.tokenizer, processor)
     return load_or_explain("tokenizer", source, lambda: AutoTokenizer.from_pretrained(source))
-
-
-def _reads_images(path: Path, base: str) -> bool:
-    from transformers import AutoConfig
-
-    try:
-        return is_vision_language(
-            AutoConfig.from_pretrained(path if (path / "config.json").is_file() else base)
-        )
-    except (OSError, ValueError):
-        return False
