@@ -268,11 +268,8 @@ def format_chunk(rows: list[Row], held_out: np.ndarray, process: bool) -> Chunk:
     measured = (
         np.array([factory.measure(s) for s in kept], np.int64).reshape(-1, 2) if factory.measure else None
     )
-    chunk = Chunk(
-        flat, lengths, np.array(kept_held, dtype=bool), hashes, held_out, dropped, truncated, errors
-    )
-    chunk.images = measured
-    return chunk
+    held = np.array(kept_held, dtype=bool)
+    return Chunk(flat, lengths, held, hashes, held_out, dropped, truncated, errors, images=measured)
 
 
 @dataclass
