@@ -433,3 +433,11 @@ def test_a_template_without_generation_marks_labels_by_prefixes(
     labels = sample["labels"]
     assert tokenizer.decode(labels[labels != IGNORE_INDEX]).strip() == "blue<end_of_utterance>"
     assert (sample["input_ids"] == processor.image_token_id).sum() == 4
+
+
+def test_a_freeze_key_written_for_a_text_model_is_refused(base_config: dict) -> None:
+    from posttrain.errors import UserError
+
+    base_config["model"]["freeze_vision_tower"] = False
+    with pytest.raises(UserError, match=r"model.freeze_vision_tower: LlamaForCausalLM is a text model"):
+        train(base_config)

@@ -129,15 +129,16 @@ class ModelConfig(BaseConfig):
 
     freeze_vision_tower: bool = True
     """A vision-language model's vision tower (the image encoder) is not trained (LLaMA-Factory's name and
-    default). Has no effect on a text model."""
+    default). Refused on a text model."""
 
     freeze_multi_modal_projector: bool = True
     """A vision-language model's projector (the layers that map image features into the language model) is
-    not trained (LLaMA-Factory's name and default). Has no effect on a text model."""
+    not trained (LLaMA-Factory's name and default). Refused on a text model."""
 
     freeze_language_model: bool = False
     """A vision-language model's language model (its LM head included) is not trained: with the tower and
-    projector trained, only the image side learns (LLaMA-Factory's name and default)."""
+    projector trained, only the image side learns (LLaMA-Factory's name and default). Refused on a text
+    model."""
 
     @field_validator("dtype", mode="before")
     @classmethod

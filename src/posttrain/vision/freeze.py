@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 TOWERS = ("vision_tower", "vision_model", "visual")
 PROJECTORS = ("multi_modal_projector", "connector", "visual.merger", "mm_projector")
 LANGUAGE = ("language_model", "text_model", "lm_head")
+#: the ``model:`` keys that say what of a vision-language model is frozen
+KEYS = frozenset({"freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model"})
 
 
 def part_of(name: str) -> str | None:
@@ -41,7 +43,15 @@ def part_of(name: str) -> str | None:
 def freeze_transform(
     model: torch.nn.Module, config: TrainerConfig, facts: Any, tokenizer: Any
 ) -> torch.nn.Module:
-    """The model stage's step: freeze the parts the config freezes (a text model is left as it is)."""
+    """The model stage's step: freeze the parts the config freezes. On a text model the keys mean nothing:
+    one written in the config is refused rather than ignored."""
+    hf_config = getattr(model, "config", None)
+    written = sorted(KEYS & config.model.model_fields_set)
+    if written and (hf_config is None or not is_vision_language(hf_config)):
+        raise UserError(
+            f"{', '.join('model.' + k for k in written)}: {type(model).__name__} is a text model (no vision "
+            "tower or projector), so there is nothing to freeze; remove the key"
+        )
     return freeze_parts(model, config.model)
 
 
