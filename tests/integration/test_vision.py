@@ -240,24 +240,6 @@ def test_packed_and_padding_free_rows_give_the_padded_loss(
     assert losses["padding_free"] == pytest.approx(losses["padded"], abs=1e-6, rel=0)
 
 
-def test_rows_with_images_are_refused_by_methods_that_do_not_read_them_yet(
-    vlms: dict[str, Path], tmp_path: Path
-) -> None:
-    draw_square(tmp_path / "a.png", "red")
-    rows = [
-        {
-            "prompt": [_user("<image>colour?")],
-            "chosen": [_answer("red")],
-            "rejected": [_answer("blue")],
-            "images": ["a.png"],
-        }
-    ] * 4
-    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    config = vlm_config(vlms["idefics3"], data, tmp_path, type="dpo")
-    with pytest.raises(DataError, match="images train with type sft so far"):
-        train(config)
-
-
 def test_image_rows_in_parquet_as_datasets_writes_them(vlms: dict[str, Path], tmp_path: Path) -> None:
     """``datasets.Image`` columns in Parquet hold ``{bytes, path}``: the rows train as the path rows do."""
     rows = colour_rows(tmp_path, 8, seed=2, layout="bytes")

@@ -11,6 +11,7 @@ first (``keep_start``) or last (``keep_end``) tokens.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,11 +67,20 @@ def _messages(value: Any, role: str, name: str) -> list[dict[str, str]]:
     return value
 
 
+#: a conversation's check: the messages as they are rendered, or the row's ``RowError``
+Check = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
+
+
 def _answer(
-    tokenizer: Any, prompt: list[dict[str, str]], answer: list[dict[str, str]], name: str, check_end: bool
+    tokenizer: Any,
+    prompt: list[dict[str, Any]],
+    answer: list[dict[str, Any]],
+    name: str,
+    check_end: bool,
+    check: Check = check_messages,
 ) -> Sample:
     try:
-        conversation = check_messages(prompt + answer)
+        conversation = check(prompt + answer)
     except RowError as exc:
         raise RowError(f"prompt + {name}: {exc}") from None
     ids, mask = assistant_mask(tokenizer, conversation)
@@ -144,12 +154,14 @@ def render_completion(
     max_prompt_length: int = 0,
     truncation: str = "keep_end",
     check_end_of_turn: bool = True,
+    check: Check = check_messages,
 ) -> Sample:
     """``prompt`` + the completion ``value`` (a string or assistant messages) as token ids, labels on the
-    completion's assistant tokens, and ``prompt_len`` (the prompt cut to ``max_prompt_length``)."""
+    completion's assistant tokens, and ``prompt_len`` (the prompt cut to ``max_prompt_length``). ``check``:
+    the conversation's check (messages with image parts are checked on their text)."""
     answer = _messages(value, "assistant", name)
     return _cut_prompt(
-        _answer(tokenizer, prompt, answer, name, check_end_of_turn), max_prompt_length, truncation
+        _answer(tokenizer, prompt, answer, name, check_end_of_turn, check), max_prompt_length, truncation
     )
 
 
@@ -242,6 +254,7 @@ class PairCollator:
             "ref_chosen": torch.tensor([p.get("ref_chosen", 0.0) for p in pairs], dtype=torch.float64),
             "ref_rejected": torch.tensor([p.get("ref_rejected", 0.0) for p in pairs], dtype=torch.float64),
             "pair_weight": torch.tensor(weights, dtype=torch.float64),
+            "row_sample": torch.arange(len(pairs)).repeat(len(SIDES)),  # each row's pair
             "score_delta": torch.tensor([score_delta(p) for p in pairs], dtype=torch.float64),
             "margin": torch.tensor([margin(p) for p in pairs], dtype=torch.float64),
             "num_loss_units": int(sum(weights)),

@@ -76,6 +76,26 @@ def colour_rows(directory: Path, count: int, seed: int = 0, layout: str = "trl")
     return rows
 
 
+def colour_pairs(directory: Path, count: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``count`` preference rows in TRL's layout (``prompt`` with an image part, ``chosen``: the square's
+    colour, ``rejected``: another, ``images``), the images written as ``colour_rows`` writes them."""
+    rng = random.Random(seed + 1)
+    pairs = []
+    for row in colour_rows(directory, count, seed):
+        prompt, answer = row["messages"]
+        truth = answer["content"][0]["text"]
+        wrong = rng.choice([c for c in sorted(COLOURS) if c != truth])
+        pairs.append(
+            {
+                "prompt": [prompt],
+                "chosen": [{"role": "assistant", "content": truth}],
+                "rejected": [{"role": "assistant", "content": wrong}],
+                "images": row["images"],
+            }
+        )
+    return pairs
+
+
 def colour_accuracy(
     model_dir: Path, rows: list[dict[str, Any]], directory: Path, swap: bool = False
 ) -> float:

@@ -32,15 +32,28 @@ class ImageBatches(CollatorWrapper):
         per_sample = [images.decode(s.get(images.IMAGES_COLUMN, b"")) for s in samples]
         stripped = [{k: v for k, v in s.items() if k != images.IMAGES_COLUMN} for s in samples]
         batch = dict(self.collate(stripped))
-        rows = int(batch["input_ids"].shape[0])
-        if rows != len(samples):  # the samples laid in one row (padding-free)
-            per_sample = [[ref for refs in per_sample for ref in refs]]
-        batch["num_images"] = sum(len(refs) for refs in per_sample)
+        per_row = rows_images(per_sample, batch)
+        batch["num_images"] = sum(len(refs) for refs in per_row)
         if batch["num_images"]:
-            opened = [[images.open_image(ref) for ref in refs] for refs in per_sample]
+            opened = [[images.open_image(ref) for ref in refs] for refs in per_row]
             inputs = self.processor.image_processor(images=opened, return_tensors="pt")
             batch.update({key: inputs[key] for key in IMAGE_INPUTS if key in inputs})
         return batch
+
+
+def rows_images(per_sample: list[list[Any]], batch: dict[str, Any]) -> list[list[Any]]:
+    """Each batch row's images: its sample's (``row_sample`` names a row's sample where a sample gives several
+    rows, a preference pair's chosen and rejected), or all the samples' in one row (padding-free)."""
+    rows = int(batch["input_ids"].shape[0])
+    if "row_sample" in batch:
+        return [per_sample[int(i)] for i in batch["row_sample"].tolist()]
+    if rows == len(per_sample):
+        return per_sample
+    if rows == 1:  # the samples laid in one row (padding-free)
+        return [[ref for refs in per_sample for ref in refs]]
+    raise ValueError(
+        f"{rows} batch rows for {len(per_sample)} samples: which row reads which images is unknown"
+    )
 
 
 def with_image_batches(collate: Any, tokenizer: Any) -> Any:

@@ -5,7 +5,8 @@ images. A row's images are never silently dropped."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -14,10 +15,26 @@ from posttrain.config.data import DataConfig
 from posttrain.data.samples import RowError, Sample
 from posttrain.vision import images
 from posttrain.vision.formatting import ORIGIN, format_image_rows
+from posttrain.vision.preferences import PROMPT_LENGTH, fit_image_pair, format_image_pairs
 from posttrain.vision.processor import image_token, processor_of
 
-#: the data types whose rows may hold images, and their formatters
-IMAGE_FORMATTERS = {"sft": format_image_rows}
+
+@dataclass(frozen=True)
+class ImageData:
+    """A method's data stages for rows with images."""
+
+    format_batch: Callable[..., list[Any]]
+    fit: Callable[..., tuple[Sample | None, str, bool]] | None = None
+    """The length rule; None: the method's own, a sample with images never cut."""
+    columns: tuple[str, ...] = ()
+    """Columns the formatter adds to the method's (besides the image references)."""
+
+
+#: the data types whose rows may hold images, and their stages
+IMAGE_DATA = {
+    "sft": ImageData(format_image_rows),
+    "dpo": ImageData(format_image_pairs, fit_image_pair, (PROMPT_LENGTH,)),
+}
 
 
 def with_images(factory: Any, data_type: str, tokenizer: Any) -> Any:
@@ -26,21 +43,27 @@ def with_images(factory: Any, data_type: str, tokenizer: Any) -> Any:
     if processor_of(tokenizer) is None:  # a text model: a row's images are refused, never dropped
         why = "the model is a text model (no image processor): train images with a vision-language model"
         return replace(factory, format_batch=_refusing(factory.format_batch, why))
-    formatter = IMAGE_FORMATTERS.get(data_type)
-    if formatter is None:
-        why = f"images train with type sft so far ({data_type} on images is not supported yet); remove the images or train with sft"
+    stages = IMAGE_DATA.get(data_type)
+    if stages is None:
+        readers = " and ".join(IMAGE_DATA)
+        why = (
+            f"images train with types {readers} so far ({data_type} on images is not supported yet); remove "
+            f"the images or train with {readers}"
+        )
         return replace(factory, format_batch=_refusing(factory.format_batch, why))
     _, token_id = image_token(processor_of(tokenizer))
 
     def measure(sample: Sample) -> tuple[int, int]:
-        return len(images.decode(sample[images.IMAGES_COLUMN])), int((sample["input_ids"] == token_id).sum())
+        """The sample's images and the image tokens of all its sequences (a pair's twice: both rows read them)."""
+        tokens = sum(int((sample[key] == token_id).sum()) for key in _token_columns(sample))
+        return len(images.decode(sample[images.IMAGES_COLUMN])), tokens
 
     return replace(
         factory,
         measure=measure,
-        format_batch=formatter,
-        columns=(*factory.columns, images.IMAGES_COLUMN),
-        fit=_fit_with_images(factory.fit),
+        format_batch=stages.format_batch,
+        columns=(*factory.columns, *stages.columns, images.IMAGES_COLUMN),
+        fit=stages.fit or _fit_with_images(factory.fit),
         origin_key=ORIGIN,
         revision=factory.revision * 1000 + 1,
     )
@@ -62,7 +85,8 @@ def _refusing(format_batch: Any, why: str) -> Any:
 def _fit_with_images(fit: Any) -> Any:
     def fit_sample(sample: Sample, max_length: int, config: DataConfig) -> tuple[Sample | None, str, bool]:
         stored = sample[images.IMAGES_COLUMN]
-        if len(sample["input_ids"]) > max_length and images.decode(stored):
+        longest = max(len(sample[key]) for key in _token_columns(sample))
+        if longest > max_length and images.decode(stored):
             return (
                 None,
                 f"longer than max_length={max_length}; rows with images are dropped, never cut",
@@ -75,3 +99,8 @@ def _fit_with_images(fit: Any) -> Any:
         return kept, reason, cut
 
     return fit_sample
+
+
+def _token_columns(sample: Sample) -> list[str]:
+    """The sample's sequences' ids columns (``input_ids``; a pair's ``chosen_input_ids``...)."""
+    return [key for key in sample if key.endswith("input_ids")]

@@ -64,30 +64,60 @@ def format_image_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) ->
     """One chat row (with or without images) of a vision-language run -> ``input_ids``, ``labels`` and the
     image references (``images_json``). ``config``: ``mask_inputs`` and ``check_end_of_turn`` as for text."""
     processor = processor_of(tokenizer)
-    origin = str(row.get(ORIGIN, ""))
     if row.get("tools"):
         raise RowError("a 'tools' column in a vision-language run: tools with images are not supported yet")
     text_row = {k: v for k, v in row.items() if k != ORIGIN and k not in images.IMAGE_KEYS}
-    messages, found = images.parts_of(chat_messages(text_row), images.column_images(row))
-    check_messages(text_view(messages))  # roles, a trained assistant turn
-    directory = images.data_directory(origin)
-    refs = [images.reference(image, directory) for image in found]
-    opened = [images.open_image(ref) for ref in refs]
+    messages, refs, opened = images_of(row, chat_messages(text_row))
+    checked_parts(messages)
     ids, mask = assistant_mask(tokenizer, messages)
     ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
     mask = drop_context_turns(mask, messages)
     if getattr(config, "check_end_of_turn", True):
         check_turn_ends(tokenizer, ids, mask)
+    trained = mask if getattr(config, "mask_inputs", True) else np.ones_like(mask)
+    expanded, labels = expand_labelled(
+        processor, tokenizer, messages, opened, ids, np.where(trained, ids, IGNORE_INDEX)
+    )
+    return {"input_ids": expanded, "labels": labels, images.IMAGES_COLUMN: images.encode(refs)}
+
+
+def images_of(
+    row: dict[str, Any], messages: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, str]], list[Any]]:
+    """``messages`` (the row's, or a part of them) with image parts, the reference of each image (paths taken
+    from the row's data file) and each image opened: a missing or unreadable one is the row's error."""
+    messages, found = images.parts_of(messages, images.column_images(row))
+    directory = images.data_directory(str(row.get(ORIGIN, "")))
+    refs = [images.reference(image, directory) for image in found]
+    return messages, refs, [images.open_image(ref) for ref in refs]
+
+
+def expand_labelled(
+    processor: Any,
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    opened: list[Any],
+    ids: Any,
+    labels: Any,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rendered ``messages``' ids (``ids``, one image token per image) and their ``labels`` with each image
+    expanded by the processor, checked against the processor's own call on the whole row. An image's own
+    tokens never carry a label."""
+    ids, labels = np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
     expanded, origins = expand(processor, ids, opened)
     if not np.array_equal(processor_ids(processor, tokenizer, messages, opened), expanded):
         raise RowError(
             "the processor's tokens for this row differ from its expansion of each image in place (its image "
             "tokens change the text around them), so the labels cannot be placed exactly"
         )
-    trained = mask if getattr(config, "mask_inputs", True) else np.ones_like(mask)
-    labelled = (origins >= 0) & trained[np.maximum(origins, 0)]  # an image's own tokens: never
-    labels = np.where(labelled, expanded, IGNORE_INDEX)
-    return {"input_ids": expanded, "labels": labels, images.IMAGES_COLUMN: images.encode(refs)}
+    return expanded, np.where(origins >= 0, labels[np.maximum(origins, 0)], IGNORE_INDEX)
+
+
+def checked_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with image parts, checked on their text (roles, a trained assistant turn) and kept as they
+    are for rendering (``data.dpo.Check``)."""
+    check_messages(text_view(messages))
+    return messages
 
 
 def processor_ids(
