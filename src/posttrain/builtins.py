@@ -153,7 +153,7 @@ COMPONENTS = (
     (DATA_FACTORIES, "sft", "posttrain.methods.sft:DATA", SFTDataConfig),
     (DATA_FACTORIES, "causal", "posttrain.methods.causal:DATA", CausalDataConfig),
     (DATA_FACTORIES, "dpo", "posttrain.methods.dpo:DATA", DPODataConfig),
-    (DATA_FACTORIES, "prompts", "posttrain.data.prompts:DATA", PromptsDataConfig),
+    (DATA_FACTORIES, "prompts", "posttrain.methods.prompts:DATA", PromptsDataConfig),
     (DATA_FACTORIES, "kto", "posttrain.methods.kto:DATA", KTODataConfig),
     (DATA_FACTORIES, "reward", "posttrain.methods.reward:DATA", RewardDataConfig),
     (OPTIMIZERS, "adamw", "posttrain.optim.adamw:build_adamw", OptimizerConfig),

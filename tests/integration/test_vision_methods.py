@@ -1,6 +1,7 @@
 """Vision-language models beyond SFT: DPO on preference pairs whose prompt holds images (TRL's layout), the
 processor's own tokens and images in both rows of a pair, scored as the model scores the processor's own
-inputs; and the rows a method does not read yet refused with the reason."""
+inputs; GRPO on image prompts: generation and the trainer's log-probabilities on the processor's own inputs,
+the rewards given the images; and what is not read yet refused with the reason."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from posttrain.config.dpo import DPODataConfig
 from posttrain.data.samples import IGNORE_INDEX
 from posttrain.errors import DataError
 from posttrain.testing.data import write_jsonl
-from posttrain.testing.vision import colour_pairs, draw_square
+from posttrain.testing.vision import COLOURS, colour_pairs, colour_prompts, draw_square
 from posttrain.vision import images
 from posttrain.vision.formatting import ORIGIN
 from posttrain.vision.preferences import PROMPT_LENGTH, fit_image_pair, format_image_pairs
-from tests.integration.helpers import metrics, train
+from tests.integration.helpers import merge, metrics, train
 from tests.integration.test_vision import ARCHS, processor_and_tokenizer, vlm_config
 from tests.integration.test_vision import vlms as vlms
 
@@ -114,5 +115,172 @@ def test_rows_with_images_are_refused_by_methods_that_do_not_read_them_yet(
     }
     data = write_jsonl(tmp_path / "rows.jsonl", [row] * 4)
     config = vlm_config(vlms["idefics3"], data, tmp_path, type="kto")
-    with pytest.raises(DataError, match="images train with types sft and dpo so far"):
+    with pytest.raises(DataError, match="images train with types sft, dpo, prompts so far"):
         train(config)
+
+
+#: a reward that reads the images (TRL's ``images`` column, Pillow): 1 where the square drawn in the prompt's
+#: image has the colour of the row's ``answer``
+SEES_COLOUR = f"""
+COLOURS = {COLOURS!r}
+
+def square_matches(completions, images, answer, **kwargs):
+    out = []
+    for pictures, colour in zip(images, answer):
+        [picture] = pictures
+        out.append(float(COLOURS[colour] in [rgb for _, rgb in picture.getcolors()]))
+    return out
+
+def length(completions, **kwargs):
+    return [len(c[0]["content"]) / 10 for c in completions]
+"""
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_grpo_prompts_with_images_generate_and_score_on_the_processors_inputs(
+    vlms: dict[str, Path], tmp_path: Path, arch: str
+) -> None:
+    """The prompts' ids are the processor's; a left-padded batch's greedy completions are those of each
+    prompt generated alone from the processor's own inputs; the trainer's log-probabilities of them equal the
+    model's on the processor's own inputs."""
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.config.prompts import PromptsDataConfig
+    from posttrain.models.token_logps import token_logps
+    from posttrain.rollout.feed import stop_ids, training_micro_batches
+    from posttrain.rollout.generation import Sampling, TransformersBackend, split_completions
+    from posttrain.vision.collate import attach_images
+    from posttrain.vision.prompts import format_image_prompts
+
+    processor, tokenizer = processor_and_tokenizer(vlms[arch])
+    rows = colour_prompts(tmp_path, 4, seed=5)
+    rows[1]["prompt"] = [
+        {
+            "role": "user",
+            "content": [*rows[1]["prompt"][0]["content"], {"type": "text", "text": " Say it twice."}],
+        }
+    ]
+    origin = [{**row, ORIGIN: f"{tmp_path / 'prompts.jsonl'} row {i + 1}"} for i, row in enumerate(rows)]
+    samples = format_image_prompts(origin, tokenizer, PromptsDataConfig.model_construct())
+    assert not [s for s in samples if isinstance(s, Exception)], samples
+    pictures = [[images.open_image(images.reference(row["images"][0], tmp_path))] for row in rows]
+    own = []
+    for row, picture in zip(rows, pictures, strict=True):
+        text = processor.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        own.append(processor(text=[text], images=[picture], return_tensors="pt", add_special_tokens=False))
+    prompts = [sample["input_ids"].tolist() for sample in samples]
+    assert prompts == [inputs["input_ids"][0].tolist() for inputs in own]
+    assert len({len(p) for p in prompts}) == 2  # the batch is left-padded
+
+    model = AutoModelForImageTextToText.from_pretrained(vlms[arch], dtype=torch.float32).eval()
+    stops = stop_ids(tokenizer, model)
+    pad = tokenizer.pad_token_id
+    backend = TransformersBackend(stops, pad, processor)
+    completions = backend.generate(model, prompts, Sampling(max_new_tokens=6), None, images=pictures)
+    for inputs, ids in zip(own, completions.ids, strict=True):
+        with torch.no_grad():
+            alone = model.generate(
+                **inputs, max_new_tokens=6, do_sample=False, eos_token_id=stops, pad_token_id=pad
+            )
+        assert split_completions(alone[:, inputs["input_ids"].shape[1] :], stops, pad).ids[0] == ids
+
+    [batch] = attach_images(
+        training_micro_batches(prompts, completions, {}, 4, pad, False), pictures, processor
+    )
+    with torch.no_grad():
+        logps, _ = token_logps(model, batch)
+        for index, (inputs, ids) in enumerate(zip(own, completions.ids, strict=True)):
+            whole = {**inputs, "input_ids": torch.cat([inputs["input_ids"], torch.tensor([ids])], 1)}
+            whole["attention_mask"] = torch.ones_like(whole["input_ids"])
+            logits = model(**whole).logits[0, :-1].double()
+            expected = torch.log_softmax(logits, -1)[-len(ids) :].gather(1, torch.tensor(ids)[:, None])[:, 0]
+            mask = batch["completion_mask"][index].bool()
+            assert torch.allclose(logps[index][mask].double(), expected, atol=1e-5, rtol=0)
+
+
+def test_grpo_on_image_prompts_trains_with_rewards_that_read_the_images(
+    vlms: dict[str, Path], tmp_path: Path
+) -> None:
+    data = write_jsonl(tmp_path / "prompts.jsonl", colour_prompts(tmp_path, 8, seed=6))
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", colour_prompts(tmp_path, 4, seed=8))
+    (tmp_path / "sees.py").write_text(SEES_COLOUR)
+    config = vlm_config(vlms["idefics3"], data, tmp_path / "run", type="grpo", train_iters=2, beta=0.04)
+    config = {k: v for k, v in config.items() if k != "data"}
+    config.update(
+        data={"sources": [str(data)], "eval_sources": [str(held_out)], "max_length": 96, "dl_num_workers": 0},
+        eval_on_start=True,
+        rewards=[f"{tmp_path / 'sees.py'}:square_matches", f"{tmp_path / 'sees.py'}:length"],
+        num_generations=4,
+        max_completion_length=6,
+        micro_batch_size=4,
+        gradient_accumulation_steps=2,
+    )
+    train(config)
+    records = metrics(config)
+    evaluations = [r["eval_rewards/square_matches"] for r in records if "eval_reward" in r]
+    assert evaluations == [1.0, 1.0]  # the held-out prompts' images reach the rewards, at the start and end
+    first, second = (r for r in records if "reward" in r)
+    assert first["rewards/square_matches/mean"] == second["rewards/square_matches/mean"] == 1.0
+    assert first["kl"] == 0.0 and second["kl"] > 0  # the reference reads the images as the policy does
+    assert np.isfinite(second["loss"]) and second["grad_norm"] > 0
+
+
+def test_online_runs_that_do_not_read_images_yet_say_so(vlms: dict[str, Path], tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from posttrain.errors import UserError
+    from posttrain.rollout.feed import build_backend
+
+    processor, _ = processor_and_tokenizer(vlms["idefics3"])
+    config = SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    with pytest.raises(UserError, match="generation with images through vLLM is not supported yet"):
+        build_backend(config, torch.nn.Linear(1, 1), [0], 0, None, 1, None, processor=processor)
+    data = write_jsonl(tmp_path / "prompts.jsonl", colour_prompts(tmp_path, 4, seed=7))
+    config = vlm_config(vlms["idefics3"], data, tmp_path / "run", type="distill", train_iters=1)
+    config = {k: v for k, v in config.items() if k != "data"}
+    config.update(
+        data={"sources": [str(data)], "max_length": 96, "dl_num_workers": 0},
+        teacher_model_name_or_path=str(vlms["idefics3"]),
+        max_completion_length=4,
+        micro_batch_size=4,
+    )
+    with pytest.raises(UserError, match="distill with a vision-language student is not supported yet"):
+        train(config)
+
+
+@pytest.mark.slow
+def test_grpo_on_images_gives_one_processs_numbers_on_two_and_resumes_exactly_after_a_kill(
+    vlms: dict[str, Path], tmp_path: Path
+) -> None:
+    """GRPO on image prompts under ZeRO-2: two processes log the rewards and losses one process logs, and a
+    run SIGKILLed after its checkpoint at step 2 and resumed with ``auto_resume`` ends where the
+    uninterrupted one does (the images travel with the rows and the kept micro-batches)."""
+    from tests.resume_helpers import assert_same_continuation, cli, kill_and_resume, last_metrics
+
+    data = write_jsonl(tmp_path / "prompts.jsonl", colour_prompts(tmp_path, 16, seed=9))
+    (tmp_path / "sees.py").write_text(SEES_COLOUR)
+    base = vlm_config(vlms["idefics3"], data, tmp_path / "unused", type="grpo", beta=0.04)
+    base = {k: v for k, v in base.items() if k != "data"}
+    base.update(
+        data={"sources": [str(data)], "max_length": 96, "dl_num_workers": 0},
+        rewards=[f"{tmp_path / 'sees.py'}:square_matches", f"{tmp_path / 'sees.py'}:length"],
+        num_generations=4,
+        max_completion_length=6,
+        micro_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        deepspeed={"zero_optimization": {"stage": 2}},
+    )
+    (tmp_path / "two").mkdir()
+    results = kill_and_resume(base, tmp_path / "two", nproc=2, kill_at=2, total=4)
+    assert_same_continuation(results, kill_at=2, total=4)
+
+    one = merge(
+        base, train_iters=4, gradient_accumulation_steps=4, logger={"output_dir": str(tmp_path / "one")}
+    )
+    done = cli(one, tmp_path / "one.yaml", 1)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    single, pair = last_metrics(tmp_path / "one"), results["reference_metrics"]
+    for step in range(1, 5):
+        for key in ("loss", "reward", "kl"):
+            assert single[step][key] == pytest.approx(pair[step][key], abs=1e-5), (step, key)

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from posttrain.config.prompts import PromptsDataConfig
-from posttrain.data.build import DataFactory
 from posttrain.data.samples import RowError, Sample, check_messages_shape, keep_prompt_tokens, render_ids
 from posttrain.data.views import PADDING
 
@@ -47,13 +46,37 @@ def prompt_of(row: dict[str, Any]) -> list[dict[str, Any]] | str:
             f"no prompt (keys: {keys}); grpo reads 'prompt' (a list of messages or text) or 'messages' ending "
             "with a user turn; other column names: data.sources[].columns (e.g. {prompt: question})"
         )
-    messages = check_messages_shape(prompt)
+    messages = (
+        [_with_images(*pair) for pair in zip(prompt, check_messages_shape(_text_view(prompt)), strict=True)]
+        if isinstance(prompt, list)
+        else check_messages_shape(prompt)
+    )
     if messages[-1]["role"] == "assistant":
         raise RowError(
             "the conversation ends with an assistant turn: grpo samples that answer itself; end the prompt "
             "with the user's turn (the assistant turn can be a column for a reward, e.g. 'answer')"
         )
     return messages
+
+
+def _text_view(messages: list[Any]) -> list[Any]:
+    """Messages whose content is a list of parts (TRL's ``{"type": "text"}`` and image parts) with their text
+    joined, for the checks; other messages as they are."""
+    return [
+        {**m, "content": "".join(p.get("text", "") for p in m["content"] if isinstance(p, dict))}
+        if isinstance(m, dict) and isinstance(m.get("content"), list)
+        else m
+        for m in messages
+    ]
+
+
+def _with_images(given: Any, checked: dict[str, Any]) -> dict[str, Any]:
+    """A checked message, keeping the given parts when they hold an image (a vision-language model's prompt,
+    rendered with its processor's template); text parts alone are joined."""
+    content = given.get("content")
+    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") != "text" for p in content):
+        return {**checked, "content": content}
+    return checked
 
 
 def prompt_ids(
@@ -88,22 +111,28 @@ def format_prompt_rows(rows: list[dict[str, Any]], tokenizer: Any, config: Promp
     for row in rows:
         try:
             ids = prompt_ids(tokenizer, prompt_of(row), row_tools(row, config.tool_schemas))
-            missing = [c for c in config.reward_columns if c not in row]
-            if missing:
-                present = ", ".join(k for k in row if k != ORIGIN_KEY)
-                raise RowError(
-                    f"no column {', '.join(map(repr, missing))} for the rewards (data.reward_columns; present: "
-                    f"{present}); map another name with data.sources[].columns"
+            out.append(
+                prompt_sample(
+                    row, keep_prompt_tokens(ids, config.max_prompt_length, config.prompt_truncation), config
                 )
+            )
         except RowError as exc:
             out.append(exc)
-            continue
-        ids = keep_prompt_tokens(ids, config.max_prompt_length, config.prompt_truncation)
-        encoded = json.dumps(row, ensure_ascii=False, default=str).encode()
-        out.append(
-            {"input_ids": np.asarray(ids, dtype=np.int64), ROW_COLUMN: np.frombuffer(encoded, np.uint8)}
-        )
     return out
+
+
+def prompt_sample(row: dict[str, Any], ids: Sequence[int], config: PromptsDataConfig) -> Sample:
+    """A prompt's stored sample: its token ids and the row (for the rewards), which must hold the columns
+    the rewards read (``data.reward_columns``)."""
+    missing = [c for c in config.reward_columns if c not in row]
+    if missing:
+        present = ", ".join(k for k in row if k != ORIGIN_KEY)
+        raise RowError(
+            f"no column {', '.join(map(repr, missing))} for the rewards (data.reward_columns; present: "
+            f"{present}); map another name with data.sources[].columns"
+        )
+    encoded = json.dumps(row, ensure_ascii=False, default=str).encode()
+    return {"input_ids": np.asarray(ids, dtype=np.int64), ROW_COLUMN: np.frombuffer(encoded, np.uint8)}
 
 
 def fit_prompt(sample: Sample, max_length: int, config: PromptsDataConfig) -> tuple[Sample | None, str, bool]:
@@ -119,8 +148,16 @@ def fit_prompt(sample: Sample, max_length: int, config: PromptsDataConfig) -> tu
 
 
 def decode_row(item: dict[str, Any]) -> dict[str, Any]:
-    """The stored row of a sample item (``{"row": ..., "origin": ...}`` as the store keeps it)."""
-    return json.loads(bytes(np.asarray(item[ROW_COLUMN], dtype=np.uint8)).decode())
+    """The stored row of a sample item, with its images opened (Pillow, in order) under ``images`` where the
+    prompt holds some (a vision-language run): what the rewards receive, as TRL gives them."""
+    from posttrain.vision.images import IMAGES_COLUMN, decode, open_image
+
+    row = json.loads(bytes(np.asarray(item[ROW_COLUMN], dtype=np.uint8)).decode())
+    refs = decode(item[IMAGES_COLUMN]) if IMAGES_COLUMN in item else []
+    if refs:
+        row = {key: value for key, value in row.items() if key != "image"}
+        row["images"] = [open_image(ref) for ref in refs]
+    return row
 
 
 def reward_columns(row: dict[str, Any]) -> dict[str, Any]:
@@ -130,7 +167,10 @@ def reward_columns(row: dict[str, Any]) -> dict[str, Any]:
 
 class PromptCollator:
     """Prompts -> a left-padded batch for generation (evaluation), with the rows for the rewards. grpo's
-    ``collator`` hook (``registry.CollatorBuilder``: the class, built from the pad id)."""
+    ``collator`` hook (``registry.CollatorBuilder``: the class, built from the pad id). A prompt's images
+    travel with its row (``decode_row``), to generation and the rewards."""
+
+    reads_images = True
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
@@ -156,15 +196,3 @@ class PromptCollator:
             "num_samples": len(items),
             "num_attention_sq": sum(len(x) ** 2 for x in ids),
         }
-
-
-#: the ``prompts`` data factory (registered in ``posttrain.builtins``)
-DATA = DataFactory(
-    format_batch=format_prompt_rows,
-    columns=COLUMNS,
-    fit=fit_prompt,
-    chat=False,
-    not_chat="prompts: completions are sampled and stop at an end-of-turn token",
-    origin_key=ORIGIN_KEY,
-    revision=2,  # text prompts carry the tokenizer's special tokens (TRL's tokenization)
-)

@@ -275,6 +275,13 @@ class DistillMethod(OnlineMethod):
     wants_sampling_logps = False
 
     def __init__(self, ctx: RunContext, engine: Any, tokenizer: Any) -> None:
+        from posttrain.vision.processor import processor_of
+
+        if processor_of(tokenizer) is not None:
+            raise UserError(
+                "distill with a vision-language student is not supported yet (the teacher would not see the "
+                "images); distill a text model, or train the VLM with sft, dpo or grpo"
+            )
         self.ctx = ctx
         self.teacher = Teacher(ctx.config, ctx, engine, tokenizer)
         self.on_policy = True

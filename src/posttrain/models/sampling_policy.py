@@ -41,6 +41,9 @@ class SamplingPolicy:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    banned: tuple[int, ...] = ()
+    """Tokens never drawn: a vision-language model's image token, which stands for an image's features in
+    the input (a sampled one would have no image to stand for)."""
 
     @property
     def plain(self) -> bool:
@@ -49,17 +52,20 @@ class SamplingPolicy:
 
     @property
     def truncates(self) -> bool:
-        return bool(self.top_k) or self.top_p < 1.0 or self.min_p > 0.0
+        return bool(self.top_k) or self.top_p < 1.0 or self.min_p > 0.0 or bool(self.banned)
 
 
-def policy_of(config: object) -> SamplingPolicy:
+def policy_of(config: object, tokenizer: object = None) -> SamplingPolicy:
     """The sampling policy an online method's config sets (its ``top_k``, ``top_p``, ``min_p``,
-    ``repetition_penalty``)."""
+    ``repetition_penalty``), with the tokens the model's processor reserves for its inputs never drawn."""
+    from posttrain.vision.processor import input_only_tokens
+
     return SamplingPolicy(
         int(getattr(config, "top_k", 0) or 0),
         float(getattr(config, "top_p", 1.0)),
         float(getattr(config, "min_p", 0.0) or 0.0),
         float(getattr(config, "repetition_penalty", 1.0)),
+        input_only_tokens(tokenizer) if tokenizer is not None else (),
     )
 
 
@@ -75,10 +81,15 @@ def kept_tokens(logits: torch.Tensor, policy: SamplingPolicy) -> torch.Tensor:
     the temperature: ``min_p`` (probability at least ``min_p`` times the row's largest), then ``top_k`` (logits
     at least the k-th largest: ties kept), then ``top_p`` over what is left (the smallest set of the most
     likely tokens whose probability reaches ``top_p``; the most likely token always). vLLM's order and
-    definitions (``vllm.v1.sample``: ``min_p`` as an argmax-invariant processor, then ``apply_top_k_top_p``)."""
+    definitions (``vllm.v1.sample``: ``min_p`` as an argmax-invariant processor, then ``apply_top_k_top_p``).
+    The ``banned`` tokens are out before all of them."""
     with torch.no_grad():
         z = logits.detach().float()
         keep = torch.ones_like(z, dtype=torch.bool)
+        if policy.banned:
+            banned = torch.tensor(policy.banned, device=z.device)
+            keep.index_fill_(-1, banned, False)
+            z = z.index_fill(-1, banned, -torch.inf)
         if policy.min_p > 0.0:
             probs = torch.softmax(z, dim=-1)
             keep &= probs >= policy.min_p * probs.amax(dim=-1, keepdim=True)

@@ -33,6 +33,7 @@ from posttrain.data.sampler import shard_order
 from posttrain.data.samples import IGNORE_INDEX, pad_rows, target_labels, target_rows
 from posttrain.dist import all_reduce_sum
 from posttrain.errors import UserError
+from posttrain.models.sampling_policy import policy_of
 from posttrain.rollout.ahead import STATE_KEY, Ahead, SavedAhead
 from posttrain.rollout.generation import (
     Completions,
@@ -46,18 +47,23 @@ from posttrain.rollout.generation import (
 from posttrain.tokenizers.chat_templates import end_of_turn_ids
 from posttrain.tokenizers.padding import input_pad_id
 from posttrain.tracking.metrics import MetricsFile
+from posttrain.vision.collate import attach_images, prompt_images
+from posttrain.vision.processor import processor_of
 
 
-def sampling_of(config: Any) -> Sampling:
+def sampling_of(config: Any, tokenizer: Any = None) -> Sampling:
     """The sampling an online method's config asks for (TRL's names: ``max_completion_length``,
-    ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``min_p``)."""
+    ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``min_p``), with the model's input-only
+    tokens never drawn (``sampling_policy.policy_of``)."""
+    policy = policy_of(config, tokenizer)
     return Sampling(
         config.max_completion_length,
         config.temperature,
-        config.top_p,
-        config.top_k or 0,
-        config.repetition_penalty,
-        getattr(config, "min_p", None) or 0.0,
+        policy.top_p,
+        policy.top_k,
+        policy.repetition_penalty,
+        policy.min_p,
+        policy.banned,
     )
 
 
@@ -83,11 +89,18 @@ def build_backend(
     rows: int,
     dist: Any,
     stopping: Callable[[], bool] = lambda: False,
+    processor: Any = None,
 ) -> GenerationBackend:
     """The run's generation backend: transformers' ``generate`` on the training weights, or vLLM
-    (``use_vllm``): an engine in this process, or the run's server (``vllm_mode: server``)."""
+    (``use_vllm``): an engine in this process, or the run's server (``vllm_mode: server``). ``processor``: a
+    vision-language model's (transformers' ``generate`` is given the prompts' images)."""
     if not config.use_vllm:
-        return TransformersBackend(stops, pad_id)
+        return TransformersBackend(stops, pad_id, processor)
+    if processor is not None:
+        raise UserError(
+            "use_vllm: true with a vision-language model: generation with images through vLLM is not supported "
+            "yet; set use_vllm: false (transformers' generate on the training weights reads the images)"
+        )
     if config.vllm_mode == "server":
         from posttrain.rollout.vllm_server import build_server_backend
 
@@ -231,9 +244,10 @@ class OnlineSteps:
         self.per_batch = sizes.global_batch_size // group  # prompts
         self.micro = sizes.micro_batch_size
         self.mine = sizes.micro_batch_size * sizes.gradient_accumulation_steps  # completions on this rank
-        self.sampling = sampling_of(config)
+        self.sampling = sampling_of(config, tokenizer)
         self.pad_id = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
         self.stops = stop_ids(tokenizer, engine.module)
+        self.processor = processor_of(tokenizer)  # a vision-language model's: prompts with images
         self.backend = build_backend(
             config,
             engine.module,
@@ -243,6 +257,7 @@ class OnlineSteps:
             self.mine,
             ctx.dist,
             ctx.stopping.is_set,
+            self.processor,
         )
         from posttrain.rollout.agent import multi_turn
 
@@ -410,7 +425,7 @@ class OnlineSteps:
             self.metrics.latest.update(tool_records(completions, self.ctx.dist))
         if self.ahead is not None:
             self.metrics.latest.update(self.ahead.records(index, version))
-        micro_batches = self.micro_batches(prompt_ids, completions, values)
+        micro_batches = self.micro_batches(prompt_ids, completions, values, prompt_images(slot_rows))
         self.method.finish_batches(self, generated, micro_batches)
         self._log(generated)
         return micro_batches
@@ -455,7 +470,12 @@ class OnlineSteps:
             if self.ahead is not None:  # the engine is given the current weights
                 self.ahead.settle()
                 self.ahead.forget_weights()
+        pictures = prompt_images(rows)
         if self.turns is not None:
+            if any(pictures):
+                raise UserError(
+                    "prompts with images in a multi-turn run (tools, environments, rollout_func): not supported yet"
+                )
             return self.turns.generate(
                 backend,
                 module,
@@ -466,7 +486,7 @@ class OnlineSteps:
                 logprobs,
                 trainer_state=self.trainer_state if trainer_state is None else trainer_state,
             )
-        return backend.generate(module, prompt_ids, sampling, keys, logprobs)
+        return backend.generate(module, prompt_ids, sampling, keys, logprobs, pictures)
 
     def logprobs(self) -> bool:
         """Whether the engine returns its sampled tokens' log-probabilities (a method that corrects for the
@@ -474,12 +494,18 @@ class OnlineSteps:
         return self.method.wants_sampling_logps
 
     def micro_batches(
-        self, prompt_ids: list[list[int]], completions: Completions, values: dict[str, torch.Tensor]
+        self,
+        prompt_ids: list[list[int]],
+        completions: Completions,
+        values: dict[str, torch.Tensor],
+        images: list[list[Any]] | None = None,
     ) -> list[dict[str, Any]]:
-        """The completions as training micro-batches (``training_micro_batches``)."""
-        return training_micro_batches(
+        """The completions as training micro-batches (``training_micro_batches``), given their prompts' image
+        inputs (``images``: each row's, a vision-language run)."""
+        batches = training_micro_batches(
             prompt_ids, completions, values, self.micro, self.pad_id, self.method.mask_truncated
         )
+        return attach_images(batches, images or [], self.processor)
 
     def _log(self, generated: GeneratedBatch) -> None:
         """Rank 0's completions of every ``completions_log_interval``-th generated batch of the run, each with

@@ -90,17 +90,19 @@ class Sampling:
     top_k: int = 0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    banned: tuple[int, ...] = ()
 
     @property
     def policy(self) -> SamplingPolicy:
         """What the sampler does before it draws (``models/sampling_policy.py``: the trainer replays it)."""
-        return SamplingPolicy(self.top_k, self.top_p, self.min_p, self.repetition_penalty)
+        return SamplingPolicy(self.top_k, self.top_p, self.min_p, self.repetition_penalty, self.banned)
 
 
 class PolicyProcessor:
     """A logits processor for transformers' ``generate`` that applies the run's sampler
     (``sampling_policy``) as the trainer replays it: the repetition penalty over each row's own tokens (not
-    its left padding), then, when sampling, the temperature and the kept set (-inf outside it)."""
+    its left padding), then, when sampling, the temperature and the kept set (-inf outside it); greedy, the
+    banned tokens (-inf)."""
 
     def __init__(self, sampling: Sampling, padding: torch.Tensor, sampled: bool) -> None:
         self.policy, self.temperature, self.sampled = sampling.policy, sampling.temperature, sampled
@@ -113,7 +115,9 @@ class PolicyProcessor:
             own = torch.arange(width, device=scores.device) >= self.padding.to(scores.device).unsqueeze(1)
             counts = torch.zeros_like(scores).scatter_add_(1, input_ids, own.to(scores.dtype))
             scores = scores * penalty_scale(scores, counts > 0, policy.repetition_penalty)
-        if not self.sampled:
+        if not self.sampled:  # greedy: the banned tokens are out all the same
+            if policy.banned:
+                scores = scores.index_fill(-1, torch.tensor(policy.banned, device=scores.device), -torch.inf)
             return scores
         scores = scores / self.temperature
         if policy.truncates:
@@ -236,9 +240,12 @@ class GenerationBackend(Protocol):
         sampling: Sampling,
         keys: list[int] | None,
         logprobs: bool = False,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> Completions:
         """One completion per prompt (token ids), drawn from ``keys`` (None: greedy); ``logprobs``: the
-        engine's log-probabilities of the sampled tokens too (None where the sampler is the trainer)."""
+        engine's log-probabilities of the sampled tokens too (None where the sampler is the trainer);
+        ``images``: each prompt's images (Pillow, in the order of its image tokens: a vision-language model's
+        prompts hold the processor's expanded ids)."""
         ...
 
     def mark_stale(self) -> None:
@@ -253,8 +260,9 @@ class TransformersBackend:
 
     name = "transformers"
 
-    def __init__(self, stop_ids: Sequence[int], pad_id: int) -> None:
-        self.stop_ids, self.pad_id = list(stop_ids), pad_id
+    def __init__(self, stop_ids: Sequence[int], pad_id: int, processor: Any = None) -> None:
+        """``processor``: a vision-language model's processor (its image processor makes the image inputs)."""
+        self.stop_ids, self.pad_id, self.processor = list(stop_ids), pad_id, processor
 
     def generate(
         self,
@@ -263,13 +271,19 @@ class TransformersBackend:
         sampling: Sampling,
         keys: list[int] | None,
         logprobs: bool = False,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> Completions:
         """``keys`` None: greedy (evaluation). ``logprobs`` is for an engine apart from the trainer (vLLM): here
         the sampling and the training model are one, so there is no mismatch to report."""
         from transformers import GenerationConfig, LogitsProcessorList
 
+        from posttrain.vision.collate import image_inputs
+
         device = next(module.parameters()).device
         ids, mask = left_padded(prompts, self.pad_id, device)
+        pictures = image_inputs(self.processor, images) if images and self.processor is not None else {}
+        if images and any(images) and self.processor is None:
+            raise ValueError("prompts with images for a model without an image processor")
         stops = sorted(set(self.stop_ids) | generation_eos(module))
         padding = torch.tensor([ids.shape[1] - len(p) for p in prompts], dtype=torch.long)
         processors = LogitsProcessorList([PolicyProcessor(sampling, padding, keys is not None)])
@@ -284,7 +298,11 @@ class TransformersBackend:
         )
         with generating(module) as model:
             out = model.generate(
-                input_ids=ids, attention_mask=mask, generation_config=options, logits_processor=processors
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=options,
+                logits_processor=processors,
+                **{key: value.to(device) for key, value in pictures.items()},
             )
         return split_completions(out[:, ids.shape[1] :].cpu(), stops, self.pad_id)
 

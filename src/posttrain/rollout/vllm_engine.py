@@ -247,8 +247,12 @@ class EngineCopy:
         sampling: Sampling,
         keys: list[int] | None,
         logprobs: bool = False,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> Completions:
-        """``keys`` None: greedy (evaluation). ``logprobs``: the sampled tokens' log-probabilities too."""
+        """``keys`` None: greedy (evaluation). ``logprobs``: the sampled tokens' log-probabilities too.
+        ``images``: not yet (a vision-language run is refused vLLM before it starts)."""
+        if images and any(images):
+            raise ValueError("prompts with images reached a vLLM engine, which does not take them yet")
         if self.stale:
             self.push(module)
         return self.sample(prompts, sampling, keys, logprobs)

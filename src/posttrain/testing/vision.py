@@ -96,6 +96,19 @@ def colour_pairs(directory: Path, count: int, seed: int = 0) -> list[dict[str, A
     return pairs
 
 
+def colour_prompts(directory: Path, count: int, seed: int = 0) -> list[dict[str, Any]]:
+    """``count`` prompt rows in TRL's GRPO layout (``prompt`` with an image part, ``images``) with the
+    square's colour in ``answer`` for a reward, the images written as ``colour_rows`` writes them."""
+    return [
+        {
+            "prompt": row["messages"][:1],
+            "images": row["images"],
+            "answer": row["messages"][1]["content"][0]["text"],
+        }
+        for row in colour_rows(directory, count, seed)
+    ]
+
+
 def colour_accuracy(
     model_dir: Path, rows: list[dict[str, Any]], directory: Path, swap: bool = False
 ) -> float:

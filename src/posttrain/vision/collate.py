@@ -34,11 +34,37 @@ class ImageBatches(CollatorWrapper):
         batch = dict(self.collate(stripped))
         per_row = rows_images(per_sample, batch)
         batch["num_images"] = sum(len(refs) for refs in per_row)
-        if batch["num_images"]:
-            opened = [[images.open_image(ref) for ref in refs] for refs in per_row]
-            inputs = self.processor.image_processor(images=opened, return_tensors="pt")
-            batch.update({key: inputs[key] for key in IMAGE_INPUTS if key in inputs})
+        opened = [[images.open_image(ref) for ref in refs] for refs in per_row]
+        batch.update(image_inputs(self.processor, opened))
         return batch
+
+
+def image_inputs(processor: Any, per_row: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    """The model's image inputs for rows holding these images (Pillow, each row's in order); none for rows
+    without images."""
+    if not any(per_row):
+        return {}
+    inputs = processor.image_processor(images=[list(row) for row in per_row], return_tensors="pt")
+    return {key: inputs[key] for key in IMAGE_INPUTS if key in inputs}
+
+
+def prompt_images(rows: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    """Each prompt row's images (opened by ``data.prompts.decode_row``), empty for a row without."""
+    return [list(row.get("images") or []) for row in rows]
+
+
+def attach_images(
+    micro_batches: list[dict[str, Any]], per_row: Sequence[Sequence[Any]], processor: Any
+) -> list[dict[str, Any]]:
+    """Online micro-batches (consecutive slices of the rows) given their rows' image inputs."""
+    if processor is None or not any(per_row):
+        return micro_batches
+    start = 0
+    for batch in micro_batches:
+        rows = int(batch["input_ids"].shape[0])
+        batch.update(image_inputs(processor, per_row[start : start + rows]))
+        start += rows
+    return micro_batches
 
 
 def rows_images(per_sample: list[list[Any]], batch: dict[str, Any]) -> list[list[Any]]:
@@ -59,4 +85,6 @@ def rows_images(per_sample: list[list[Any]], batch: dict[str, Any]) -> list[list
 def with_image_batches(collate: Any, tokenizer: Any) -> Any:
     """The run's collator, given image batches when the tokenizer carries a processor."""
     processor = processor_of(tokenizer)
-    return collate if processor is None else ImageBatches(collate, processor)
+    if processor is None or getattr(collate, "reads_images", False):  # prompts: their rows carry the images
+        return collate
+    return ImageBatches(collate, processor)

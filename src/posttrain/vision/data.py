@@ -17,6 +17,7 @@ from posttrain.vision import images
 from posttrain.vision.formatting import ORIGIN, format_image_rows
 from posttrain.vision.preferences import PROMPT_LENGTH, fit_image_pair, format_image_pairs
 from posttrain.vision.processor import image_token, processor_of
+from posttrain.vision.prompts import fit_image_prompt, format_image_prompts
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class ImageData:
 IMAGE_DATA = {
     "sft": ImageData(format_image_rows),
     "dpo": ImageData(format_image_pairs, fit_image_pair, (PROMPT_LENGTH,)),
+    "prompts": ImageData(format_image_prompts, fit_image_prompt),
 }
 
 
@@ -45,7 +47,7 @@ def with_images(factory: Any, data_type: str, tokenizer: Any) -> Any:
         return replace(factory, format_batch=_refusing(factory.format_batch, why))
     stages = IMAGE_DATA.get(data_type)
     if stages is None:
-        readers = " and ".join(IMAGE_DATA)
+        readers = ", ".join(IMAGE_DATA)
         why = (
             f"images train with types {readers} so far ({data_type} on images is not supported yet); remove "
             f"the images or train with {readers}"

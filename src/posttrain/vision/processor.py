@@ -42,6 +42,13 @@ def image_token(processor: Any) -> tuple[str, int]:
     return str(token), int(token_id)
 
 
+def input_only_tokens(tokenizer: Any) -> tuple[int, ...]:
+    """The tokens a model only reads (its image token, standing for an image's features), which sampling
+    never draws: none for a text model."""
+    processor = processor_of(tokenizer)
+    return () if processor is None else (image_token(processor)[1],)
+
+
 def fingerprint(tokenizer: Any) -> dict[str, Any] | None:
     """What of the processor decides the stored tokens (how many tokens each image expands to), for the
     data cache's key; None: no processor."""

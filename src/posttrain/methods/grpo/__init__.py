@@ -20,7 +20,6 @@ from posttrain.config.rewards import ModelReward
 from posttrain.errors import UserError
 from posttrain.methods.grpo.losses import loss_sum, sequence_shares, token_losses
 from posttrain.methods.grpo.method import STATE_KEY, GRPOMethod, policy_loss
-from posttrain.models.sampling_policy import policy_of
 from posttrain.models.token_logps import token_logps
 from posttrain.plan import BatchSizes
 from posttrain.rollout.agent import agent_report
@@ -145,7 +144,7 @@ class GRPOLoss:
     def __init__(self, config: GRPOTrainerConfig, feed: OnlineSteps, scorer: Scorer) -> None:
         self.config, self.feed, self.scorer = config, feed, scorer
         self.params = policy_loss(config)
-        self.policy = policy_of(config)  # the sampler's distribution (models/sampling_policy.py)
+        self.policy = feed.sampling.policy  # the sampler's distribution (models/sampling_policy.py)
 
     def __call__(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if "prompt_ids" in batch:

@@ -44,7 +44,9 @@ class GRPOMethod(OnlineMethod):
             Reference(config.model, config.ref_model, ctx, engine, tokenizer) if config.beta > 0 else None
         )
         self.params = policy_loss(config)
-        self.policy = policy_of(config)  # the sampler's distribution: every log-probability is taken from it
+        self.policy = policy_of(
+            config, tokenizer
+        )  # the sampler's distribution: every log-probability is from it
         self.correction = sampling_correction_of(config)
         self.wants_sampling_logps = self.correction is not None
         self.mask_truncated = config.mask_truncated_completions
