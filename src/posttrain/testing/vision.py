@@ -143,3 +143,30 @@ def colour_accuracy(
         truth = row["messages"][1]["content"][0]["text"]
         correct += colours[scores.index(max(scores))] == truth
     return correct / len(rows)
+
+
+def colour_sampled_accuracy(
+    model_dir: Path, rows: list[dict[str, Any]], directory: Path, swap: bool = False, samples: int = 4
+) -> float:
+    """The share of answers sampled at temperature 1 (``samples`` per held-out row, seeded) that name the
+    square's colour exactly: what GRPO's reward asks of the model. ``swap``: as for ``colour_accuracy``."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from posttrain.vision.images import open_image, reference
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    correct = 0
+    for index, row in enumerate(rows):
+        shown = rows[(index + 1) % len(rows)] if swap else row
+        image = open_image(reference(shown["images"][0], directory))
+        prompt = processor.apply_chat_template(row["messages"][:1], tokenize=False, add_generation_prompt=True)
+        inputs = processor(text=[prompt] * samples, images=[[image]] * samples, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=4)
+        answers = processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        truth = row["messages"][1]["content"][0]["text"]
+        correct += sum(answer.strip() == truth for answer in answers)
+    return correct / (len(rows) * samples)
