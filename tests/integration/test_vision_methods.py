@@ -14,7 +14,7 @@ import torch
 
 from posttrain.config.dpo import DPODataConfig
 from posttrain.data.samples import IGNORE_INDEX
-from posttrain.errors import DataError
+from posttrain.errors import UserError
 from posttrain.testing.data import write_jsonl
 from posttrain.testing.vision import COLOURS, colour_pairs, colour_prompts, draw_square
 from posttrain.vision import images
@@ -103,19 +103,77 @@ def test_image_pairs_that_cannot_be_placed_are_reported_and_long_prompts_dropped
     assert fit_image_pair(first, 512, config.model_copy(update={"max_prompt_length": 0}))[0] is not None
 
 
-def test_rows_with_images_are_refused_by_methods_that_do_not_read_them_yet(
+def test_kto_rows_on_images_score_the_processors_tokens_and_their_kl_sequences_keep_their_prompts_images(
+    vlms: dict[str, Path], tmp_path: Path
+) -> None:
+    """TRL's unpaired rows (``prompt``, ``completion``, ``label``, ``images``): each completion and each KL
+    sequence (the prompt with the next row's completion) is what the processor makes of it with the prompt's
+    image; the logged log-probabilities equal the model's on the processor's own inputs."""
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.config.kto import KTODataConfig
+    from posttrain.vision.preferences import format_image_kto_rows
+
+    processor, tokenizer = processor_and_tokenizer(vlms["idefics3"])
+    rows = [
+        {"prompt": p["prompt"], "completion": p[side], "label": side == "chosen", "images": p["images"]}
+        for p, side in zip(colour_pairs(tmp_path, 6, seed=10), ["chosen", "rejected"] * 3, strict=True)
+    ]
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    origin = [{**row, ORIGIN: f"{data} row {i + 1}"} for i, row in enumerate(rows)]
+    samples = format_image_kto_rows(origin, tokenizer, KTODataConfig.model_construct())
+    assert not [s for s in samples if isinstance(s, Exception)], samples
+
+    model = AutoModelForImageTextToText.from_pretrained(vlms["idefics3"], dtype=torch.float32).eval()
+    pictures = [images.open_image(images.reference(row["images"][0], tmp_path)) for row in rows]
+    logps: dict[bool, list[float]] = {True: [], False: []}
+    for index, (row, sample) in enumerate(zip(rows, samples, strict=True)):
+        kind = "desirable" if row["label"] else "undesirable"
+        nxt = rows[(index + 1) % len(rows)]
+        for ids, answer in (
+            (sample[f"{kind}_input_ids"], row["completion"]),
+            (sample["kl_input_ids"], nxt["completion"]),
+        ):
+            text = processor.apply_chat_template(row["prompt"] + answer, tokenize=False)
+            own = processor(
+                text=[text], images=[[pictures[index]]], return_tensors="pt", add_special_tokens=False
+            )
+            assert own["input_ids"][0].tolist() == ids.tolist()  # the KL row reads its own prompt's image
+        labels = torch.as_tensor(sample[f"{kind}_labels"])
+        text = processor.apply_chat_template(row["prompt"] + row["completion"], tokenize=False)
+        own = processor(
+            text=[text], images=[[pictures[index]]], return_tensors="pt", add_special_tokens=False
+        )
+        with torch.no_grad():
+            logits = model(**own).logits[0, :-1].double()
+        kept = labels[1:] != IGNORE_INDEX
+        logps[row["label"]].append(
+            float(torch.log_softmax(logits, -1)[kept].gather(1, labels[1:][kept][:, None]).sum())
+        )
+
+    config = vlm_config(
+        vlms["idefics3"], data, tmp_path / "run", type="kto", train_iters=1, micro_batch_size=6
+    )
+    train(config)
+    [logged] = metrics(config)
+    assert logged["logps/chosen"] == pytest.approx(np.mean(logps[True]), abs=1e-4, rel=0)
+    assert logged["logps/rejected"] == pytest.approx(np.mean(logps[False]), abs=1e-4, rel=0)
+    assert np.isfinite(logged["loss"]) and logged["grad_norm"] > 0
+
+
+def test_a_reward_model_on_a_vision_language_model_is_refused_in_one_line(
     vlms: dict[str, Path], tmp_path: Path
 ) -> None:
     draw_square(tmp_path / "a.png", "red")
     row: dict[str, Any] = {
         "prompt": [{"role": "user", "content": "<image>colour?"}],
-        "completion": [{"role": "assistant", "content": "red"}],
-        "label": True,
+        "chosen": [{"role": "assistant", "content": "red"}],
+        "rejected": [{"role": "assistant", "content": "blue"}],
         "images": ["a.png"],
     }
     data = write_jsonl(tmp_path / "rows.jsonl", [row] * 4)
-    config = vlm_config(vlms["idefics3"], data, tmp_path, type="kto")
-    with pytest.raises(DataError, match="images train with types sft, dpo, prompts so far"):
+    config = vlm_config(vlms["idefics3"], data, tmp_path, type="reward")
+    with pytest.raises(UserError, match="reward models with an image encoder are not supported yet"):
         train(config)
 
 
@@ -228,7 +286,6 @@ def test_grpo_on_image_prompts_trains_with_rewards_that_read_the_images(
 def test_online_runs_that_do_not_read_images_yet_say_so(vlms: dict[str, Path], tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from posttrain.errors import UserError
     from posttrain.rollout.feed import build_backend
 
     processor, _ = processor_and_tokenizer(vlms["idefics3"])

@@ -10,6 +10,7 @@ once, before training, like every other sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,20 @@ def _label(value: Any) -> bool:
     raise RowError(f"'label' must be true (desirable) or false (undesirable), not {value!r}")
 
 
+def answers_of(row: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, str]]]:
+    """The row with its prompt (a pair's layouts read as ``pair_row`` reads them) and its completions by
+    kind: ``{kind: (value, name)}``."""
+    if "completion" in row or "label" in row:
+        if "label" not in row:
+            raise RowError("a 'completion' row needs its 'label' (true: desirable, false: undesirable)")
+        kind = KINDS[0] if _label(row["label"]) else KINDS[1]
+        return row, {kind: (field_of(row, "completion"), "completion")}
+    pair = pair_row(row)
+    return pair, {
+        kind: (field_of(pair, side), side) for kind, side in zip(KINDS, ("chosen", "rejected"), strict=True)
+    }
+
+
 def _completions(row: dict[str, Any], tokenizer: Any, config: KTODataConfig) -> dict[str, Sample]:
     """The row's completions by kind, each rendered after its prompt."""
     render = dict(
@@ -38,30 +53,30 @@ def _completions(row: dict[str, Any], tokenizer: Any, config: KTODataConfig) -> 
         truncation=config.prompt_truncation,
         check_end_of_turn=config.check_end_of_turn,
     )
-    if "completion" in row or "label" in row:
-        if "label" not in row:
-            raise RowError("a 'completion' row needs its 'label' (true: desirable, false: undesirable)")
-        kind = KINDS[0] if _label(row["label"]) else KINDS[1]
-        return {
-            kind: render_completion(
-                tokenizer, prompt_of(row), field_of(row, "completion"), "completion", **render
-            )
-        }
-    pair = pair_row(row)
-    prompt = prompt_of(pair)
+    prompt_row, answers = answers_of(row)
+    prompt = prompt_of(prompt_row)
     return {
-        kind: render_completion(tokenizer, prompt, field_of(pair, side), side, **render)
-        for kind, side in zip(KINDS, ("chosen", "rejected"), strict=True)
+        kind: render_completion(tokenizer, prompt, value, name, **render)
+        for kind, (value, name) in answers.items()
     }
 
 
-def format_kto_batch(rows: list[dict[str, Any]], tokenizer: Any, config: KTODataConfig) -> list[Any]:
+#: a row's completions by kind, each rendered after its prompt (``format_kto_batch``'s ``completions``)
+Completer = Callable[[dict[str, Any], Any, KTODataConfig], dict[str, Sample]]
+#: what a rendered completion holds besides what it carries to its sample (its images...)
+_RENDERED = ("input_ids", "labels", "prompt_len")
+
+
+def format_kto_batch(
+    rows: list[dict[str, Any]], tokenizer: Any, config: KTODataConfig, completions: Completer = _completions
+) -> list[Any]:
     """A chunk of rows -> samples (or the row's ``RowError``); each sample's KL sequence takes the first
-    completion of the next good row (cyclically within the chunk)."""
+    completion of the next good row (cyclically within the chunk). What a completion holds besides its
+    tokens (the prompt's images) goes with its sample, whose KL sequence has the same prompt."""
     parsed: list[dict[str, Sample] | RowError] = []
     for row in rows:
         try:
-            parsed.append(_completions(row, tokenizer, config))
+            parsed.append(completions(row, tokenizer, config))
         except RowError as exc:
             parsed.append(exc)
     good = [i for i, item in enumerate(parsed) if not isinstance(item, RowError)]
@@ -82,11 +97,12 @@ def format_kto_batch(rows: list[dict[str, Any]], tokenizer: Any, config: KTOData
         theirs = next(iter(other.values()))
         prompt_len, their_prompt = own["prompt_len"][0], theirs["prompt_len"][0]
         sample[f"{KL}_input_ids"] = np.asarray(
-            own["input_ids"][:prompt_len] + theirs["input_ids"][their_prompt:], dtype=np.int64
+            [*own["input_ids"][:prompt_len], *theirs["input_ids"][their_prompt:]], dtype=np.int64
         )
         sample[f"{KL}_labels"] = np.asarray(
-            [IGNORE_INDEX] * prompt_len + theirs["labels"][their_prompt:], dtype=np.int64
+            [IGNORE_INDEX] * prompt_len + list(theirs["labels"][their_prompt:]), dtype=np.int64
         )
+        sample.update({key: value for key, value in own.items() if key not in _RENDERED})
         out.append(sample)
     return out
 
@@ -153,9 +169,10 @@ class KTOCollator:
 
 
 def kl_batch(batch: dict[str, Any]) -> dict[str, Any]:
-    """The KL sequences as a batch of their own."""
+    """The KL sequences as a batch of their own: every ``kl_`` input (ids, labels, mask, and a vision-language
+    model's image inputs for them)."""
     return {
-        "input_ids": batch["kl_input_ids"],
-        "labels": batch["kl_labels"],
-        "attention_mask": batch["kl_attention_mask"],
+        key.removeprefix("kl_"): value
+        for key, value in batch.items()
+        if key.startswith("kl_") and key != "kl_weight"
     }

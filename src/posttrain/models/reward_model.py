@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from posttrain.errors import UserError
 from posttrain.models.huggingface import HuggingFaceModelFactory
+from posttrain.vision.processor import is_vision_language
 
 
 def _generic_classifier(name_or_path: str, config: Any, **arguments: Any) -> Any:
@@ -45,6 +47,11 @@ def load_sequence_classifier(name_or_path: str, generic: bool = False, **argumen
     config = AutoConfig.from_pretrained(
         name_or_path, trust_remote_code=arguments.get("trust_remote_code", False)
     )
+    if is_vision_language(config):
+        raise UserError(
+            f"{name_or_path} is a vision-language model: reward models with an image encoder are not supported "
+            "yet; train the reward model on a text model, or score images with a reward function"
+        )
     if generic or config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
         model = _generic_classifier(name_or_path, config, **arguments)
     else:

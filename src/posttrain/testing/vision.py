@@ -162,7 +162,9 @@ def colour_sampled_accuracy(
     for index, row in enumerate(rows):
         shown = rows[(index + 1) % len(rows)] if swap else row
         image = open_image(reference(shown["images"][0], directory))
-        prompt = processor.apply_chat_template(row["messages"][:1], tokenize=False, add_generation_prompt=True)
+        prompt = processor.apply_chat_template(
+            row["messages"][:1], tokenize=False, add_generation_prompt=True
+        )
         inputs = processor(text=[prompt] * samples, images=[[image]] * samples, return_tensors="pt")
         with torch.no_grad():
             out = model.generate(**inputs, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=4)

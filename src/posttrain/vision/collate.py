@@ -36,7 +36,17 @@ class ImageBatches(CollatorWrapper):
         batch["num_images"] = sum(len(refs) for refs in per_row)
         opened = [[images.open_image(ref) for ref in refs] for refs in per_row]
         batch.update(image_inputs(self.processor, opened))
+        for prefix in _sample_row_sets(batch):  # rows of their own, one per sample (KTO's KL sequences)
+            inputs = image_inputs(
+                self.processor, [[images.open_image(r) for r in refs] for refs in per_sample]
+            )
+            batch.update({prefix + key: value for key, value in inputs.items()})
         return batch
+
+
+def _sample_row_sets(batch: dict[str, Any]) -> list[str]:
+    """The prefixes of a batch's other sets of rows (``kl_input_ids``: ``kl_``), one row per sample."""
+    return [key.removesuffix("input_ids") for key in batch if key.endswith("_input_ids")]
 
 
 def image_inputs(processor: Any, per_row: Sequence[Sequence[Any]]) -> dict[str, Any]:

@@ -15,7 +15,13 @@ from posttrain.config.data import DataConfig
 from posttrain.data.samples import RowError, Sample
 from posttrain.vision import images
 from posttrain.vision.formatting import ORIGIN, format_image_rows
-from posttrain.vision.preferences import PROMPT_LENGTH, fit_image_pair, format_image_pairs
+from posttrain.vision.preferences import (
+    PROMPT_LENGTH,
+    fit_image_kto,
+    fit_image_pair,
+    format_image_kto_rows,
+    format_image_pairs,
+)
 from posttrain.vision.processor import image_token, processor_of
 from posttrain.vision.prompts import fit_image_prompt, format_image_prompts
 
@@ -35,6 +41,7 @@ class ImageData:
 IMAGE_DATA = {
     "sft": ImageData(format_image_rows),
     "dpo": ImageData(format_image_pairs, fit_image_pair, (PROMPT_LENGTH,)),
+    "kto": ImageData(format_image_kto_rows, fit_image_kto, (PROMPT_LENGTH,)),
     "prompts": ImageData(format_image_prompts, fit_image_prompt),
 }
 
