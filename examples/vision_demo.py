@@ -5,7 +5,8 @@ Builds a tiny Idefics3 (SmolVLM's architecture) with its processor, draws colour
 ``posttrain train examples/sft-vision.yaml``, and measures again, with the control: the same held-out
 questions asked about another row's image, which a model that reads the image answers at chance (1/3).
 Then GRPO (``examples/grpo-vision.yaml``, a reward for naming the colour) raises the share of answers
-sampled at temperature 1 that are right, again with the images-swapped control.
+sampled at temperature 1 that are right, again with the images-swapped control, and ``posttrain eval`` runs
+lm-evaluation-harness's multimodal model on a local task of 30 more squares.
 Everything is local. Run inside the project's virtual environment: ``.venv/bin/python examples/vision_demo.py``.
 """
 
@@ -26,6 +27,7 @@ from posttrain.testing.vision import (  # noqa: E402
     colour_prompts,
     colour_rows,
     colour_sampled_accuracy,
+    write_colour_task,
 )
 
 OUT = ROOT / "demo-out" / "vision"
@@ -67,6 +69,18 @@ def main() -> None:
     print(
         f"\nSFT: before {before:.1%} -> after {after:.1%}, images swapped {control:.1%}; GRPO: sampled answers "
         f"{sampled:.1%} -> {rl:.1%}, images swapped {rl_control:.1%}; in {time.time() - started:.0f} s"
+    )
+    tasks = write_colour_task(OUT / "tasks", 30, seed=4)  # a local lm-evaluation-harness task on images
+    posttrain(
+        "eval",
+        str(tuned.relative_to(ROOT)),
+        "--tasks",
+        "colour_squares",
+        "--include-path",
+        str(tasks.relative_to(ROOT)),
+        "--apply-chat-template",
+        "--batch-size",
+        "10",
     )
     print(
         f"try it: posttrain chat {tuned.relative_to(ROOT)} --image {OUT.relative_to(ROOT)}/images/2-0.png "

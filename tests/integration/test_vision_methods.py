@@ -1,7 +1,8 @@
 """Vision-language models beyond SFT: DPO on preference pairs whose prompt holds images (TRL's layout), the
 processor's own tokens and images in both rows of a pair, scored as the model scores the processor's own
 inputs; GRPO on image prompts: generation and the trainer's log-probabilities on the processor's own inputs,
-the rewards given the images; and what is not read yet refused with the reason."""
+the rewards given the images; lm-evaluation-harness's multimodal model on an export; and what is not read yet
+refused with the reason."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from posttrain.config.dpo import DPODataConfig
 from posttrain.data.samples import IGNORE_INDEX
 from posttrain.errors import UserError
 from posttrain.testing.data import write_jsonl
-from posttrain.testing.vision import COLOURS, colour_pairs, colour_prompts, draw_square
+from posttrain.testing.vision import COLOURS, colour_pairs, colour_prompts, draw_square, write_colour_task
 from posttrain.vision import images
 from posttrain.vision.formatting import ORIGIN
 from posttrain.vision.preferences import PROMPT_LENGTH, fit_image_pair, format_image_pairs
@@ -341,3 +342,47 @@ def test_grpo_on_images_gives_one_processs_numbers_on_two_and_resumes_exactly_af
     for step in range(1, 5):
         for key in ("loss", "reward", "kl"):
             assert single[step][key] == pytest.approx(pair[step][key], abs=1e-5), (step, key)
+
+
+def test_eval_runs_the_harnesss_multimodal_model_on_a_local_image_task(
+    vlms: dict[str, Path], tmp_path: Path
+) -> None:
+    """``posttrain eval`` on a VLM: lm-evaluation-harness's ``hf-multimodal`` model, each response what the
+    model answers greedily about the document's image under its chat template (computed here)."""
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.inference.harness import Evaluation, evaluate
+
+    tasks = write_colour_task(tmp_path / "tasks", 6, seed=11)
+    evaluation = Evaluation(
+        model=vlms["idefics3"],
+        tasks=("colour_squares",),
+        include_path=tasks,
+        batch_size=3,
+        apply_chat_template=True,
+        device="cpu",
+        log_samples=True,
+    )
+    results = evaluate(evaluation)
+    assert results["config"]["model"] == "hf-multimodal"
+    assert "exact_match,none" in results["results"]["colour_squares"]
+    samples = results["samples"]["colour_squares"]
+    assert len(samples) == 6
+    assert len({sample["resps"][0][0] for sample in samples}) > 1  # the answers follow the images
+
+    processor, _ = processor_and_tokenizer(vlms["idefics3"])
+    model = AutoModelForImageTextToText.from_pretrained(vlms["idefics3"], dtype=torch.float32).eval()
+    question = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "What colour is the square?"}],
+        }
+    ]
+    prompt = processor.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    for sample in sorted(samples, key=lambda s: s["doc_id"]):
+        image = images.open_image({"path": str(tasks / "images" / f"11-{sample['doc_id']}.png")})
+        inputs = processor(text=[prompt], images=[[image]], return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        text = processor.decode(out[0, inputs["input_ids"].shape[1] :])
+        assert sample["resps"][0][0] == text.split("<|im_end|>")[0], sample["doc_id"]

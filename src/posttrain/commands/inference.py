@@ -87,6 +87,11 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the harness's results dict, not its table")
     parser.add_argument(
+        "--log-samples",
+        action="store_true",
+        help="keep each document's prompt and response in the results (the harness's --log_samples)",
+    )
+    parser.add_argument(
         "--card",
         action="store_true",
         help="write each task before training (the base, evaluated once and cached) and after into the "

@@ -40,6 +40,7 @@ class Evaluation:
     apply_chat_template: bool = False
     device: str | None = None
     gen_kwargs: dict[str, Any] = field(default_factory=dict)
+    log_samples: bool = False  # the harness's samples (prompts, responses) in the results
 
 
 def evaluation_of(options: Any) -> Evaluation:
@@ -57,6 +58,7 @@ def evaluation_of(options: Any) -> Evaluation:
         backend=options.backend,
         apply_chat_template=options.apply_chat_template,
         device=options.device,
+        log_samples=getattr(options, "log_samples", False),
     )
 
 
@@ -179,6 +181,11 @@ def check(evaluation: Evaluation) -> Any:
         problems.append(str(error))
     if evaluation.backend not in BACKENDS:
         problems.append(f"--backend {evaluation.backend}: one of {', '.join(BACKENDS)}")
+    elif evaluation.backend == "vllm" and not problems and reads_images(evaluation.model):
+        problems.append(
+            "--backend vllm with a vision-language model: not supported yet; use --backend hf (the harness's "
+            "hf-multimodal model runs it)"
+        )
     elif evaluation.backend == "vllm":
         import importlib.util
 
@@ -243,12 +250,32 @@ def _device(name: str | None) -> str:
     return name or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def reads_images(model: Path) -> bool:
+    """Whether the model directory (an adapter's base for a LoRA export) is a vision-language model's."""
+    from transformers import AutoConfig
+
+    from posttrain.vision.processor import is_vision_language
+
+    adapter, base = export_parts(model)
+    return is_vision_language(AutoConfig.from_pretrained(base if adapter else model))
+
+
 def model_arguments(evaluation: Evaluation) -> tuple[str, dict[str, Any]]:
     """The harness's model name and ``model_args`` for the directory: an adapter as its base plus the
-    adapter (``peft`` for transformers, ``lora_local_path`` for vLLM), the tokenizer saved beside it."""
+    adapter (``peft`` for transformers, ``lora_local_path`` for vLLM), the tokenizer saved beside it; a
+    vision-language model through the harness's ``hf-multimodal`` (its processor from the directory)."""
+    if evaluation.backend == "hf" and reads_images(evaluation.model):
+        adapter, base = export_parts(evaluation.model)
+        arguments: dict[str, Any] = {
+            "pretrained": base if adapter else str(evaluation.model),
+            "dtype": "auto",
+        }
+        if adapter:
+            arguments["peft"] = str(evaluation.model)
+        return "hf-multimodal", arguments
     adapter, base = export_parts(evaluation.model)
     path = str(evaluation.model)
-    arguments: dict[str, Any] = {"pretrained": base if adapter else path, "dtype": "auto"}
+    arguments = {"pretrained": base if adapter else path, "dtype": "auto"}
     if (evaluation.model / "tokenizer_config.json").is_file():
         arguments["tokenizer"] = path
     if adapter:
@@ -286,7 +313,7 @@ def evaluate(evaluation: Evaluation) -> dict[str, Any]:
                 task_manager=manager,
                 apply_chat_template=evaluation.apply_chat_template,
                 gen_kwargs=evaluation.gen_kwargs or None,
-                log_samples=False,
+                log_samples=evaluation.log_samples,
             )
     except Exception as error:
         if _network_error(error):

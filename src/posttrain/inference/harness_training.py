@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from posttrain.dist import barrier, kept_random_state
+from posttrain.errors import UserError
 from posttrain.inference.harness import task_manager
 
 
@@ -47,6 +48,13 @@ class HarnessEvaluator:
     def __init__(
         self, config: Any, tokenizer: Any, dist: Any, everywhere: bool, generation: Any = None
     ) -> None:
+        from posttrain.vision.processor import processor_of
+
+        if processor_of(tokenizer) is not None:
+            raise UserError(
+                "harness: tasks during the training of a vision-language model are not supported yet; evaluate "
+                "its export with posttrain eval (the harness's hf-multimodal model)"
+            )
         include = Path(config.include_path) if config.include_path else None
         self.manager = task_manager(config.tasks, include, [], ("harness.tasks", "harness.include_path"))
         self.config, self.tokenizer, self.dist, self.everywhere = config, tokenizer, dist, everywhere

@@ -172,3 +172,44 @@ def colour_sampled_accuracy(
         truth = row["messages"][1]["content"][0]["text"]
         correct += sum(answer.strip() == truth for answer in answers)
     return correct / (len(rows) * samples)
+
+
+#: a local lm-evaluation-harness task on coloured squares (``write_colour_task``): the harness's
+#: ``hf-multimodal`` model answers each image's question, scored by exact match
+COLOUR_TASK = """task: colour_squares
+dataset_path: parquet
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_image: [image]
+doc_to_text: "<image>What colour is the square?"
+doc_to_target: answer
+generation_kwargs:
+  until: ["<|im_end|>"]
+  max_gen_toks: 4
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    ignore_punctuation: true
+"""
+
+
+def write_colour_task(directory: Path, count: int, seed: int = 0) -> Path:
+    """A harness task directory (``--include-path``): ``count`` squares in a Parquet file with a
+    ``datasets.Image`` column, as image datasets are published, and the task's YAML."""
+    import datasets
+
+    rows = colour_rows(directory, count, seed)
+    records = [
+        {"image": str(directory / row["images"][0]), "answer": row["messages"][1]["content"][0]["text"]}
+        for row in rows
+    ]
+    table = datasets.Dataset.from_list(records).cast_column("image", datasets.Image())
+    table.to_parquet(str(directory / "colours.parquet"))
+    (directory / "colour_squares.yaml").write_text(COLOUR_TASK.format(data=directory / "colours.parquet"))
+    return directory
