@@ -251,13 +251,11 @@ def _device(name: str | None) -> str:
 
 
 def reads_images(model: Path) -> bool:
-    """Whether the model directory (an adapter's base for a LoRA export) is a vision-language model's."""
-    from transformers import AutoConfig
-
-    from posttrain.vision.processor import is_vision_language
-
+    """Whether the model directory (an adapter's base for a LoRA export) is a vision-language model's: its
+    ``config.json`` has a vision tower's config (a base that is not a local directory: not known, False)."""
     adapter, base = export_parts(model)
-    return is_vision_language(AutoConfig.from_pretrained(base if adapter else model))
+    config = Path(base if adapter else model) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("vision_config") is not None
 
 
 def model_arguments(evaluation: Evaluation) -> tuple[str, dict[str, Any]]:
