@@ -290,8 +290,8 @@ def test_online_runs_that_do_not_read_images_yet_say_so(vlms: dict[str, Path], t
     from posttrain.rollout.feed import build_backend
 
     processor, _ = processor_and_tokenizer(vlms["idefics3"])
-    config = SimpleNamespace(use_vllm=True, vllm_mode="colocate")
-    with pytest.raises(UserError, match="generation with images through vLLM is not supported yet"):
+    config = SimpleNamespace(use_vllm=True, vllm_mode="server", model=SimpleNamespace(peft_config=None))
+    with pytest.raises(UserError, match="vllm_mode: server and LoRA pushes do not yet"):
         build_backend(config, torch.nn.Linear(1, 1), [0], 0, None, 1, None, processor=processor)
     data = write_jsonl(tmp_path / "prompts.jsonl", colour_prompts(tmp_path, 4, seed=7))
     config = vlm_config(vlms["idefics3"], data, tmp_path / "run", type="distill", train_iters=1)
@@ -386,3 +386,22 @@ def test_eval_runs_the_harnesss_multimodal_model_on_a_local_image_task(
             out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
         text = processor.decode(out[0, inputs["input_ids"].shape[1] :])
         assert sample["resps"][0][0] == text.split("<|im_end|>")[0], sample["doc_id"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_collapse_undoes_the_processors_expansion_for_an_engine_that_expands_itself(
+    vlms: dict[str, Path], tmp_path: Path, arch: str
+) -> None:
+    from posttrain.vision.formatting import collapse, expand
+
+    processor, tokenizer = processor_and_tokenizer(vlms[arch])
+    rows = colour_prompts(tmp_path, 2, seed=12)
+    pictures = [images.open_image(images.reference(row["images"][0], tmp_path)) for row in rows]
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}
+    ]
+    ids = np.asarray(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
+    expanded, _ = expand(processor, ids, pictures)
+    assert collapse(processor, expanded.tolist(), pictures) == ids.tolist()
+    with pytest.raises(ValueError, match="do not hold its image's expansion"):
+        collapse(processor, ids.tolist(), pictures)  # the ids were never expanded

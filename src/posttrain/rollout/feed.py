@@ -80,6 +80,17 @@ def longest_prompt(data: Any) -> int:
     return max(lengths, default=1)
 
 
+def most_images(data: Any) -> int:
+    """The most images one prompt holds, training and evaluation prompts alike (0: none, a text model's)."""
+    from posttrain.vision.images import IMAGES_COLUMN, decode
+
+    most = 0
+    for view in (data.train, data.eval):
+        if len(view) and IMAGES_COLUMN in view.store.columns:
+            most = max([most, *(len(decode(view.sample_item(i)[IMAGES_COLUMN])) for i in range(len(view)))])
+    return most
+
+
 def build_backend(
     config: Any,
     module: torch.nn.Module,
@@ -96,10 +107,11 @@ def build_backend(
     vision-language model's (transformers' ``generate`` is given the prompts' images)."""
     if not config.use_vllm:
         return TransformersBackend(stops, pad_id, processor)
-    if processor is not None:
+    if processor is not None and (config.vllm_mode == "server" or config.model.peft_config is not None):
         raise UserError(
-            "use_vllm: true with a vision-language model: generation with images through vLLM is not supported "
-            "yet; set use_vllm: false (transformers' generate on the training weights reads the images)"
+            "use_vllm: true with a vision-language model: its colocated engine (vllm_mode: colocate) generates "
+            "with images, vllm_mode: server and LoRA pushes do not yet; use vllm_mode: colocate without LoRA, "
+            "or use_vllm: false (transformers' generate on the training weights)"
         )
     if config.vllm_mode == "server":
         from posttrain.rollout.vllm_server import build_server_backend
@@ -107,7 +119,9 @@ def build_backend(
         return build_server_backend(config, module, stops, longest_prompt(data), dist, stopping)
     from posttrain.rollout.vllm_engine import build_vllm_backend
 
-    return build_vllm_backend(config, module, stops, longest_prompt(data), rows, dist)
+    return build_vllm_backend(
+        config, module, stops, longest_prompt(data), rows, dist, processor, most_images(data)
+    )
 
 
 @dataclass

@@ -93,9 +93,11 @@ def engine_settings(
     local_world: int = 1,
     cores: Sequence[int] = (0,),
     where: str = "in this process",
+    images_per_prompt: int | None = None,
 ) -> EngineSettings:
     """The engine's settings for this process, or (``where``) a server's (pure: nothing started, nothing read
-    but the arguments)."""
+    but the arguments). ``images_per_prompt``: a vision-language model's most images in one prompt (None: a
+    text model)."""
     context = model_context(config, dims, longest_prompt)
     name = str(dtype).removeprefix("torch.")
     kwargs: dict[str, Any] = {
@@ -112,6 +114,8 @@ def engine_settings(
         "generation_config": "vllm",  # the model's generation_config.json sets no sampling default
         "worker_extension_cls": WORKER_EXTENSION,  # the checked weight push (rollout/vllm_worker.py)
     }
+    if images_per_prompt is not None:  # the image encoder's budget is profiled for this many a prompt
+        kwargs["limit_mm_per_prompt"] = {"image": images_per_prompt}
     # vLLM's engine core in this process: the weights are pushed as tensors, never serialized
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -217,6 +221,9 @@ def sampling_params(sampling: Sampling, stop_ids: Sequence[int], key: int | None
         seed=key,
         logprobs=0 if logprobs else None,
         detokenize=False,  # the rewards decode the ids with the run's tokenizer
+        # the tokens never drawn (a VLM's image token): vLLM's lowest bias, exp(-100) of the mass, against the
+        # trainer's exclusion (sampling_policy.py)
+        logit_bias={token: -100.0 for token in sampling.banned} or None,
     )
 
 
@@ -250,12 +257,22 @@ class EngineCopy:
         images: Sequence[Sequence[Any]] | None = None,
     ) -> Completions:
         """``keys`` None: greedy (evaluation). ``logprobs``: the sampled tokens' log-probabilities too.
-        ``images``: not yet (a vision-language run is refused vLLM before it starts)."""
-        if images and any(images):
-            raise ValueError("prompts with images reached a vLLM engine, which does not take them yet")
+        ``images``: each prompt's (a vision-language model's, whose prompts hold their expansion)."""
         if self.stale:
             self.push(module)
+        if images and any(images):
+            return self.sample_images(prompts, sampling, keys, logprobs, images)
         return self.sample(prompts, sampling, keys, logprobs)
+
+    def sample_images(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling,
+        keys: list[int] | None,
+        logprobs: bool,
+        images: Sequence[Sequence[Any]],
+    ) -> Completions:
+        raise ValueError(f"prompts with images reached {type(self).__name__}, which does not take them yet")
 
     def push(self, module: torch.nn.Module) -> None:
         raise NotImplementedError
@@ -275,12 +292,18 @@ class VLLMBackend(EngineCopy):
 
     name = "vllm"
 
-    def __init__(self, settings: EngineSettings, module: torch.nn.Module, stop_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        settings: EngineSettings,
+        module: torch.nn.Module,
+        stop_ids: Sequence[int],
+        processor: Any = None,
+    ) -> None:
         os.environ.update(settings.env)
         from vllm import LLM
 
         quiet_known_warnings()
-        self.stop_ids, self.settings = list(stop_ids), settings
+        self.stop_ids, self.settings, self.processor = list(stop_ids), settings, processor
         self.sleeps = bool(settings.kwargs.get("enable_sleep_mode"))
         self.lora: Any = None  # the adapter the engine samples with (a LoRA run's adapter push)
         self.pushes, self.push_bytes = 0, 0
@@ -307,6 +330,45 @@ class VLLMBackend(EngineCopy):
             outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora)
         finally:
             self._sleep()
+        return completions_of(outputs, self.stop_ids, logprobs)
+
+    def sample_images(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling,
+        keys: list[int] | None,
+        logprobs: bool,
+        images: Sequence[Sequence[Any]],
+    ) -> Completions:
+        """Prompts with images, as vLLM takes them: each with one image token per image and its images as
+        ``multi_modal_data`` (never the expanded ids with the images, which vLLM would expand again); vLLM's
+        expansion is checked to be the trainer's ids, token for token."""
+        from posttrain.vision.formatting import collapse
+
+        if self.processor is None:
+            raise ValueError("prompts with images for an engine without the model's processor")
+        if self.sleeps:
+            self.llm.wake_up()
+        requests: list[dict[str, Any]] = []
+        for prompt, pictures in zip(prompts, images, strict=True):
+            request: dict[str, Any] = {"prompt_token_ids": collapse(self.processor, prompt, list(pictures))}
+            if pictures:
+                request["multi_modal_data"] = {"image": list(pictures)}
+            requests.append(request)
+        params = [
+            sampling_params(sampling, self.stop_ids, None if keys is None else keys[i], logprobs)
+            for i in range(len(prompts))
+        ]
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora)
+        finally:
+            self._sleep()
+        for prompt, output in zip(prompts, outputs, strict=True):
+            if list(output.prompt_token_ids) != list(prompt):
+                raise RuntimeError(
+                    "vLLM expanded a prompt's images into other tokens than the processor did: the engine and "
+                    "the trainer would not see the same prompt"
+                )
         return completions_of(outputs, self.stop_ids, logprobs)
 
     def push(self, module: torch.nn.Module) -> None:
@@ -449,9 +511,17 @@ def require_vllm() -> None:
 
 
 def build_vllm_backend(
-    config: Any, module: torch.nn.Module, stop_ids: Sequence[int], longest_prompt: int, rows: int, dist: Any
+    config: Any,
+    module: torch.nn.Module,
+    stop_ids: Sequence[int],
+    longest_prompt: int,
+    rows: int,
+    dist: Any,
+    processor: Any = None,
+    images_per_prompt: int = 0,
 ) -> VLLMBackend:
-    """The colocated engine of this process, or one line saying why it cannot run here."""
+    """The colocated engine of this process, or one line saying why it cannot run here. ``processor``: a
+    vision-language model's, its prompts holding at most ``images_per_prompt`` images."""
     from posttrain.models.token_logps import unwrap
 
     require_vllm()
@@ -470,12 +540,13 @@ def build_vllm_backend(
         local_rank=dist.local_rank,
         local_world=int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size)),
         cores=usable_cores(),
+        images_per_prompt=images_per_prompt if processor is not None else None,
     )
     if device.type == "cuda":  # vLLM's external launcher reads the process's place from the environment
         env = {"RANK": str(dist.rank), "LOCAL_RANK": str(dist.local_rank), "WORLD_SIZE": str(dist.world_size)}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         settings.env.update({k: v for k, v in env.items() if k not in os.environ})
-    return VLLMBackend(settings, module, stop_ids)
+    return VLLMBackend(settings, module, stop_ids, processor)
 
 
 def usable_cores() -> list[int]:

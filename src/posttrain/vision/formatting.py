@@ -11,6 +11,7 @@ around an image is refused rather than mislabelled.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,26 @@ def expand(processor: Any, ids: np.ndarray, opened: list[Any]) -> tuple[np.ndarr
     pieces.append(ids[start:])
     origins.append(np.arange(start, len(ids)))
     return np.concatenate(pieces).astype(np.int64), np.concatenate(origins).astype(np.int64)
+
+
+def collapse(processor: Any, ids: Sequence[int], opened: list[Any]) -> list[int]:
+    """``expand`` undone: each image's expansion in ``ids`` (in order) back to the one image token the chat
+    template wrote, for an engine that expands the images itself (vLLM), whose expansion is then checked
+    against ``ids``. A block that is not there is a ``ValueError``."""
+    token, token_id = image_token(processor)
+    out: list[int] = []
+    start = 0
+    ids = list(ids)
+    for image in opened:
+        block = list(processor(text=[token], images=[image], add_special_tokens=False)["input_ids"][0])
+        found = next(
+            (i for i in range(start, len(ids) - len(block) + 1) if ids[i : i + len(block)] == block), None
+        )
+        if found is None:
+            raise ValueError("a prompt's ids do not hold its image's expansion where the processor puts it")
+        out += [*ids[start:found], token_id]
+        start = found + len(block)
+    return out + ids[start:]
 
 
 def format_image_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) -> dict[str, np.ndarray]:

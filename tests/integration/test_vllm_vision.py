@@ -1,0 +1,60 @@
+"""GRPO of a vision-language model on vLLM's CPU build (``make test-vllm``; skipped where vLLM is not
+installed): the colocated engine is given each prompt as vLLM takes it (one image token per image and the
+images as ``multi_modal_data``, never the processor's expanded ids with the raw image), its expansion is
+checked against the trainer's ids, and after every weight push the engine's log-probabilities of the sampled
+tokens are the trainer's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.testing.data import write_jsonl
+from posttrain.testing.vision import colour_prompts
+from tests.resume_helpers import cli, last_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+#: a reward that reads the images and the completions' lengths (so the groups' rewards differ)
+LENGTH = """
+def length(completions, images, **kwargs):
+    assert all(len(pictures) == 1 and pictures[0].size == (32, 32) for pictures in images), images
+    return [len(c[0]["content"]) / 10 for c in completions]
+"""
+
+
+def test_grpo_on_image_prompts_samples_through_the_engine_as_the_trainer_scores(tmp_path: Path) -> None:
+    from posttrain.vision.tiny import write_tiny_vlm
+
+    # heads of 64 dimensions: what vLLM's CPU attention runs
+    model = write_tiny_vlm(tmp_path / "model", "idefics3", vocab_size=1024, hidden_size=128, heads=2)
+    data = write_jsonl(tmp_path / "prompts.jsonl", colour_prompts(tmp_path, 16, seed=2))
+    (tmp_path / "length.py").write_text(LENGTH)
+    config = {
+        "type": "grpo",
+        "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": True},
+        "data": {"sources": [str(data)], "max_length": 96, "dl_num_workers": 0},
+        "rewards": [f"{tmp_path / 'length.py'}:length"],
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "micro_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "train_iters": 3,
+        "optimizer": {"lr": 3e-3},
+        "scheduler": {"name": "constant", "warmup_ratio": 0},
+        "loss_log_interval": 1,
+        "use_vllm": True,
+        "vllm_importance_sampling_correction": True,
+        "top_k": 20,
+        "top_p": 0.9,
+        "logger": {"output_dir": str(tmp_path / "run")},
+    }
+    done = cli(config, tmp_path / "grpo.yaml", 1)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = last_metrics(tmp_path / "run")
+    assert sorted(records) == [1, 2, 3]
+    for step, record in records.items():  # steps 2 and 3 sample from weights pushed after an update
+        assert record["sampling/sampling_logp_difference/max"] < 1e-4, (step, record)
+        assert abs(record["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4, (step, record)
+    assert records[3]["reward"] != records[1]["reward"]
