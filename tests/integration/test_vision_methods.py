@@ -293,17 +293,49 @@ def test_online_runs_that_do_not_read_images_yet_say_so(vlms: dict[str, Path], t
     config = SimpleNamespace(use_vllm=True, vllm_mode="server", model=SimpleNamespace(peft_config=None))
     with pytest.raises(UserError, match="vllm_mode: server and LoRA pushes do not yet"):
         build_backend(config, torch.nn.Linear(1, 1), [0], 0, None, 1, None, processor=processor)
+    from posttrain.tiny_model import write_tiny_model
+
     data = write_jsonl(tmp_path / "prompts.jsonl", colour_prompts(tmp_path, 4, seed=7))
     config = vlm_config(vlms["idefics3"], data, tmp_path / "run", type="distill", train_iters=1)
     config = {k: v for k, v in config.items() if k != "data"}
+    text = write_tiny_model(tmp_path / "text", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2)
     config.update(
         data={"sources": [str(data)], "max_length": 96, "dl_num_workers": 0},
-        teacher_model_name_or_path=str(vlms["idefics3"]),
+        teacher_model_name_or_path=str(text),
         max_completion_length=4,
         micro_batch_size=4,
     )
-    with pytest.raises(UserError, match="distill with a vision-language student is not supported yet"):
+    with pytest.raises(UserError, match="teacher_model_name_or_path: "):  # its tokenizer, or its images
         train(config)
+
+
+def test_distill_on_image_prompts_from_a_vision_language_teacher(
+    vlms: dict[str, Path], tmp_path: Path
+) -> None:
+    """On-policy distillation of the tiny Idefics3 from a wider one on image prompts: the teacher samples
+    (``seq_kd``, ``lmbda: 0``) and scores with the images, the held-out prompts too."""
+    from posttrain.vision.tiny import write_tiny_vlm
+
+    teacher = write_tiny_vlm(tmp_path / "teacher", "idefics3", vocab_size=1024, hidden_size=128, heads=4)
+    data = write_jsonl(tmp_path / "prompts.jsonl", colour_prompts(tmp_path, 8, seed=13))
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", colour_prompts(tmp_path, 4, seed=14))
+    config = vlm_config(vlms["idefics3"], data, tmp_path / "run", type="distill", train_iters=2)
+    config = {k: v for k, v in config.items() if k != "data"}
+    config.update(
+        data={"sources": [str(data)], "eval_sources": [str(held_out)], "max_length": 96, "dl_num_workers": 0},
+        teacher_model_name_or_path=str(teacher),
+        lmbda=0.0,
+        seq_kd=True,
+        max_completion_length=6,
+        micro_batch_size=4,
+        eval_interval=2,
+    )
+    train(config)
+    records = metrics(config)
+    steps = [r for r in records if "grad_norm" in r]
+    assert len(steps) == 2 and all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in steps)
+    assert steps[-1]["grad_norm"] > 0
+    assert [r for r in records if "eval_divergence" in r]
 
 
 @pytest.mark.slow

@@ -37,6 +37,8 @@ from posttrain.rollout.generation import Completions, TransformersBackend, compl
 from posttrain.tokenizers.chat_templates import end_of_turn_ids
 from posttrain.tokenizers.padding import input_pad_id
 from posttrain.training.extras import COUNT
+from posttrain.vision.collate import prompt_images
+from posttrain.vision.processor import is_vision_language, processor_of
 
 #: the slot of a batch's key that draws whether it is on-policy (no completion has it)
 ON_POLICY_DRAW = -1
@@ -142,6 +144,13 @@ class Teacher:
         from posttrain.models.reference import load_reference_model
 
         model = load_reference_model(config.teacher, ctx)
+        processor = processor_of(tokenizer)
+        if processor is not None and not is_vision_language(unwrap(model).config):
+            raise UserError(
+                f"teacher_model_name_or_path: {config.teacher_model_name_or_path} is a text model and the student "
+                "a vision-language model: the teacher would not see the prompts' images; distill from a "
+                "vision-language teacher with the student's processor"
+            )
         #: the head rows the divergence compares: those both heads have (a padded head's extra rows left out)
         self.vocab = shared_vocabulary(config, unwrap(engine.module), model, tokenizer)
         self.runner: Any = model.to(engine.device)
@@ -161,7 +170,7 @@ class Teacher:
         self.head = _head(self.model, "teacher")
         stops = stop_ids(tokenizer, self.model)
         self.backend = TransformersBackend(
-            stops, input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
+            stops, input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy), processor
         )
 
     @torch.no_grad()
@@ -275,13 +284,6 @@ class DistillMethod(OnlineMethod):
     wants_sampling_logps = False
 
     def __init__(self, ctx: RunContext, engine: Any, tokenizer: Any) -> None:
-        from posttrain.vision.processor import processor_of
-
-        if processor_of(tokenizer) is not None:
-            raise UserError(
-                "distill with a vision-language student is not supported yet (the teacher would not see the "
-                "images); distill a text model, or train the VLM with sft, dpo or grpo"
-            )
         self.ctx = ctx
         self.teacher = Teacher(ctx.config, ctx, engine, tokenizer)
         self.on_policy = True
@@ -311,7 +313,9 @@ class DistillMethod(OnlineMethod):
         if self.on_policy:
             return None
         if config.seq_kd:
-            return self.teacher.backend.generate(self.teacher.model, prompt_ids, feed.sampling, keys)
+            return self.teacher.backend.generate(
+                self.teacher.model, prompt_ids, feed.sampling, keys, images=prompt_images(rows)
+            )
         return data_completions(rows, feed.tokenizer, feed.stops, config.max_completion_length)
 
     def after_generation(self, feed: OnlineSteps, generated: GeneratedBatch) -> dict[str, torch.Tensor]:
@@ -406,7 +410,10 @@ class DistillLoss:
         completions = feed.complete(module, batch["rows"], prompts, feed.sampling, None)
         device = batch["prompt_ids"].device
         total, metrics, tokens = torch.zeros((), device=device), {}, torch.zeros((), device=device)
-        for micro in feed.micro_batches(prompts, completions, {}):  # prompt + completion rows, as in training
+        pictures = prompt_images(batch["rows"])
+        for micro in feed.micro_batches(
+            prompts, completions, {}, pictures
+        ):  # prompt + completion rows, as trained
             scored = to_device(micro, device)
             part, found = self.divergence_sum(model, scored)
             total, tokens = total + part, tokens + scored["completion_mask"].sum()

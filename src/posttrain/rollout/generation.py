@@ -284,6 +284,11 @@ class TransformersBackend:
         pictures = image_inputs(self.processor, images) if images and self.processor is not None else {}
         if images and any(images) and self.processor is None:
             raise ValueError("prompts with images for a model without an image processor")
+        if self.processor is not None and not pictures:
+            from posttrain.vision.processor import image_token
+
+            if bool((ids == image_token(self.processor)[1]).any()):
+                raise ValueError("prompts hold image tokens, and their images were not given to generation")
         stops = sorted(set(self.stop_ids) | generation_eos(module))
         padding = torch.tensor([ids.shape[1] - len(p) for p in prompts], dtype=torch.long)
         processors = LogitsProcessorList([PolicyProcessor(sampling, padding, keys is not None)])
