@@ -437,3 +437,42 @@ def test_collapse_undoes_the_processors_expansion_for_an_engine_that_expands_its
     assert collapse(processor, expanded.tolist(), pictures) == ids.tolist()
     with pytest.raises(ValueError, match="do not hold its image's expansion"):
         collapse(processor, ids.tolist(), pictures)  # the ids were never expanded
+
+
+@pytest.mark.slow
+def test_dpo_and_kto_on_images_give_one_processs_numbers_on_two_under_zero3(
+    vlms: dict[str, Path], tmp_path: Path
+) -> None:
+    """The reference pass and the steps of DPO and KTO on image rows, partitioned by ZeRO-3 over two
+    processes, log what one process logs (the same global batch)."""
+    from tests.resume_helpers import cli, last_metrics
+
+    pairs = colour_pairs(tmp_path, 16, seed=15)
+    unpaired = [
+        {"prompt": p["prompt"], "completion": p[side], "label": side == "chosen", "images": p["images"]}
+        for p in pairs
+        for side in ("chosen", "rejected")
+    ]
+    sources = {
+        "dpo": write_jsonl(tmp_path / "pairs.jsonl", pairs),
+        "kto": write_jsonl(tmp_path / "kto.jsonl", unpaired),
+    }
+    for method, data in sources.items():
+        logged = {}
+        for nproc, stage in ((1, 0), (2, 3)):
+            out = tmp_path / f"{method}-{nproc}"
+            config = vlm_config(vlms["idefics3"], data, out, type=method, train_iters=3, micro_batch_size=2)
+            config.update(
+                gradient_accumulation_steps=3 - nproc, deepspeed={"zero_optimization": {"stage": stage}}
+            )
+            config["logger"] = {"output_dir": str(out)}
+            done = cli(config, tmp_path / f"{method}-{nproc}.yaml", nproc)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            logged[nproc] = last_metrics(out)
+        for step in (1, 2, 3):
+            for key in ("loss", "logps/chosen", "logps/rejected"):
+                assert logged[1][step][key] == pytest.approx(logged[2][step][key], abs=1e-5), (
+                    method,
+                    step,
+                    key,
+                )

@@ -32,7 +32,7 @@ from posttrain.data.packing import pack_bins
 from posttrain.data.progress import BuildProgress
 from posttrain.data.samples import RowError, Sample, trained_tokens
 from posttrain.data.sources import CHUNK_ROWS, Row, open_source, sample_rows
-from posttrain.data.store import SampleStore, StoreWriter, sample_dtype
+from posttrain.data.store import SampleStore, StoreWriter
 from posttrain.data.views import PackedView, SampleView, View
 from posttrain.errors import DataError
 from posttrain.registry import DATA_FACTORIES
@@ -118,22 +118,6 @@ def assemble_samples(
     lengths = store.lengths("input_ids")[shuffled]
     offsets, members = pack_bins(lengths, max_length, config.packing)
     return PackedView(store, (shuffled, np.zeros_like(shuffled), lengths), offsets, members)
-
-
-def loop_format(format_row: Callable[[dict[str, Any], Any, DataConfig], dict]) -> BatchFormatter:
-    """A batch formatter from a one-row formatter (rows that fail become their ``RowError``)."""
-
-    def format_batch(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig) -> list[Any]:
-        out: list[Any] = []
-        for row in rows:
-            try:
-                sample = format_row(row, tokenizer, config)
-                out.append({k: np.asarray(v, dtype=sample_dtype(k)) for k, v in sample.items()})
-            except RowError as exc:
-                out.append(exc)
-        return out
-
-    return format_batch
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,13 @@ opens its maps lazily and drops them when pickled, so it travels to worker proce
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from posttrain.data.samples import trained_per_sample
+from posttrain.data.samples import RowError, trained_per_sample
 
 TOKEN_DTYPE = np.int32
 #: columns of raw bytes rather than tokens (a grpo prompt's row as UTF-8 JSON): their name ends so
@@ -37,7 +38,9 @@ def column_dtype(column: str) -> type:
 
 def sample_dtype(column: str) -> type:
     """A column's dtype in a formatted sample and as ``get`` returns it: float64 for a values column (scores,
-    margins), else int64."""
+    margins), uint8 for a bytes column (a row as JSON, image references), else int64."""
+    if column.endswith(BYTES_SUFFIX):
+        return np.uint8
     return np.float64 if column.endswith(VALUES_SUFFIX) else np.int64
 
 
@@ -130,3 +133,22 @@ class SampleStore:
         begin, end = int(offsets[sample]), int(offsets[sample + 1])
         end = end if stop is None else min(end, begin + stop)
         return np.array(self.tokens(column)[begin + start : end], dtype=sample_dtype(column))
+
+
+def loop_format(
+    format_row: Callable[[dict[str, Any], Any, Any], dict[str, Any]],
+) -> Callable[[list[dict[str, Any]], Any, Any], list[Any]]:
+    """A batch formatter from a one-row formatter (rows that fail become their ``RowError``), each value in
+    its stored dtype."""
+
+    def format_batch(rows: list[dict[str, Any]], tokenizer: Any, config: Any) -> list[Any]:
+        out: list[Any] = []
+        for row in rows:
+            try:
+                sample = format_row(row, tokenizer, config)
+                out.append({k: np.asarray(v, dtype=sample_dtype(k)) for k, v in sample.items()})
+            except RowError as exc:
+                out.append(exc)
+        return out
+
+    return format_batch

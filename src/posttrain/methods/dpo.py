@@ -16,9 +16,10 @@ import torch
 
 from posttrain.config.dpo import DPOTrainerConfig
 from posttrain.context import RunContext
-from posttrain.data.build import DataFactory, Datasets, loop_format
+from posttrain.data.build import DataFactory, Datasets
 from posttrain.data.dpo import PAIR_COLUMNS, SCORES, PairCollator, fit_pair, format_dpo_row
 from posttrain.data.samples import IGNORE_INDEX, target_labels
+from posttrain.data.store import loop_format
 from posttrain.dist import all_reduce_sum
 from posttrain.methods.preference_losses import Pairs, PreferenceParams, preference_loss
 from posttrain.methods.reference_pass import reference_pass

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from posttrain.config.reward import RewardDataConfig, RewardTrainerConfig
 from posttrain.context import RunContext
-from posttrain.data.build import DataFactory, Datasets, loop_format
+from posttrain.data.build import DataFactory, Datasets
 from posttrain.data.dpo import (
     MARGIN,
     PAIR_COLUMNS,
@@ -27,6 +27,7 @@ from posttrain.data.dpo import (
     pair_margin,
     pair_row,
 )
+from posttrain.data.store import loop_format
 from posttrain.models.reward_model import sequence_scores, set_pad_token
 
 if TYPE_CHECKING:

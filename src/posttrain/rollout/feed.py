@@ -87,7 +87,8 @@ def most_images(data: Any) -> int:
     most = 0
     for view in (data.train, data.eval):
         if len(view) and IMAGES_COLUMN in view.store.columns:
-            most = max([most, *(len(decode(view.sample_item(i)[IMAGES_COLUMN])) for i in range(len(view)))])
+            stored = (view.store.get(IMAGES_COLUMN, int(i)) for i in np.unique(view.samples))
+            most = max([most, *(len(decode(refs)) for refs in stored)])
     return most
 
 

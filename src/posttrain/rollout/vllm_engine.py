@@ -319,18 +319,23 @@ class VLLMBackend(EngineCopy):
     def sample(
         self, prompts: Sequence[Sequence[int]], sampling: Sampling, keys: list[int] | None, logprobs: bool
     ) -> Completions:
+        requests = [{"prompt_token_ids": list(prompt)} for prompt in prompts]
+        return completions_of(self._outputs(requests, sampling, keys, logprobs), self.stop_ids, logprobs)
+
+    def _outputs(
+        self, requests: list[dict[str, Any]], sampling: Sampling, keys: list[int] | None, logprobs: bool
+    ) -> list[Any]:
+        """vLLM's outputs for the requests, each drawn from its key (None: greedy)."""
         if self.sleeps:
             self.llm.wake_up()  # the weights of the last push (kept on the host) and the KV cache
-        requests = [{"prompt_token_ids": list(prompt)} for prompt in prompts]
         params = [
             sampling_params(sampling, self.stop_ids, None if keys is None else keys[i], logprobs)
-            for i in range(len(prompts))
+            for i in range(len(requests))
         ]
         try:
-            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora)
+            return self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora)
         finally:
             self._sleep()
-        return completions_of(outputs, self.stop_ids, logprobs)
 
     def sample_images(
         self,
@@ -347,22 +352,13 @@ class VLLMBackend(EngineCopy):
 
         if self.processor is None:
             raise ValueError("prompts with images for an engine without the model's processor")
-        if self.sleeps:
-            self.llm.wake_up()
         requests: list[dict[str, Any]] = []
         for prompt, pictures in zip(prompts, images, strict=True):
             request: dict[str, Any] = {"prompt_token_ids": collapse(self.processor, prompt, list(pictures))}
             if pictures:
                 request["multi_modal_data"] = {"image": list(pictures)}
             requests.append(request)
-        params = [
-            sampling_params(sampling, self.stop_ids, None if keys is None else keys[i], logprobs)
-            for i in range(len(prompts))
-        ]
-        try:
-            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora)
-        finally:
-            self._sleep()
+        outputs = self._outputs(requests, sampling, keys, logprobs)
         for prompt, output in zip(prompts, outputs, strict=True):
             if list(output.prompt_token_ids) != list(prompt):
                 raise RuntimeError(

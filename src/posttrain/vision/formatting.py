@@ -20,6 +20,7 @@ from posttrain.config.data import DataConfig
 from posttrain.data.row_formats import chat_messages
 from posttrain.data.samples import IGNORE_INDEX, RowError, check_messages
 from posttrain.data.sft import assistant_mask, check_turn_ends, drop_context_turns
+from posttrain.data.store import loop_format
 from posttrain.vision import images
 from posttrain.vision.processor import image_token, processor_of
 
@@ -150,12 +151,5 @@ def processor_ids(
     return np.asarray(out["input_ids"][0], dtype=np.int64)
 
 
-def format_image_rows(rows: list[dict[str, Any]], tokenizer: Any, config: DataConfig) -> list[Any]:
-    """The batch formatter of SFT in a vision-language run: each row's sample or its error."""
-    out: list[Any] = []
-    for row in rows:
-        try:
-            out.append(format_image_row(row, tokenizer, config))
-        except RowError as error:
-            out.append(error)
-    return out
+#: SFT's batch formatter in a vision-language run: each row's sample or its error
+format_image_rows = loop_format(format_image_row)

@@ -28,6 +28,7 @@ from posttrain.data.dpo import (
 )
 from posttrain.data.kto import answers_of, fit_kto, format_kto_batch
 from posttrain.data.samples import RowError, Sample, trained_tokens
+from posttrain.data.store import loop_format
 from posttrain.vision import images
 from posttrain.vision.formatting import ORIGIN, checked_parts, expand_labelled, images_of
 from posttrain.vision.processor import processor_of
@@ -73,15 +74,8 @@ def format_image_pair(row: dict[str, Any], tokenizer: Any, config: DPODataConfig
     return out
 
 
-def format_image_pairs(rows: list[dict[str, Any]], tokenizer: Any, config: DPODataConfig) -> list[Any]:
-    """dpo's batch formatter in a vision-language run: each row's pair or its error."""
-    out: list[Any] = []
-    for row in rows:
-        try:
-            out.append(format_image_pair(row, tokenizer, config))
-        except RowError as error:
-            out.append(error)
-    return out
+#: dpo's batch formatter in a vision-language run: each row's pair or its error
+format_image_pairs = loop_format(format_image_pair)
 
 
 def image_kto_completions(row: dict[str, Any], tokenizer: Any, config: KTODataConfig) -> dict[str, Sample]:

@@ -17,6 +17,7 @@ import numpy as np
 from posttrain.config.prompts import PromptsDataConfig
 from posttrain.data.prompts import fit_prompt, prompt_ids, prompt_of, prompt_sample, row_tools
 from posttrain.data.samples import RowError, Sample, keep_prompt_tokens, render_ids
+from posttrain.data.store import loop_format
 from posttrain.vision import images
 from posttrain.vision.formatting import expand, images_of
 from posttrain.vision.processor import processor_of
@@ -52,15 +53,8 @@ def format_image_prompt(row: dict[str, Any], tokenizer: Any, config: PromptsData
     return {**prompt_sample(row, expanded, config), images.IMAGES_COLUMN: images.encode(refs)}
 
 
-def format_image_prompts(rows: list[dict[str, Any]], tokenizer: Any, config: PromptsDataConfig) -> list[Any]:
-    """The prompts' batch formatter in a vision-language run: each row's sample or its error."""
-    out: list[Any] = []
-    for row in rows:
-        try:
-            out.append(format_image_prompt(row, tokenizer, config))
-        except RowError as error:
-            out.append(error)
-    return out
+#: the prompts' batch formatter in a vision-language run: each row's sample or its error
+format_image_prompts = loop_format(format_image_prompt)
 
 
 def fit_image_prompt(
