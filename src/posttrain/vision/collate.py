@@ -1,5 +1,6 @@
 """Image batches: the micro-batch's images opened again and put through the processor's image processor,
-beside the token batch the method's collator makes.
+beside the token batch the method's collator makes; for the online methods, the image inputs of each
+generated micro-batch (``attach_images``) and of generation itself (``image_inputs``).
 
 The images of a batch row are those of its samples in order (a packed or padding-free row holds several
 samples, and their images one after another), which is the order of the image tokens in the row: the model
