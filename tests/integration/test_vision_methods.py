@@ -470,8 +470,11 @@ def test_dpo_and_kto_on_images_give_one_processs_numbers_on_two_under_zero3(
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
             logged[nproc] = last_metrics(out)
         for step in (1, 2, 3):
+            # step 1: the reference pass and the first forward; after it, float32 updates whose gradients were
+            # all-reduced in another order (1.8e-5 of 0.59 seen at step 3)
+            close = 1e-6 if step == 1 else 1e-4
             for key in ("loss", "logps/chosen", "logps/rejected"):
-                assert logged[1][step][key] == pytest.approx(logged[2][step][key], abs=1e-5), (
+                assert logged[1][step][key] == pytest.approx(logged[2][step][key], rel=close, abs=1e-7), (
                     method,
                     step,
                     key,
