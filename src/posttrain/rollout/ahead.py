@@ -67,7 +67,11 @@ class Pinned:
         sampling: Sampling,
         keys: list[int] | None,
         logprobs: bool = False,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> Completions:
+        if images and any(images):
+            with_images: Completions = self.backend.sample_images(prompts, sampling, keys, logprobs, images)
+            return with_images
         completions: Completions = self.backend.sample(prompts, sampling, keys, logprobs)
         return completions
 
