@@ -12,6 +12,7 @@ import pytest
 
 from posttrain.testing.data import write_jsonl
 from posttrain.testing.vision import colour_prompts
+from tests.grpo_helpers import engine_grpo_config
 from tests.resume_helpers import cli, last_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -31,25 +32,21 @@ def test_grpo_on_image_prompts_samples_through_the_engine_as_the_trainer_scores(
     model = write_tiny_vlm(tmp_path / "model", "idefics3", vocab_size=1024, hidden_size=128, heads=2)
     data = write_jsonl(tmp_path / "prompts.jsonl", colour_prompts(tmp_path, 16, seed=2))
     (tmp_path / "length.py").write_text(LENGTH)
-    config = {
-        "type": "grpo",
-        "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": True},
-        "data": {"sources": [str(data)], "max_length": 96, "dl_num_workers": 0},
-        "rewards": [f"{tmp_path / 'length.py'}:length"],
-        "num_generations": 4,
-        "max_completion_length": 8,
-        "micro_batch_size": 4,
-        "gradient_accumulation_steps": 2,
-        "train_iters": 3,
-        "optimizer": {"lr": 3e-3},
-        "scheduler": {"name": "constant", "warmup_ratio": 0},
-        "loss_log_interval": 1,
-        "use_vllm": True,
-        "vllm_importance_sampling_correction": True,
-        "top_k": 20,
-        "top_p": 0.9,
-        "logger": {"output_dir": str(tmp_path / "run")},
-    }
+    config = engine_grpo_config(
+        tmp_path,
+        model,
+        [f"{tmp_path / 'length.py'}:length"],
+        data={"sources": [str(data)]},
+        num_generations=4,
+        max_completion_length=8,
+        micro_batch_size=4,
+        train_iters=3,
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        top_k=20,
+        top_p=0.9,
+        logger={"output_dir": str(tmp_path / "run")},
+    )
     done = cli(config, tmp_path / "grpo.yaml", 1)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = last_metrics(tmp_path / "run")
