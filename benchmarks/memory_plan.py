@@ -46,6 +46,21 @@ BASE: dict[str, Any] = {
     "checkpoint": [],
     "check_memory": False,
 }
+#: the vision-language cases' LLaVA: a language model of width 64 behind a 6-layer image encoder of width 768
+#: cutting its 32x32 images into 2x2 patches (256 image tokens an image)
+VISION_TOWER = {"hidden": 768, "layers": 6, "patch": 2}
+VISION: dict[str, Any] = {"type": "sft", "micro_batch_size": 2, "corpus": "vision"}
+
+
+def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    out = json.loads(json.dumps(base))
+    for key, value in changes.items():
+        out[key] = (
+            merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
+    return out
+
+
 #: name -> (model, max_length, processes, config changes, in --quick)
 CASES: dict[str, tuple[str, int, int, dict[str, Any], bool]] = {
     "100M ZeRO 0": ("100m", 512, 1, {}, False),
@@ -73,16 +88,17 @@ CASES: dict[str, tuple[str, int, int, dict[str, Any], bool]] = {
     ),
     "8K packed, long documents": ("small", 8192, 1, {"data": {"pack_samples": True}, "corpus": "long"}, True),
     "8K packed SFT, short chats": ("small", 8192, 1, {"type": "sft", "data": {"pack_samples": True}}, False),
+    # a vision-language model whose image encoder dominates: 3 images of 256 patches a row, 2 rows
+    "VLM, tower frozen": ("vlm", 2048, 1, VISION, False),
+    "VLM, tower trained": ("vlm", 2048, 1, merge(VISION, {"model": {"freeze_vision_tower": False}}), False),
+    "VLM, tower trained, checkpointing": (
+        "vlm",
+        2048,
+        1,
+        merge(VISION, {"model": {"freeze_vision_tower": False, "disable_activation_checkpoint": False}}),
+        False,
+    ),
 }
-
-
-def merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    out = json.loads(json.dumps(base))
-    for key, value in changes.items():
-        out[key] = (
-            merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-        )
-    return out
 
 
 def _status(field: str) -> int:
@@ -109,7 +125,8 @@ def case_config(name: str, work: Path) -> dict[str, Any]:
     config["model"]["name_or_path"] = str(work / model)
     config["data"]["max_length"] = length
     chat = config["type"] == "sft"
-    config["data"]["sources"] = [str(work / ("chat.jsonl" if chat else f"{corpus}.jsonl"))]
+    source = f"{corpus}.jsonl" if corpus == "vision" or not chat else "chat.jsonl"
+    config["data"]["sources"] = [str(work / source)]
     if chat:
         del config["data"]["text_column"]
     config["logger"] = {"output_dir": str(work / "runs" / name.replace(" ", "_").replace(",", ""))}
@@ -119,11 +136,22 @@ def case_config(name: str, work: Path) -> dict[str, Any]:
 def prepare(work: Path) -> None:
     """The models and the data, written once."""
     from posttrain.testing.data import chat_rows, text_rows, write_jsonl
+    from posttrain.testing.vision import colour_rows
     from posttrain.tiny_model import write_tiny_model
+    from posttrain.vision.tiny import Tower, write_tiny_vlm
 
     for name, (hidden, layers, heads) in MODELS.items():
         if not (work / name).exists():
             write_tiny_model(work / name, hidden_size=hidden, layers=layers, heads=heads, vocab_size=2048)
+    if not (work / "vlm").exists():
+        write_tiny_vlm(work / "vlm", "llava", tower=Tower(**VISION_TOWER))
+    if not (work / "vision.jsonl").exists():
+        rows = colour_rows(work, 64)
+        for index, row in enumerate(rows):  # three images a row: the question about the first
+            others = [rows[(index + k) % len(rows)]["images"][0] for k in range(1, 3)]
+            row["messages"][0]["content"][:0] = [{"type": "image"}] * 2
+            row["images"] = row["images"] + others
+        write_jsonl(work / "vision.jsonl", rows)
     if not (work / "long.jsonl").exists():
         write_jsonl(work / "text.jsonl", text_rows(3000))
         write_jsonl(work / "chat.jsonl", chat_rows(3000))
@@ -156,18 +184,27 @@ def measure(config: dict[str, Any]) -> float:
     return float(peak - base)
 
 
-def estimate(config: dict[str, Any], processes: int, machine: Any = None) -> tuple[float, Any]:
-    """The plan's tensors for ``config`` on ``processes`` processes (rows as long as ``max_length``): on a
+def estimate(
+    config: dict[str, Any], processes: int, machine: Any = None, read_data: bool = False
+) -> tuple[float, Any]:
+    """The plan's tensors for ``config`` on ``processes`` processes (rows as long as ``max_length``, or with
+    ``read_data`` as the pre-flight reads them from the data: the longest row and its image tokens): on a
     GPU the device peak, on a CPU device and host together (the runtime constant left out: it is in the
     baseline); and the plan itself."""
     from posttrain.config import load_config
     from posttrain.memory.check import memory_plan
     from posttrain.memory.machine import detect
     from posttrain.plan import resolve
+    from posttrain.preflight import longest_row, most_image_tokens, preflight
 
-    resolved, _, _ = resolve(load_config(data=config), processes)
     machine = machine or detect(processes)
-    memory = memory_plan(resolved, processes, machine, resolved.data.max_length)
+    if read_data:
+        flight = preflight(load_config(data=config), processes)
+        rows, images = longest_row(flight), most_image_tokens(flight)
+        memory = memory_plan(flight.config, processes, machine, rows, images)
+    else:
+        resolved, _, _ = resolve(load_config(data=config), processes)
+        memory = memory_plan(resolved, processes, machine, resolved.data.max_length)
     tensors = memory.peak("device", runtime=False) if machine.device == "cuda" else memory.tensors_peak()
     return tensors, memory
 
@@ -233,7 +270,9 @@ def run_cases(names: list[str], work: Path, jobs: int = 1) -> list[tuple[float, 
     from concurrent.futures import ThreadPoolExecutor
 
     configs = {name: case_config(name, work) for name in names}
-    estimates = [estimate(configs[name], CASES[name][2])[0] for name in names]
+    estimates = [
+        estimate(configs[name], CASES[name][2], read_data=CASES[name][0] == "vlm")[0] for name in names
+    ]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         threads = max(1, 2 // max(1, jobs))  # the two cores these tables were measured on, shared
         measured = list(

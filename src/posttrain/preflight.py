@@ -7,6 +7,7 @@ with the trained tokens marked, and the end-of-turn check. ``posttrain plot-lr``
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,19 @@ def longest_row(flight: DataPlan) -> int:
     return max(int(np.max(view.lengths(column))) for column in view.input_columns)
 
 
+def most_image_tokens(flight: DataPlan) -> int:
+    """The most image tokens a row of a micro-batch can hold (a vision-language run's data; 0 otherwise): a
+    sample's own for padded rows (each of a pair's rows reads its images), and for rows of several samples
+    the row's length at the densest sample's share of image tokens (no row is denser than its densest)."""
+    report, config = flight.data.train_report, flight.config
+    if not report.image_tokens:
+        return 0
+    if report.packed or config.data.padding_free:
+        return math.ceil(longest_row(flight) * report.image_share)
+    rows = TRAINERS.get(config.type).obj.rows_per_sample
+    return math.ceil(report.most_image_tokens / rows)
+
+
 def memory_report(flight: DataPlan, machine: Machine) -> tuple[str, dict[str, Any] | None]:
     """The memory plan of the pre-flight's config, for rows as long as the data's longest, as text and
     data; a model factory that reports no config before loading gets a line saying so."""
@@ -198,7 +212,7 @@ def memory_report(flight: DataPlan, machine: Machine) -> tuple[str, dict[str, An
         return f"memory plan: not available (model.type {config.model.type!r} reports no config)", None
     world = flight.sizes.world_size * config.sequence_parallel_size
     try:
-        memory = memory_plan(config, world, machine, longest_row(flight))
+        memory = memory_plan(config, world, machine, longest_row(flight), most_image_tokens(flight))
     except ShapeUnavailable as error:
         return f"memory plan: not available (the model cannot be built on the meta device: {error})", None
     return plan_text(memory, machine), plan_as_data(memory, machine)

@@ -330,13 +330,39 @@ def test_the_memory_plan_counts_what_trains_and_the_report_counts_images(
         )
     )
     assert frozen.params == trained.params == trained.trainable > frozen.trainable
+    # the tiny Idefics3's encoder: 2 layers of width 32 (MLP 64), 2x2 patches merged into an image token
+    assert frozen.vision is not None and trained.vision is not None
+    assert (frozen.vision.layers, frozen.vision.hidden, frozen.vision.intermediate) == (2, 32, 64)
+    assert frozen.vision.patches_per_token == 4.0
+    assert (
+        not frozen.vision.tower_trained and trained.vision.tower_trained and trained.vision.projector_trained
+    )
 
     from posttrain.config import load_config
-    from posttrain.preflight import preflight, report_text
+    from posttrain.memory.machine import Machine
+    from posttrain.preflight import memory_report, preflight, report_text
 
     config = load_config(data=vlm_config(vlms["idefics3"], colour_data, tmp_path))
-    text = report_text(preflight(config, 1), config)
+    flight = preflight(config, 1)
+    text = report_text(flight, config)
     assert "16 images (64 image tokens)" in text, text
+    machine = Machine("cpu", None, 64 * 2**30, 1)
+    # one image (4 image tokens, 16 encoder positions) a row; the frozen tower keeps nothing for backward
+    rows = flight.sizes.micro_batch_size
+    _, plan = memory_report(flight, machine)
+    assert plan is not None
+    items = {item["part"]: item for item in plan["items"]}
+    assert items["image encoder (frozen)"]["phase"] == "forward"
+    assert items["image encoder (frozen)"]["bytes"] == rows * 16 * (4 * 32 + 64) * 4
+    assert "image encoder activations" not in items
+    config = load_config(
+        data=vlm_config(vlms["idefics3"], colour_data, tmp_path, model={"freeze_vision_tower": False})
+    )
+    _, plan = memory_report(preflight(config, 1), machine)
+    assert plan is not None
+    items = {item["part"]: item for item in plan["items"]}
+    per_layer = rows * 16 * (8 * 32 + 2 * 64) * 4
+    assert items["image encoder activations"]["bytes"] == 2 * per_layer  # not checkpointed: both layers
 
 
 @pytest.mark.slow

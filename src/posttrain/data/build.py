@@ -62,6 +62,8 @@ class DataReport:
     leaked: int = 0
     images: int = 0  # a vision-language run: images in the stored samples
     image_tokens: int = 0  # and the positions their features take
+    most_image_tokens: int = 0  # in one sample (a pair's rows each count theirs)
+    image_share: float = 0.0  # the largest share of a sample's tokens that are image tokens
 
     def summary(self, name: str) -> str:
         parts = [f"{name}: {self.rows} rows -> {self.samples} samples"]
@@ -85,6 +87,17 @@ class DataReport:
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> DataReport:
         return cls(**{**value, "dropped": Counter(value["dropped"])})
+
+
+def count_images(report: DataReport, images: np.ndarray, tokens: np.ndarray) -> None:
+    """Add kept samples' ``images`` (per sample: images, image tokens) of ``tokens`` tokens to ``report``."""
+    if not len(images):
+        return
+    report.images += int(images[:, 0].sum())
+    report.image_tokens += int(images[:, 1].sum())
+    report.most_image_tokens = max(report.most_image_tokens, int(images[:, 1].max()))
+    share = float((images[:, 1] / np.maximum(tokens, 1)).max())
+    report.image_share = max(report.image_share, share)
 
 
 @dataclass
@@ -400,9 +413,9 @@ def build_store(ctx: RunContext, tokenizer: Any, max_length: int, directory: Pat
                 report.dropped.update(chunk.dropped)
                 report.truncated += chunk.truncated
                 if chunk.images is not None:
+                    tokens = sum(v for k, v in chunk.lengths.items() if k.endswith("input_ids"))
                     for part, where in ((train_report, ~chunk.held_out), (eval_report, chunk.held_out)):
-                        part.images += int(chunk.images[where, 0].sum())
-                        part.image_tokens += int(chunk.images[where, 1].sum())
+                        count_images(part, chunk.images[where], np.asarray(tokens)[where])
                 progress.advance(len(chunk.row_hashes))
             if len(bad) >= MAX_ROW_ERRORS:
                 break

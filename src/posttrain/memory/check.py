@@ -19,10 +19,13 @@ from posttrain.memory.settings import settings_for
 from posttrain.memory.shape import ShapeUnavailable, model_shape
 
 
-def memory_plan(config: TrainerConfig, world_size: int, machine: Machine, tokens_per_row: int) -> MemoryPlan:
-    """The plan of one process of ``config`` (resolved for ``world_size``) on ``machine``."""
+def memory_plan(
+    config: TrainerConfig, world_size: int, machine: Machine, tokens_per_row: int, image_tokens: int = 0
+) -> MemoryPlan:
+    """The plan of one process of ``config`` (resolved for ``world_size``) on ``machine``, for rows of at
+    most ``tokens_per_row`` tokens of which at most ``image_tokens`` are image tokens."""
     shape = model_shape(config.model)
-    settings = settings_for(config, shape, world_size, tokens_per_row, machine.device)
+    settings = settings_for(config, shape, world_size, tokens_per_row, machine.device, image_tokens)
     return plan(replace(settings, gpu_memory=machine.device_memory or 0.0), shape)
 
 

@@ -81,6 +81,7 @@ class Settings:
     reward_models: tuple[tuple[str, int, str], ...] = ()
     teacher_models: tuple[tuple[str, int, str], ...] = ()  # distill's teacher: (path, parameters, dtype)
     gpu_memory: float = 0.0  # bytes per GPU (vLLM's share is a fraction of it)
+    image_tokens: int = 0  # a vision-language run: the most image tokens one row holds (0: none, or unknown)
 
     @property
     def tokens(self) -> int:
@@ -151,6 +152,7 @@ def plan(settings: Settings, shape: ModelShape) -> MemoryPlan:
     _gradients_and_optimizer(out)
     _deepspeed_buffers(out)
     _activations(out)
+    _image_encoder(out)
     _loss(out)
     _fp8(out)
     _generation(out)
@@ -339,6 +341,44 @@ def _activations(out: MemoryPlan) -> None:
         2 * tokens * shape.hidden * b,
         f"{tokens:,} tokens",
     )
+
+
+#: per position and layer, the elements an image encoder layer (a ViT: two LayerNorms, q/k/v/o projections,
+#: an ungated MLP) keeps for backward, in units of (its width, its MLP's width); calibrated on CPU
+#: (``benchmarks/memory_plan.py``, the vision cases)
+ENCODER_ELEMENTS = (8, 2)
+
+
+def _image_encoder(out: MemoryPlan) -> None:
+    """A vision-language model's image encoder over a micro-batch's images: each image token of the language
+    model stands for ``patches_per_token`` encoder positions. A trained tower keeps its layers' activations
+    for backward (with activation checkpointing, its layers' inputs and one recomputed layer); a frozen one
+    keeps nothing, and one layer's working memory lives during the forward. A trained projector keeps the
+    tower's output."""
+    s, vision = out.settings, out.shape.vision
+    if vision is None or not s.image_tokens:
+        return
+    b = DTYPE_BYTES[s.dtype]
+    rows = s.micro_batch * s.rows_per_sample
+    positions = round(rows * s.image_tokens * vision.patches_per_token)
+    width, mlp = ENCODER_ELEMENTS
+    per_layer = positions * (width * vision.hidden + mlp * vision.intermediate) * b
+    detail = f"{positions:,} positions ({rows} rows x {s.image_tokens:,} image tokens)"
+    if not vision.tower_trained:  # a layer's input, its q/k/v and output, or its MLP's activation, at once
+        working = positions * (4 * vision.hidden + vision.intermediate) * b
+        out.add("image encoder (frozen)", "device", "forward", working, detail + ", one layer at a time")
+    elif s.checkpointing:
+        inputs = vision.layers * positions * vision.hidden * b
+        out.add("image encoder: checkpointed layer inputs", "device", "forward+backward", inputs, detail)
+        out.add("image encoder activations", "device", "backward", per_layer, "one layer recomputed")
+    else:
+        everything = vision.layers * per_layer
+        out.add("image encoder activations", "device", "forward+backward", everything, detail)
+    if vision.projector_trained:
+        kept = positions * vision.hidden * b
+        out.add(
+            "projector input", "device", "forward+backward", kept, "the tower's output, kept for backward"
+        )
 
 
 def _fp8(out: MemoryPlan) -> None:

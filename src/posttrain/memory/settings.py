@@ -13,10 +13,16 @@ from posttrain.registry import TRAINERS, load_component
 
 
 def settings_for(
-    config: TrainerConfig, shape: ModelShape, world_size: int, tokens_per_row: int, device: str
+    config: TrainerConfig,
+    shape: ModelShape,
+    world_size: int,
+    tokens_per_row: int,
+    device: str,
+    image_tokens: int = 0,
 ) -> Settings:
     """``config`` resolved for ``world_size`` processes (batch sizes filled in), rows of at most
-    ``tokens_per_row`` tokens, training on ``device`` (``cuda`` or ``cpu``)."""
+    ``tokens_per_row`` tokens (of them at most ``image_tokens`` image tokens), training on ``device``
+    (``cuda`` or ``cpu``)."""
     ds = build_deepspeed_config(config, world_size=world_size, hidden_size=shape.hidden)
     zero = ds["zero_optimization"]
     dtype = shape.dtype if config.model.dtype == "auto" else config.model.dtype
@@ -55,6 +61,7 @@ def settings_for(
         bf16_optimizer=uses_bf16_optimizer(ds),
         generation_rows=generation_rows if method.get("generation_rows") else 0,
         generation_tokens=tokens_per_row,
+        image_tokens=image_tokens,
         reference_model=bool(method.get("reference_model")) and config.model.peft_config is None,
         vllm_share=float(method.get("vllm_share", 0.0)),
         reward_models=tuple(

@@ -4,6 +4,7 @@ from the checkpoint's ``config.json`` on the meta device (no weight is read, any
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,19 @@ class ShapeUnavailable(Exception):
 
 #: module-name pieces that mark a mixture-of-experts layer's experts and its shared expert
 EXPERT_MARK, SHARED_MARK = ".experts.", "shared_expert"
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """A vision-language model's image encoder (its vision tower): what its activations scale with."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    patches_per_token: float  # encoder positions per image token of the language model (after merging)
+    tower_trained: bool  # the tower's parameters get gradients (its activations are kept for backward)
+    projector_trained: bool  # the projector's do (it keeps its input, the tower's output)
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,7 @@ class ModelShape:
     gated: bool = True
     dtype: str = "float32"  # the checkpoint's weight dtype (what ``model.dtype: auto`` loads)
     fp8: Fp8Layers | None = None  # the linear layers ``model.fp8`` converts (None: no FP8)
+    vision: VisionShape | None = None  # a vision-language model's image encoder
 
     @property
     def dense(self) -> int:
@@ -178,6 +193,53 @@ def shape_of(built: torch.nn.Module, hf_config: Any) -> ModelShape:
         adapter_inputs=_adapter_inputs(built, layers),
         gated=gated,
         dtype=_weight_dtype(hf_config),
+        vision=vision_shape(unique.values(), hf_config),
+    )
+
+
+def patches_per_token(hf_config: Any) -> float:
+    """How many of the encoder's positions one image token of the language model stands for: Idefics3 and
+    SmolVLM merge ``scale_factor``^2 patches, Qwen-VL ``spatial_merge_size``^2, Gemma 3 pools the patch grid
+    to ``mm_tokens_per_image``; LLaVA gives one token a patch (its class token aside)."""
+    vision = hf_config.vision_config
+    if getattr(hf_config, "scale_factor", None):
+        return float(hf_config.scale_factor) ** 2
+    if getattr(vision, "spatial_merge_size", None):
+        return float(vision.spatial_merge_size) ** 2
+    size, patch = getattr(vision, "image_size", 0), getattr(vision, "patch_size", 0)
+    pooled = getattr(hf_config, "mm_tokens_per_image", 0)
+    if pooled and isinstance(size, int) and isinstance(patch, int) and patch:
+        return (size // patch) ** 2 / pooled
+    return 1.0
+
+
+def vision_shape(named: Iterable[tuple[str, torch.nn.Parameter]], hf_config: Any) -> VisionShape | None:
+    """The image encoder of a vision-language model (None for a text model), which of its parts train as
+    ``freeze_parts`` left them."""
+    from posttrain.vision.freeze import part_of
+    from posttrain.vision.processor import is_vision_language
+
+    if not is_vision_language(hf_config):
+        return None
+    trained = {"tower": False, "projector": False}
+    for name, parameter in named:
+        part = part_of(name)
+        if part in trained and parameter.requires_grad:
+            trained[part] = True
+    vision = hf_config.vision_config
+    dims = read_dimensions(vision)
+    hidden = int(
+        getattr(vision, "embed_dim", 0) or dims.hidden
+    )  # Qwen2-VL: hidden_size is the merger's output
+    ratio = float(getattr(vision, "mlp_ratio", 0) or 4)
+    return VisionShape(
+        layers=dims.layers or int(getattr(vision, "depth", 0) or 0),
+        hidden=hidden,
+        intermediate=dims.intermediate or round(ratio * hidden),
+        heads=dims.heads,
+        patches_per_token=patches_per_token(hf_config),
+        tower_trained=trained["tower"],
+        projector_trained=trained["projector"],
     )
 
 

@@ -9,6 +9,7 @@ CPU build for this torch on PyPI (see docs/methods.md).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,20 +66,33 @@ def _text_config(vocab: int, hidden_size: int, layers: int, heads: int, tokenize
     }
 
 
-def _tower(patch: int, **more: Any) -> dict[str, Any]:
-    """The tiny image encoder's config: 2 layers of width 32 over 32x32 images cut in ``patch`` pixels."""
-    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
-    return {**shape, "image_size": IMAGE_SIDE, "patch_size": patch, **more}
+@dataclass(frozen=True)
+class Tower:
+    """The tiny image encoder: ``layers`` layers of width ``hidden`` over 32x32 images cut in ``patch``-pixel
+    squares (None: the family's default, which gives 4 image tokens an image)."""
+
+    hidden: int = 32
+    layers: int = 2
+    patch: int | None = None
+
+    def config(self, patch: int, **more: Any) -> dict[str, Any]:
+        shape = {
+            "hidden_size": self.hidden,
+            "intermediate_size": 2 * self.hidden,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": 2,
+        }
+        return {**shape, "image_size": IMAGE_SIDE, "patch_size": patch, **more}
 
 
-def _idefics3(tokenizer: Any, text: dict[str, Any]) -> tuple[Any, Any]:
+def _idefics3(tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, Any]:
     from transformers import AutoConfig, Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     tokenizer.add_special_tokens({"additional_special_tokens": _IDEFICS3_TOKENS})
     side = {"longest_edge": IMAGE_SIDE}
     images = Idefics3ImageProcessorPil(do_image_splitting=False, size=side, max_image_size=side)
-    patch, scale = 8, 2  # (32 / 8)^2 = 16 patches, merged 2x2 by the connector: 4 image tokens
+    patch, scale = tower.patch or 8, 2  # (32 / 8)^2 = 16 patches, merged 2x2 by the connector: 4 image tokens
     processor = Idefics3Processor(
         image_processor=images,
         tokenizer=tokenizer,
@@ -88,7 +102,7 @@ def _idefics3(tokenizer: Any, text: dict[str, Any]) -> tuple[Any, Any]:
     config = AutoConfig.for_model(
         "idefics3",
         text_config=text | {"vocab_size": len(tokenizer)},
-        vision_config=_tower(patch),
+        vision_config=tower.config(patch),
         scale_factor=scale,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         tie_word_embeddings=False,
@@ -97,12 +111,12 @@ def _idefics3(tokenizer: Any, text: dict[str, Any]) -> tuple[Any, Any]:
     return config, processor
 
 
-def _llava(tokenizer: Any, text: dict[str, Any]) -> tuple[Any, Any]:
+def _llava(tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, Any]:
     from transformers import AutoConfig, LlavaProcessor
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    patch = 16  # (32 / 16)^2 = 4 image tokens
+    patch = tower.patch or 16  # (32 / 16)^2 = 4 image tokens
     images = CLIPImageProcessorPil(
         size={"shortest_edge": IMAGE_SIDE}, crop_size={"height": IMAGE_SIDE, "width": IMAGE_SIDE}
     )
@@ -117,7 +131,7 @@ def _llava(tokenizer: Any, text: dict[str, Any]) -> tuple[Any, Any]:
     config = AutoConfig.for_model(
         "llava",
         text_config=text | {"vocab_size": len(tokenizer)},
-        vision_config=_tower(patch, model_type="clip_vision_model", projection_dim=32),
+        vision_config=tower.config(patch, model_type="clip_vision_model", projection_dim=32),
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,
@@ -139,8 +153,10 @@ def build_tiny_vlm(
     heads: int = 4,
     vocab_size: int = 2048,
     seed: int = 0,
+    tower: Tower = Tower(),
 ) -> tuple[Any, Any]:
-    """(model, processor) of a tiny ``arch`` VLM: float32, random weights drawn from ``seed``."""
+    """(model, processor) of a tiny ``arch`` VLM: float32, random weights drawn from ``seed``; ``tower``: the
+    image encoder's size (a wider one for the memory plan's benchmark)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -152,7 +168,7 @@ def build_tiny_vlm(
         raise ValueError(f"hidden_size {hidden_size} must be a multiple of the {heads} attention heads")
     tokenizer = build_tokenizer(vocab_size=vocab_size, seed=seed)
     text = _text_config(len(tokenizer), hidden_size, layers, heads, tokenizer)
-    config, processor = _BUILDERS[arch](tokenizer, text)
+    config, processor = _BUILDERS[arch](tokenizer, text, tower)
     tokenizer.chat_template = processor.chat_template  # one template, whichever object renders it
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
