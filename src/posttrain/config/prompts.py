@@ -25,5 +25,8 @@ class PromptsDataConfig(PromptedDataConfig):
 
     unsupported: ClassVar[dict[str, str]] = {
         "pack_samples": "prompts are generated from one by one; completions are batched per group",
-        "padding_free": "completions are batched as padded rows",
+        "padding_free": (
+            "the prompts are not trained on; the completions' micro-batches are joined by the method's own "
+            "padding_free (top level, on by default)"
+        ),
     }

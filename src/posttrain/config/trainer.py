@@ -303,6 +303,12 @@ class TrainerConfig(BaseConfig):
             raise UserError("\n".join(found))
 
     @property
+    def joins_documents(self) -> bool:
+        """Whether the model sees rows of several documents (packed or padding-free), which then attend per
+        document."""
+        return self.data.padding_free or self.data.pack_samples
+
+    @property
     def checks_model(self) -> bool:
         """Whether the method checks the model's facts (overrides :meth:`model_problems`)."""
         return type(self).model_problems is not TrainerConfig.model_problems

@@ -116,8 +116,15 @@ class HostPrepared(CollatorWrapper):
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The batch's tensors on ``device``, except those that must stay on the host (``HOST_KEYS``)."""
+    """The batch's tensors on ``device`` (those of a dict in it too: a joined micro-batch's), except those that
+    must stay on the host (``HOST_KEYS``)."""
     return {
-        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and k not in HOST_KEYS else v
+        k: (
+            v.to(device, non_blocking=True)
+            if isinstance(v, torch.Tensor) and k not in HOST_KEYS
+            else to_device(v, device)
+            if isinstance(v, dict)
+            else v
+        )
         for k, v in batch.items()
     }

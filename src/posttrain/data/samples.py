@@ -116,6 +116,26 @@ def pad_rows(rows: Sequence[tuple[Any, Any]], pad_id: int) -> tuple[torch.Tensor
     return input_ids, labels, attention
 
 
+#: the model inputs of a joined micro-batch (``joined_rows``), under the batch's ``joined`` key
+JOINED = "joined"
+
+
+def joined_rows(input_ids: torch.Tensor, attention: torch.Tensor) -> dict[str, Any]:
+    """Right-padded rows joined into one row without their padding, for a forward that attends per document:
+    ``input_ids`` and ``position_ids`` (restarting at every row) ``[1, real tokens]``, the documents' bounds,
+    and ``index``: where each joined token sits in the rows laid end to end (``[rows x tokens]``, flat)."""
+    real = attention.bool()
+    index = real.reshape(-1).nonzero().squeeze(1)
+    positions = torch.cat([torch.arange(int(n)) for n in real.sum(1)]).unsqueeze(0)
+    bounds = document_bounds(positions)
+    del bounds["num_attention_sq"]
+    return {
+        "input_ids": input_ids.reshape(-1)[index].unsqueeze(0),
+        "position_ids": positions,
+        "index": index,
+    } | bounds
+
+
 # ------------------------------------------------------------------ chat messages and rendering
 
 

@@ -55,7 +55,7 @@ def settings_for(
         tokens_per_row=tokens_per_row,
         rows_per_sample=rows,
         eager_attention=config.model.attn_implementation == "eager",
-        documents=config.data.pack_samples or config.data.padding_free,
+        documents=config.joins_documents,
         four_bit=bool(quantisation.get("load_in_4bit")),
         device=device,
         bf16_optimizer=uses_bf16_optimizer(ds),

@@ -31,7 +31,8 @@ from posttrain.config.distill import DistillTrainerConfig
 from posttrain.dist import all_gather_rows
 from posttrain.errors import UserError
 from posttrain.logs import say
-from posttrain.models.token_logps import chunk_rows, model_inputs, tileable_head, unwrap
+from posttrain.models.document_attention import follow_documents
+from posttrain.models.token_logps import chunk_rows, forward_inputs, tileable_head, unwrap
 from posttrain.rollout.feed import GeneratedBatch, OnlineMethod, OnlineSteps, completion_records, stop_ids
 from posttrain.rollout.generation import Completions, TransformersBackend, completion_key, keyed_uniform
 from posttrain.tokenizers.chat_templates import end_of_turn_ids
@@ -144,6 +145,7 @@ class Teacher:
         from posttrain.models.reference import load_reference_model
 
         model = load_reference_model(config.teacher, ctx)
+        follow_documents(unwrap(model), unwrap(engine.module), "teacher_model_name_or_path")
         processor = processor_of(tokenizer)
         if processor is not None and not is_vision_language(unwrap(model).config):
             raise UserError(
@@ -178,7 +180,8 @@ class Teacher:
         """The teacher's last hidden states ``[rows, tokens, hidden]`` (its head returns them as they are)."""
         self.head.forward = lambda states: states  # type: ignore[method-assign]
         try:
-            return self.runner(**model_inputs(batch), use_cache=False).logits
+            with forward_inputs(self.model, batch) as inputs:
+                return self.runner(**inputs, use_cache=False).logits
         finally:
             del self.head.forward
 
@@ -383,7 +386,8 @@ class DistillLoss:
 
         head.forward = head_divergence  # type: ignore[method-assign]
         try:
-            per_position = model(**model_inputs(batch), use_cache=False).logits
+            with forward_inputs(model, batch) as inputs:
+                per_position = model(**inputs, use_cache=False).logits
         finally:
             del head.forward
         kept = mask.reshape(-1).index_select(0, rows)

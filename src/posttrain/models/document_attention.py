@@ -374,6 +374,18 @@ def language_model_only(model: torch.nn.Module, name: str) -> str | dict[str, st
     return name
 
 
+def padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    """The mask transformers builds for per-document attention: ``sdpa``'s when the inputs carry an attention
+    mask (a padded batch: left-padded prompts in generation, whose padding must not be attended, also at
+    every cached decoding step), none otherwise (rows of documents attend per document by their bounds, and
+    a mask over a long row would be ``[tokens x tokens]``)."""
+    if attention_mask is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
 def use_document_attention(model: torch.nn.Module) -> str:
     """Switch an ``sdpa`` or ``eager`` model to per-document attention for rows of several documents (eager
     per document is causal ``sdpa``: the same product, without the whole-row mask), unless the model's
@@ -382,6 +394,7 @@ def use_document_attention(model: torch.nn.Module) -> str:
     padding after it, and padding carries no label."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
 
     reason = unsupported_by_documents(model)
     if reason:
@@ -389,6 +402,7 @@ def use_document_attention(model: torch.nn.Module) -> str:
     if _varlen_attn() is not None:
         _parameters(_varlen_attn())  # read the signature now, not inside a compiled block
     AttentionInterface.register(DOCUMENT_ATTENTION, per_document(sdpa_attention_forward))
+    AttentionMaskInterface.register(DOCUMENT_ATTENTION, padding_mask)
     model.set_attn_implementation(language_model_only(model, DOCUMENT_ATTENTION))
     model.register_forward_pre_hook(bounds_hook, with_kwargs=True)
     return ""
@@ -399,7 +413,7 @@ def document_attention_transform(
 ) -> torch.nn.Module:
     """Model transform: rows of several documents (packed or padding-free) attend per document, with no mask over
     the row (sequence parallelism brings its own per-document attention)."""
-    documents = config.data.padding_free or config.data.pack_samples
+    documents = config.joins_documents
     if documents and config.model.attn_implementation in REPLACED and config.sequence_parallel_size == 1:
         kept = use_document_attention(model)
         if "sinks" in kept:
@@ -413,3 +427,50 @@ def document_attention_transform(
         if kept:
             say(f"per-document attention does not apply to this model ({kept}): packed rows use a masked row")
     return model
+
+
+#: attention implementations that keep the documents of a row apart by its positions
+DOCUMENT_KERNELS = (DOCUMENT_ATTENTION, "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def attends_per_document(model: torch.nn.Module) -> bool:
+    """Whether the model's language model attends per document in a row of several (its attention is
+    posttrain's per-document one, or a kernel that reads the documents from the positions)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "_attn_implementation", None) in DOCUMENT_KERNELS
+
+
+def joins_rows(padding_free: bool, model: torch.nn.Module) -> bool:
+    """Whether an online method's micro-batches are joined into one row (``padding_free``, where the model
+    attends per document); said in one line when the setting is on and the model cannot."""
+    if not padding_free:
+        return False
+    if attends_per_document(model):
+        return True
+    why = unsupported_by_documents(model) or "its attention implementation reads a mask over the row"
+    say(
+        f"padding_free: per-document attention does not apply to this model ({why}): micro-batches stay padded"
+    )
+    return False
+
+
+def follow_documents(model: torch.nn.Module, policy: torch.nn.Module, what: str) -> None:
+    """A frozen model that reads the policy's micro-batches (a reference, a teacher) attends per document
+    when the policy does, so joined rows stay exact for it too; refused in one line when it cannot."""
+    if not attends_per_document(policy) or attends_per_document(model):
+        return
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    implementation = getattr(text, "_attn_implementation", None)
+    if implementation not in REPLACED:
+        raise UserError(
+            f"{what}: its attention ({implementation}) cannot keep the joined rows of padding_free apart; set "
+            "padding_free: false"
+        )
+    reason = use_document_attention(model)
+    if reason:
+        raise UserError(
+            f"{what}: per-document attention does not apply to it ({reason}), and the policy's micro-batches "
+            "are joined rows; set padding_free: false"
+        )

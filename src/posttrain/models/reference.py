@@ -35,10 +35,13 @@ class Reference:
         self.engine, self.model = engine, None
         if ref_model is None and is_peft_model(engine.module):
             return
+        from posttrain.models.document_attention import follow_documents
         from posttrain.models.embeddings import fit_embeddings
+        from posttrain.models.token_logps import unwrap
 
         reference = load_reference_model(ref_model or policy, ctx)
         fit_embeddings(reference, tokenizer)
+        follow_documents(reference, unwrap(engine.module), "ref_model")
         self.model = reference.to(engine.device)
 
     @torch.no_grad()

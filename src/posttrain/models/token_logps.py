@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttrain.data.samples import DOCUMENT_KEYS, IGNORE_INDEX, target_labels
+from posttrain.data.samples import DOCUMENT_KEYS, IGNORE_INDEX, JOINED, target_labels
 from posttrain.errors import UserError
 from posttrain.models.peft import base_model
 from posttrain.models.sampling_policy import Replay, SamplingPolicy, entropy_of, replay_for
@@ -39,6 +39,36 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", *DOCUMENT_KEYS, *
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     return {key: batch[key] for key in MODEL_INPUTS if key in batch}
+
+
+@contextmanager
+def forward_inputs(model: Any, batch: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The model's inputs for ``batch``. A micro-batch whose rows were joined (``data.samples.joined_rows``,
+    under ``JOINED``) runs as that one row, and while active the LM head receives the hidden states laid back
+    out as the batch's ``[rows, tokens]`` (zeros at the padding): everything from the head on, the tiled loss,
+    the sampler's replay, the masks, sees the padded batch, and the decoder spends nothing on padding."""
+    joined = batch.get(JOINED)
+    if joined is None:
+        yield model_inputs(batch)
+        return
+    base = unwrap(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is None:
+        raise UserError(f"padding_free: {type(base).__name__} has no LM head to lay the rows back out at")
+    rows, tokens = batch["input_ids"].shape
+    index = joined["index"]
+
+    def laid_out(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden = args[0].reshape(-1, args[0].shape[-1])
+        flat = hidden.new_zeros(rows * tokens, hidden.shape[-1]).index_copy(0, index, hidden)
+        return (flat.view(rows, tokens, -1), *args[1:])
+
+    handle = head.register_forward_pre_hook(laid_out)
+    try:
+        inputs = {key: value for key, value in joined.items() if key in MODEL_INPUTS}
+        yield inputs | {key: batch[key] for key in IMAGE_INPUTS if key in batch}
+    finally:
+        handle.remove()
 
 
 def chunk_rows(vocab_size: int, hidden_size: int, rows: int) -> int:
@@ -225,11 +255,14 @@ def use_tiled(setting: bool | str, batch: dict[str, Any], model: Any) -> bool:
 def row_nll(model: Any, batch: dict[str, Any], tiled: bool | str = False) -> torch.Tensor:
     """Per row of the batch, the float32 NLL of its next-token labels, summed (0 for a row without any)."""
     targets = target_labels(batch)
-    inputs = model_inputs(batch)
     if use_tiled(tiled, batch, model):
-        with head_computes_nll(model, targets, batch.get("target_rows")):
+        with (
+            forward_inputs(model, batch) as inputs,
+            head_computes_nll(model, targets, batch.get("target_rows")),
+        ):
             return model(**inputs, use_cache=False).logits
-    logits = model(**inputs, use_cache=False).logits
+    with forward_inputs(model, batch) as inputs:
+        logits = model(**inputs, use_cache=False).logits
     nll = F.cross_entropy(
         logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )
@@ -250,22 +283,25 @@ def token_logps(
     ``policy``: the distribution a sampler with these settings draws from (``sampling_policy.py``: the
     penalised, truncated and renormalised one), else the plain ``softmax(logits / T)``."""
     targets = target_labels(batch)
-    inputs = model_inputs(batch)
     replay = replay_for(policy, batch, targets)
     if use_tiled(tiled, batch, model):
         found = torch.zeros(targets.numel(), dtype=torch.float32, device=targets.device) if entropy else None
-        with head_computes_nll(
-            model,
-            targets,
-            batch.get("target_rows"),
-            per_token=True,
-            temperature=temperature,
-            entropy=found,
-            replay=replay,
+        with (
+            forward_inputs(model, batch) as inputs,
+            head_computes_nll(
+                model,
+                targets,
+                batch.get("target_rows"),
+                per_token=True,
+                temperature=temperature,
+                entropy=found,
+                replay=replay,
+            ),
         ):
             logps = -model(**inputs, use_cache=False).logits
         return logps, (found.view(targets.shape) if found is not None else None)
-    logits = model(**inputs, use_cache=False).logits.float()
+    with forward_inputs(model, batch) as inputs:
+        logits = model(**inputs, use_cache=False).logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     if replay is not None:

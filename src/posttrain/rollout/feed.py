@@ -30,10 +30,12 @@ import torch
 from posttrain.context import RunContext
 from posttrain.data.prompts import ORIGIN_KEY, decode_row, prompt_of
 from posttrain.data.sampler import shard_order
-from posttrain.data.samples import IGNORE_INDEX, pad_rows, target_labels, target_rows
+from posttrain.data.samples import IGNORE_INDEX, JOINED, joined_rows, pad_rows, target_labels, target_rows
 from posttrain.dist import all_reduce_sum
 from posttrain.errors import UserError
+from posttrain.models.document_attention import joins_rows
 from posttrain.models.sampling_policy import policy_of
+from posttrain.models.token_logps import unwrap
 from posttrain.rollout.ahead import STATE_KEY, Ahead, SavedAhead
 from posttrain.rollout.generation import (
     Completions,
@@ -263,6 +265,7 @@ class OnlineSteps:
         self.pad_id = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
         self.stops = stop_ids(tokenizer, engine.module)
         self.processor = processor_of(tokenizer)  # a vision-language model's: prompts with images
+        self.joins = joins_rows(config.padding_free, unwrap(engine.module))  # micro-batches as one row
         self.backend = build_backend(
             config,
             engine.module,
@@ -518,7 +521,7 @@ class OnlineSteps:
         """The completions as training micro-batches (``training_micro_batches``), given their prompts' image
         inputs (``images``: each row's, a vision-language run)."""
         batches = training_micro_batches(
-            prompt_ids, completions, values, self.micro, self.pad_id, self.method.mask_truncated
+            prompt_ids, completions, values, self.micro, self.pad_id, self.method.mask_truncated, self.joins
         )
         return attach_images(batches, images or [], self.processor)
 
@@ -596,11 +599,13 @@ def training_micro_batches(
     micro: int,
     pad_id: int,
     mask_truncated: bool,
+    join: bool = False,
 ) -> list[dict[str, Any]]:
     """Prompt + completion rows in micro-batches of ``micro``, completion tokens in the loss
     (``completion_mask``; those cut at the limit left out when ``mask_truncated``), each per-completion value
     sliced in, and the engine's log-probabilities laid out as the trainer's (``sampling_logps``) when it gave
-    them. The tokens tools added (``Completions.tool_mask`` 0) are not in the loss."""
+    them. The tokens tools added (``Completions.tool_mask`` 0) are not in the loss. ``join``: each micro-batch
+    also carries its rows joined without padding (``JOINED``), which the forward runs instead."""
     prompt_ids = completions.prompt_ids or prompt_ids
     out = []
     for start in range(0, len(prompt_ids), micro):
@@ -630,6 +635,8 @@ def training_micro_batches(
         for name, value in values.items():
             batch[name] = value[start : start + len(part)]
         batch["target_rows"] = target_rows(batch)
+        if join:
+            batch[JOINED] = joined_rows(input_ids, attention)
         if completions.logps is not None:
             batch["sampling_logps"] = aligned_logps(
                 [(len(prompt_ids[i]), completions.logps[i]) for i in part], input_ids.shape[1]
