@@ -104,7 +104,8 @@ def test_grpo_with_a_reference_logs_the_padded_runs_records(
 ) -> None:
     """A separate reference model (``ref_model``) follows the policy's per-document attention; the losses,
     KL, entropies and rewards of 3 steps (two updates a batch, so the old policy's log-probabilities too)
-    equal the padded run's."""
+    equal the padded run's. The joined run also tiles the vocabulary projection (``tiled_loss_compute``:
+    the policy's, the old policy's and the reference's log-probabilities a chunk of positions at a time)."""
     from tests.grpo_helpers import DIGITS
 
     (tmp_path / "digits.py").write_text(DIGITS)
@@ -118,6 +119,7 @@ def test_grpo_with_a_reference_logs_the_padded_runs_records(
             beta=0.1,
             num_iterations=2,
             padding_free=join,
+            tiled_loss_compute=join,
             ref_model={"name_or_path": str(tiny_model_dir), "dtype": "float32"},
             logger={"output_dir": str(tmp_path / f"run-{join}")},
         )

@@ -46,11 +46,17 @@ class Reference:
 
     @torch.no_grad()
     def logps(
-        self, batch: dict[str, Any], temperature: float, policy: SamplingPolicy | None = None
+        self,
+        batch: dict[str, Any],
+        temperature: float,
+        policy: SamplingPolicy | None = None,
+        tiled: bool | str = False,
     ) -> torch.Tensor:
         """Per-token log-probabilities of the batch's targets ``[rows, tokens]`` (``policy``: under the
-        sampler's settings, as the policy's are taken: the two agree before the first update)."""
+        sampler's settings, as the policy's are taken: the two agree before the first update; ``tiled``: as
+        ``tiled_loss_compute``, the vocabulary projection a chunk of positions at a time, so a long completion
+        never holds its whole logits)."""
         if self.model is not None:
-            return token_logps(self.model, batch, False, temperature, policy=policy)[0]
+            return token_logps(self.model, batch, tiled, temperature, policy=policy)[0]
         with self.engine.module.disable_adapter():
-            return token_logps(self.engine, batch, False, temperature, policy=policy)[0]
+            return token_logps(self.engine, batch, tiled, temperature, policy=policy)[0]

@@ -132,7 +132,7 @@ class GRPOMethod(OnlineMethod):
                     self.engine, on_device, tiled, temperature, policy=self.policy
                 )[0].cpu()
             if self.reference is not None:
-                batch["ref_logps"] = self.reference.logps(on_device, temperature, self.policy).cpu()
+                batch["ref_logps"] = self.reference.logps(on_device, temperature, self.policy, tiled).cpu()
             if correction is not None and sampling is not None:
                 mask = batch["completion_mask"]
                 batch["sampling_weight"] = sampling_weights(correction, batch["old_logps"], sampling, mask)
