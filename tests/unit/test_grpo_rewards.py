@@ -190,6 +190,21 @@ def _grpo(tmp_path: Path, **extra) -> dict:
             "vllm_importance_sampling_clip_min",
             "not below",
         ),
+        (
+            {"sequence_parallel_size": 2, "importance_sampling_level": "sequence"},
+            "importance_sampling_level",
+            "GSPO",
+        ),
+        (
+            {"sequence_parallel_size": 2, "use_vllm": True},
+            "vllm_importance_sampling_mode",
+            "token_truncate",
+        ),
+        (
+            {"sequence_parallel_size": 2, "micro_batch_size": 3, "gradient_accumulation_steps": 1},
+            "sequence_parallel_size",
+            "equal share",
+        ),
     ],
 )
 def test_bad_settings_are_config_errors_with_their_key(
@@ -199,6 +214,23 @@ def test_bad_settings_are_config_errors_with_their_key(
         load_config(data=_grpo(tmp_path, **extra), base_dir=tmp_path)
     issues = [(issue.path, issue.message) for issue in error.value.issues]
     assert any(path == key and text in message for path, message in issues), issues
+
+
+def test_sequence_parallelism_validates_for_token_level_grpo(tmp_path: Path) -> None:
+    config = load_config(data=_grpo(tmp_path, sequence_parallel_size=2, micro_batch_size=2), base_dir=tmp_path)
+    assert config.sequence_parallel_size == 2 and config.padding_free
+    with pytest.raises(ConfigError) as error:  # distill splits nothing yet
+        load_config(
+            data={
+                "type": "distill",
+                "model": {"name_or_path": "m"},
+                "teacher_model_name_or_path": "t",
+                "data": {"sources": ["p.jsonl"]},
+                "sequence_parallel_size": 2,
+            },
+            base_dir=tmp_path,
+        )
+    assert any(issue.path == "sequence_parallel_size" for issue in error.value.issues)
 
 
 def test_trl_names_and_defaults_carry_over(tmp_path: Path) -> None:

@@ -173,6 +173,32 @@ class GRPOTrainerConfig(ScoredConfig):
                     f"{low} is not below vllm_importance_sampling_clip_max ({high}); lower it or raise the max",
                 )
 
+    def sequence_parallel_problems(self) -> Iterator[Problem]:
+        """grpo splits each training row over the group after generation; what needs a whole completion's sum
+        inside the loss is not split yet, and each process generates its share of its group's completions."""
+        sp = self.sequence_parallel_size
+        if self.importance_sampling_level == "sequence":
+            yield Problem(
+                "importance_sampling_level",
+                f"sequence (GSPO) with sequence_parallel_size={sp}: one ratio per completion would need the "
+                "completion's tokens from every process of the group, not done yet; use token, or "
+                "sequence_parallel_size: 1",
+            )
+        mode = self.vllm_importance_sampling_mode
+        if self.use_vllm and self.vllm_importance_sampling_correction and mode.startswith("sequence"):
+            yield Problem(
+                "vllm_importance_sampling_mode",
+                f"{mode} with sequence_parallel_size={sp}: one weight per completion is not split over the "
+                "group yet; use token_truncate or token_mask",
+            )
+        share = self.micro_batch_size * self.gradient_accumulation_steps
+        if share % sp:
+            yield Problem(
+                "sequence_parallel_size",
+                f"{sp}: each process of a group generates an equal share of its micro_batch_size x "
+                f"gradient_accumulation_steps = {share} completions; use a product that {sp} divides",
+            )
+
     @property
     def clip_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high

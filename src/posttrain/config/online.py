@@ -308,10 +308,13 @@ class OnlineTrainerConfig(TrainerConfig):
                 "every generation length; set it to false",
             )
         if self.sequence_parallel_size > 1:
-            yield Problem(
-                "sequence_parallel_size",
-                f"{self.sequence_parallel_size}: {self.type} does not support it yet",
-            )
+            yield from self.sequence_parallel_problems()
+
+    def sequence_parallel_problems(self) -> Iterator[Problem]:
+        """What keeps this method from splitting its rows over ``sequence_parallel_size`` processes."""
+        yield Problem(
+            "sequence_parallel_size", f"{self.sequence_parallel_size}: {self.type} does not support it yet"
+        )
 
     def _ahead_problems(self) -> Iterator[Problem]:
         """``max_staleness`` needs a server generating beside the trainer; ``weight_sync_steps`` an engine with

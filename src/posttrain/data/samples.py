@@ -58,6 +58,10 @@ def trained_per_sample(labels: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 #: ``max_length_*`` ints), plus ``document_bounds``, the same bounds as an int64 tensor that stays on the host
 #: (never moved to the device, so no layer waits on the device to read them)
 DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "document_bounds")
+#: the model input that marks a sequence-parallel forward (``models.sequence_parallel.slice_rows``): attention
+#: runs through Ulysses only when it is given (a generation on the same model, whose rows are whole on every
+#: process, runs the plain kernel)
+SLICED = "sequence_sliced"
 #: batch tensors the loop leaves on the host
 HOST_KEYS = frozenset({"document_bounds"})
 

@@ -441,10 +441,14 @@ def attends_per_document(model: torch.nn.Module) -> bool:
     return getattr(text, "_attn_implementation", None) in DOCUMENT_KERNELS
 
 
-def joins_rows(padding_free: bool, model: torch.nn.Module) -> bool:
+def joins_rows(padding_free: bool, model: torch.nn.Module, split: bool = False) -> bool:
     """Whether an online method's micro-batches are joined into one row (``padding_free``, where the model
-    attends per document); said in one line when the setting is on and the model cannot."""
+    attends per document; not when sequence parallelism ``split``s the rows); said in one line when the
+    setting is on and the run cannot."""
     if not padding_free:
+        return False
+    if split:
+        say("padding_free: the rows are split over the sequence-parallel processes instead (padded rows)")
         return False
     if attends_per_document(model):
         return True

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.config.trainer import TrainerConfig
-from posttrain.data.samples import IGNORE_INDEX, document_bounds, target_labels
+from posttrain.data.samples import IGNORE_INDEX, SLICED, document_bounds, target_labels
 from posttrain.errors import UserError
 from posttrain.models.dimensions import read_dimensions
 from posttrain.models.document_attention import per_document
@@ -89,6 +89,8 @@ def install_sequence_parallel(model: torch.nn.Module, sp: int, attention_impl: s
     def attention(
         module: Any, query: torch.Tensor, key: Any, value: Any, mask: Any, *args: Any, **kwargs: Any
     ) -> Any:
+        if not kwargs.get(SLICED):  # whole rows on every process (generation): the plain kernel
+            return original(module, query, key, value, mask, *args, **kwargs)
         _fit_batch(ulysses, query.shape[0])
         return ulysses(
             module, query, key, value, None, *args, **kwargs
@@ -109,56 +111,70 @@ def uninstall() -> None:
     _installed = None
 
 
+def slice_rows(
+    batch: dict[str, Any], pad_id: int, sp: int, sp_rank: int, rows: int, token_keys: Sequence[str] = ()
+) -> dict[str, Any]:
+    """A batch every rank of a sequence-parallel group holds whole, cut to this rank's slice of the sequence:
+    padded to a multiple of the group size (padding has no label) and to ``rows`` rows, its labels shifted to
+    ``shift_labels``, and ``token_keys`` (per-position values aligned with the shifted labels: an online
+    micro-batch's completion mask, the engine's log-probabilities) padded with 0 and cut alike. The counts the
+    loop normalises by are this slice's, so their sum over the group is the batch's; the samples are counted
+    by the group's first rank."""
+    batch = dict(batch)
+    input_ids = batch["input_ids"]
+    count, length = input_ids.shape
+    real = batch.pop("attention_mask", torch.ones_like(input_ids)).bool()
+    positions = batch.get("position_ids")
+    packed = positions is not None
+    if positions is None:
+        positions = torch.arange(length).expand(count, length)
+    target = -(-length // sp) * sp
+    extra_cols, extra_rows = target - length, max(rows - count, 0)
+    shift = target_labels(batch)
+    pad = (0, extra_cols, 0, extra_rows)
+    input_ids = F.pad(input_ids, pad, value=pad_id)
+    shift = F.pad(shift, pad, value=IGNORE_INDEX)
+    real = F.pad(real, pad, value=False)
+    tail = positions[:, -1:] + 1 + torch.arange(extra_cols) if extra_cols else positions[:, :0]
+    positions = torch.cat([positions, tail], dim=1)
+    positions = torch.cat([positions, torch.arange(target).expand(extra_rows, target)], dim=0)
+    width = target // sp
+    part = slice(sp_rank * width, (sp_rank + 1) * width)
+    targets = shift[:, part].contiguous()
+    trained = int((targets != IGNORE_INDEX).sum())
+    for key in token_keys:
+        if key in batch:
+            batch[key] = F.pad(batch[key], pad, value=0)[:, part].contiguous()
+    batch.update(
+        input_ids=input_ids[:, part].contiguous(),
+        position_ids=positions[:, part].contiguous(),
+        shift_labels=targets,
+        num_target_tokens=trained,
+        num_loss_units=trained,
+        num_input_tokens=int(real[:, part].sum()),
+        num_samples=batch["num_samples"] if sp_rank == 0 else 0,
+    )
+    batch[SLICED] = True
+    # every rank attends over the whole (gathered) sequence with its share of the heads; the bounds of the
+    # whole row reach attention for unpacked rows too (one document per row), so no layer reads them back from
+    # the device
+    bounds = document_bounds(positions)
+    squares = bounds["num_attention_sq"] if packed else batch.get("num_attention_sq", 0)
+    bounds["num_attention_sq"] = squares // sp
+    batch.update(bounds)
+    del batch["labels"]
+    return batch
+
+
 class SequenceSlicer:
-    """Wraps a collator: the batch every rank of a sequence-parallel group builds (the same samples) is
-    padded to a multiple of the group size (padding has no label) and to ``micro_batch_size`` rows, its
-    labels are shifted to ``shift_labels``, and this rank keeps its slice of the sequence. The counts the
-    loop normalises by are this slice's, so their sum over ranks is the batch's."""
+    """Wraps a collator: the batch every rank of a sequence-parallel group builds (the same samples) is cut
+    to this rank's slice (:func:`slice_rows`, ``micro_batch_size`` rows)."""
 
     def __init__(self, collate: Callable[..., Any], pad_id: int, sp: int, sp_rank: int, rows: int) -> None:
         self.collate, self.pad_id, self.sp, self.sp_rank, self.rows = collate, pad_id, sp, sp_rank, rows
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        batch = dict(self.collate(samples))
-        input_ids = batch["input_ids"]
-        count, length = input_ids.shape
-        real = batch.pop("attention_mask", torch.ones_like(input_ids)).bool()
-        positions = batch.get("position_ids")
-        packed = positions is not None
-        if positions is None:
-            positions = torch.arange(length).expand(count, length)
-        target = -(-length // self.sp) * self.sp
-        extra_cols, extra_rows = target - length, max(self.rows - count, 0)
-        shift = target_labels(batch)
-        pad = (0, extra_cols, 0, extra_rows)
-        input_ids = F.pad(input_ids, pad, value=self.pad_id)
-        shift = F.pad(shift, pad, value=IGNORE_INDEX)
-        real = F.pad(real, pad, value=False)
-        tail = positions[:, -1:] + 1 + torch.arange(extra_cols) if extra_cols else positions[:, :0]
-        positions = torch.cat([positions, tail], dim=1)
-        positions = torch.cat([positions, torch.arange(target).expand(extra_rows, target)], dim=0)
-        width = target // self.sp
-        part = slice(self.sp_rank * width, (self.sp_rank + 1) * width)
-        targets = shift[:, part].contiguous()
-        trained = int((targets != IGNORE_INDEX).sum())
-        batch.update(
-            input_ids=input_ids[:, part].contiguous(),
-            position_ids=positions[:, part].contiguous(),
-            shift_labels=targets,
-            num_target_tokens=trained,
-            num_loss_units=trained,
-            num_input_tokens=int(real[:, part].sum()),
-            num_samples=batch["num_samples"] if self.sp_rank == 0 else 0,
-        )
-        # every rank attends over the whole (gathered) sequence with its share of the heads; the bounds of
-        # the whole row reach attention for unpacked rows too (one document per row), so no layer reads them
-        # back from the device
-        bounds = document_bounds(positions)
-        squares = bounds["num_attention_sq"] if packed else batch.get("num_attention_sq", 0)
-        bounds["num_attention_sq"] = squares // self.sp
-        batch.update(bounds)
-        del batch["labels"]
-        return batch
+        return slice_rows(dict(self.collate(samples)), self.pad_id, self.sp, self.sp_rank, self.rows)
 
 
 def sequence_parallel_transform(

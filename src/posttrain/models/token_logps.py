@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from posttrain.data.samples import DOCUMENT_KEYS, IGNORE_INDEX, JOINED, target_labels
+from posttrain.data.samples import DOCUMENT_KEYS, IGNORE_INDEX, JOINED, SLICED, target_labels
 from posttrain.errors import UserError
 from posttrain.models.peft import base_model
 from posttrain.models.sampling_policy import Replay, SamplingPolicy, entropy_of, replay_for
@@ -34,7 +34,7 @@ TILED_LOSS_CHUNK_ELEMENTS = 2**27
 #: the fewest rows of a chunk (smaller matrix products waste the hardware)
 TILED_LOSS_MIN_ROWS = 256
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", *DOCUMENT_KEYS, *IMAGE_INPUTS)
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", SLICED, *DOCUMENT_KEYS, *IMAGE_INPUTS)
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:

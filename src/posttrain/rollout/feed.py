@@ -46,6 +46,7 @@ from posttrain.rollout.generation import (
     completion_key,
     generation_eos,
 )
+from posttrain.rollout.sequence_split import sequence_split
 from posttrain.tokenizers.chat_templates import end_of_turn_ids
 from posttrain.tokenizers.padding import input_pad_id
 from posttrain.tracking.metrics import MetricsFile
@@ -260,12 +261,16 @@ class OnlineSteps:
         self.group, self.updates, self.state_key = group, updates, state_key
         self.per_batch = sizes.global_batch_size // group  # prompts
         self.micro = sizes.micro_batch_size
-        self.mine = sizes.micro_batch_size * sizes.gradient_accumulation_steps  # completions on this rank
+        # completions this rank generates: its replica's share, split over a sequence-parallel group
+        self.mine = (
+            sizes.micro_batch_size * sizes.gradient_accumulation_steps // config.sequence_parallel_size
+        )
         self.sampling = sampling_of(config, tokenizer)
         self.pad_id = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
         self.stops = stop_ids(tokenizer, engine.module)
         self.processor = processor_of(tokenizer)  # a vision-language model's: prompts with images
-        self.joins = joins_rows(config.padding_free, unwrap(engine.module))  # micro-batches as one row
+        self.split = sequence_split(config, ctx.dist.rank, self.pad_id)  # rows over sequence-parallel ranks
+        self.joins = joins_rows(config.padding_free, unwrap(engine.module), self.split is not None)
         self.backend = build_backend(
             config,
             engine.module,
@@ -520,9 +525,13 @@ class OnlineSteps:
     ) -> list[dict[str, Any]]:
         """The completions as training micro-batches (``training_micro_batches``), given their prompts' image
         inputs (``images``: each row's, a vision-language run)."""
+        if self.split is not None:  # the group's completions, each micro-batch cut to this rank's slice
+            prompt_ids, completions, values = self.split.gather(prompt_ids, completions, values)
         batches = training_micro_batches(
             prompt_ids, completions, values, self.micro, self.pad_id, self.method.mask_truncated, self.joins
         )
+        if self.split is not None:
+            batches = [self.split.cut(batch) for batch in batches]
         return attach_images(batches, images or [], self.processor)
 
     def _log(self, generated: GeneratedBatch) -> None:

@@ -26,6 +26,7 @@ from posttrain.rollout.agent import agent_report
 from posttrain.rollout.ahead import ahead_lines
 from posttrain.rollout.feed import OnlineSteps
 from posttrain.rollout.scorer import Scorer
+from posttrain.rollout.sequence_split import COMPLETION_TOKENS
 from posttrain.training.extras import COUNT
 
 if TYPE_CHECKING:
@@ -180,7 +181,7 @@ class GRPOLoss:
         if entropy is not None:
             metrics["entropy"] = (entropy * mask).sum()
             metrics["entropy" + COUNT] = tokens
-        return loss_sum(self.params, losses, mask), metrics
+        return loss_sum(self.params, losses, mask, batch.get(COMPLETION_TOKENS)), metrics
 
     @torch.no_grad()
     def evaluate(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

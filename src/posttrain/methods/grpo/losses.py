@@ -242,16 +242,24 @@ def sequence_shares(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum(-1) / mask.sum(-1)
 
 
-def loss_sum(params: PolicyLoss, losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The micro-batch's share of the step loss, as a sum over its completions (see the module docstring)."""
+def loss_sum(
+    params: PolicyLoss, losses: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The micro-batch's share of the step loss, as a sum over its completions (see the module docstring).
+    ``lengths``: each completion's tokens in the loss when ``mask`` holds a slice of them (sequence
+    parallelism), else the mask's."""
     masked = (losses * mask).sum(-1)
     if params.loss_type in ("grpo", "reinforce"):
-        return (masked / mask.sum(-1).clamp(min=1.0)).sum()
+        counts = mask.sum(-1) if lengths is None else lengths.to(mask.dtype)
+        return (masked / counts.clamp(min=1.0)).sum()
     if params.loss_type == "dr_grpo":
         return masked.sum() / params.max_completion_length
     return masked.sum()  # dapo
 
 
-def loss_units(params: PolicyLoss, mask: torch.Tensor) -> int:
-    """What the loop divides the step's summed loss by: completion tokens (dapo) or completions."""
-    return int(mask.sum()) if params.loss_type == "dapo" else int(mask.shape[0])
+def loss_units(params: PolicyLoss, mask: torch.Tensor, completions: int | None = None) -> int:
+    """What the loop divides the step's summed loss by: completion tokens (dapo) or completions (the mask's
+    rows, or ``completions``: a sequence-parallel slice's, counted by the group's first process only)."""
+    if params.loss_type == "dapo":
+        return int(mask.sum())
+    return int(mask.shape[0]) if completions is None else completions

@@ -92,7 +92,7 @@ class GRPOMethod(OnlineMethod):
         self, feed: OnlineSteps, generated: GeneratedBatch, micro_batches: list[dict[str, Any]]
     ) -> None:
         for batch in micro_batches:
-            batch["num_loss_units"] = loss_units(self.params, batch["completion_mask"])
+            batch["num_loss_units"] = loss_units(self.params, batch["completion_mask"], batch["num_samples"])
         statistics = self._add_log_probabilities(micro_batches)
         if statistics is not None:
             records = sampling_records(all_gather_rows(statistics[None], self.ctx.dist))
