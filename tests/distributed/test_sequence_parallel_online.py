@@ -1,8 +1,9 @@
-"""Sequence parallelism for GRPO with two CPU processes: each process generates its share of the group's
-completions on whole sequences, the group exchanges them, and each micro-batch is split over the two; the
-losses of two steps and the first step's gradients (LM head included) equal one process's without the split,
-for a per-completion loss (``grpo``) and a per-token one (``dapo``), with the old policy's and a reference's
-log-probabilities computed on the slices (two updates a batch, ``beta`` > 0)."""
+"""Sequence parallelism for the online methods with two CPU processes: each process generates its share of
+the group's completions on whole sequences, the group exchanges them, and each micro-batch is split over the
+two; the losses of two steps and the first step's gradients (LM head included) equal one process's without
+the split, for GRPO with a per-completion loss (``grpo``) and a per-token one (``dapo``), the old policy's and
+a reference's log-probabilities computed on the slices (two updates a batch, ``beta`` > 0), and for on-policy
+distillation, whose teacher (another width and head count) is split the same way."""
 
 from __future__ import annotations
 
@@ -34,9 +35,33 @@ def test_grpo_sp2_matches_one_process(base_config: dict, tmp_path: Path) -> None
         optimizer={"lr": 1e-3},
         deepspeed={"gradient_clipping": 0.0},
     )
+    from posttrain.tiny_model import write_tiny_model
+
+    student = write_tiny_model(
+        tmp_path / "student", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2
+    )
+    teacher = write_tiny_model(
+        tmp_path / "teacher", seed=0, hidden_size=128, layers=3, vocab_size=1024, heads=4
+    )
+    distill = {
+        "type": "distill",
+        "model": {"name_or_path": str(student), "dtype": "float32", "disable_activation_checkpoint": True},
+        "teacher_model_name_or_path": str(teacher),
+        "beta": 0.5,
+        "data": {"sources": [str(files["train"])], "max_length": 64, "dl_num_workers": 0},
+        "max_completion_length": 16,
+        "micro_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "train_iters": 2,
+        "optimizer": {"lr": 1e-3},
+        "loss_log_interval": 1,
+        "checkpoint": [],
+        "deepspeed": {"gradient_clipping": 0.0},
+    }
     cases: dict[str, dict[str, Any]] = {
         "grpo": merge(base, loss_type="grpo"),
         "dapo": merge(base, loss_type="dapo", deepspeed={"zero_optimization": {"stage": 2}}),
+        "distill": distill,  # the teacher (its own heads) split over the group too
     }
     one = run_cases(
         {name: merge(c, logger={"output_dir": str(tmp_path / f"one-{name}")}) for name, c in cases.items()},
@@ -60,3 +85,24 @@ def test_grpo_sp2_matches_one_process(base_config: dict, tmp_path: Path) -> None
         assert "lm_head.weight" in got["grads"]
         worst = max(float((got["grads"][k] - want["grads"][k]).abs().max()) for k in want["grads"])
         assert worst <= 1e-6, (name, worst)
+
+
+@pytest.mark.slow  # make test-slow (CI runs it)
+def test_grpo_sp2_killed_between_two_updates_resumes_exactly(base_config: dict, tmp_path: Path) -> None:
+    """Killed after step 3 of 6 with two updates a batch: the kept micro-batches (this rank's slices) come
+    back from the checkpoint and the run ends on the uninterrupted run's losses and weights."""
+    from tests.resume_helpers import assert_same_continuation, kill_and_resume
+
+    (tmp_path / "digits.py").write_text(DIGITS)
+    files = {"train": write_prompts(tmp_path / "train.jsonl", 32), "reward": tmp_path / "digits.py"}
+    base = grpo_config(
+        base_config,
+        files,
+        num_iterations=2,
+        num_generations=4,
+        micro_batch_size=4,
+        gradient_accumulation_steps=2,
+        sequence_parallel_size=2,
+    )
+    results = kill_and_resume(base, tmp_path, nproc=2, kill_at=3, total=6)
+    assert_same_continuation(results, kill_at=3, total=6)

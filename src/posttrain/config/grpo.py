@@ -174,8 +174,7 @@ class GRPOTrainerConfig(ScoredConfig):
                 )
 
     def sequence_parallel_problems(self) -> Iterator[Problem]:
-        """grpo splits each training row over the group after generation; what needs a whole completion's sum
-        inside the loss is not split yet, and each process generates its share of its group's completions."""
+        """What needs a whole completion's sum inside the loss is not split over the group yet."""
         sp = self.sequence_parallel_size
         if self.importance_sampling_level == "sequence":
             yield Problem(
@@ -191,13 +190,7 @@ class GRPOTrainerConfig(ScoredConfig):
                 f"{mode} with sequence_parallel_size={sp}: one weight per completion is not split over the "
                 "group yet; use token_truncate or token_mask",
             )
-        share = self.micro_batch_size * self.gradient_accumulation_steps
-        if share % sp:
-            yield Problem(
-                "sequence_parallel_size",
-                f"{sp}: each process of a group generates an equal share of its micro_batch_size x "
-                f"gradient_accumulation_steps = {share} completions; use a product that {sp} divides",
-            )
+        yield from super().sequence_parallel_problems()
 
     @property
     def clip_high(self) -> float:

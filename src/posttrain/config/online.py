@@ -311,10 +311,17 @@ class OnlineTrainerConfig(TrainerConfig):
             yield from self.sequence_parallel_problems()
 
     def sequence_parallel_problems(self) -> Iterator[Problem]:
-        """What keeps this method from splitting its rows over ``sequence_parallel_size`` processes."""
-        yield Problem(
-            "sequence_parallel_size", f"{self.sequence_parallel_size}: {self.type} does not support it yet"
-        )
+        """What keeps this method from splitting its rows over ``sequence_parallel_size`` processes
+        (``rollout/sequence_split.py``): each process of a group generates an equal share of the group's
+        completions."""
+        sp = self.sequence_parallel_size
+        share = self.micro_batch_size * self.gradient_accumulation_steps
+        if share % sp:
+            yield Problem(
+                "sequence_parallel_size",
+                f"{sp}: each process of a group generates an equal share of its micro_batch_size x "
+                f"gradient_accumulation_steps = {share} completions; use a product that {sp} divides",
+            )
 
     def _ahead_problems(self) -> Iterator[Problem]:
         """``max_staleness`` needs a server generating beside the trainer; ``weight_sync_steps`` an engine with

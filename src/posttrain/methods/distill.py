@@ -146,6 +146,14 @@ class Teacher:
 
         model = load_reference_model(config.teacher, ctx)
         follow_documents(unwrap(model), unwrap(engine.module), "teacher_model_name_or_path")
+        if config.sequence_parallel_size > 1:  # the teacher's forward is split over the group too
+            from posttrain.config.sequence_parallel import check_model
+            from posttrain.models.facts import facts_from_hf_config
+
+            teacher = unwrap(model).config
+            check_model(
+                config.sequence_parallel_size, facts_from_hf_config(teacher), teacher._attn_implementation
+            )
         processor = processor_of(tokenizer)
         if processor is not None and not is_vision_language(unwrap(model).config):
             raise UserError(

@@ -74,23 +74,34 @@ def install_sequence_parallel(model: torch.nn.Module, sp: int, attention_impl: s
     dims = read_dimensions(model.config)
     original = ALL_ATTENTION_FUNCTIONS[attention_impl]
     core = per_document(original) if attention_impl == "sdpa" else original
-    ulysses = UlyssesSPAttentionHF(
-        attn=core,
-        batch_size=micro_batch,
-        attn_head_count=dims.heads,
-        attn_head_size=dims.head_dim,
-        kv_head_count=dims.kv_heads,
-        num_hidden_layers=dims.layers,
-        process_group=groups.get_sequence_parallel_group(),
-        seq_length_is_variable=True,
-    )
-    ulysses.core_attn_implementation = attention_impl
+    shapes: dict[tuple[int, int, int], Any] = {}  # one Ulysses per attention shape (a teacher has its own)
+
+    def ulysses_for(heads: int, kv_heads: int, head_dim: int, layers: int) -> Any:
+        if (heads, kv_heads, head_dim) not in shapes:
+            made = UlyssesSPAttentionHF(
+                attn=core,
+                batch_size=micro_batch,
+                attn_head_count=heads,
+                attn_head_size=head_dim,
+                kv_head_count=kv_heads,
+                num_hidden_layers=layers,
+                process_group=groups.get_sequence_parallel_group(),
+                seq_length_is_variable=True,
+            )
+            made.core_attn_implementation = attention_impl
+            shapes[heads, kv_heads, head_dim] = made
+        return shapes[heads, kv_heads, head_dim]
+
+    ulysses_for(dims.heads, dims.kv_heads, dims.head_dim, dims.layers)  # the model's own, checked now
 
     def attention(
         module: Any, query: torch.Tensor, key: Any, value: Any, mask: Any, *args: Any, **kwargs: Any
     ) -> Any:
         if not kwargs.get(SLICED):  # whole rows on every process (generation): the plain kernel
             return original(module, query, key, value, mask, *args, **kwargs)
+        config = getattr(module, "config", None)
+        layers = int(getattr(config, "num_hidden_layers", 0) or dims.layers)
+        ulysses = ulysses_for(query.shape[1], key.shape[1], query.shape[-1], layers)
         _fit_batch(ulysses, query.shape[0])
         return ulysses(
             module, query, key, value, None, *args, **kwargs
