@@ -67,3 +67,26 @@ def engine_grpo_config(root: Path, model: Path, rewards: list[Any], **changes: A
         "loss_log_interval": 1,
     }
     return merge(config, **changes)
+
+
+def distill_config(root: Path, prompts: Path, **changes: Any) -> dict[str, Any]:
+    """A distill run on tiny models written under ``root``: a 2-layer student of width 64 (2 heads) and a
+    3-layer teacher of width 128 (4 heads) with the same tokenizer, on ``prompts``, completions of up to 16
+    tokens, 16 a step, float32 (``changes`` deep-merged in)."""
+    from posttrain.tiny_model import write_tiny_model
+
+    student = write_tiny_model(root / "student", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2)
+    teacher = write_tiny_model(root / "teacher", seed=0, hidden_size=128, layers=3, vocab_size=1024, heads=4)
+    config = {
+        "type": "distill",
+        "model": {"name_or_path": str(student), "dtype": "float32", "disable_activation_checkpoint": True},
+        "teacher_model_name_or_path": str(teacher),
+        "beta": 0.5,
+        "data": {"sources": [str(prompts)], "max_length": 64, "dl_num_workers": 0},
+        "max_completion_length": 16,
+        "micro_batch_size": 8,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"lr": 1e-2},
+        "loss_log_interval": 1,
+    }
+    return merge(config, **changes)

@@ -13,16 +13,20 @@ from typing import Any
 import pytest
 
 from tests.distributed.test_sequence_parallel import run_cases
-from tests.grpo_helpers import DIGITS, grpo_config, write_prompts
+from tests.grpo_helpers import DIGITS, distill_config, grpo_config, write_prompts
 from tests.integration.helpers import merge
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.mark.slow  # make test-slow (CI runs it): two launches, about a minute
+def digit_prompts(root: Path) -> dict[str, Path]:
+    (root / "digits.py").write_text(DIGITS)
+    return {"train": write_prompts(root / "train.jsonl", 32), "reward": root / "digits.py"}
+
+
 def test_grpo_sp2_matches_one_process(base_config: dict, tmp_path: Path) -> None:
-    (tmp_path / "digits.py").write_text(DIGITS)
-    files = {"train": write_prompts(tmp_path / "train.jsonl", 32), "reward": tmp_path / "digits.py"}
+    files = digit_prompts(tmp_path)
     base = grpo_config(
         base_config,
         files,
@@ -35,29 +39,15 @@ def test_grpo_sp2_matches_one_process(base_config: dict, tmp_path: Path) -> None
         optimizer={"lr": 1e-3},
         deepspeed={"gradient_clipping": 0.0},
     )
-    from posttrain.tiny_model import write_tiny_model
-
-    student = write_tiny_model(
-        tmp_path / "student", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2
+    distill = distill_config(
+        tmp_path,
+        files["train"],
+        micro_batch_size=4,
+        train_iters=2,
+        optimizer={"lr": 1e-3},
+        checkpoint=[],
+        deepspeed={"gradient_clipping": 0.0},
     )
-    teacher = write_tiny_model(
-        tmp_path / "teacher", seed=0, hidden_size=128, layers=3, vocab_size=1024, heads=4
-    )
-    distill = {
-        "type": "distill",
-        "model": {"name_or_path": str(student), "dtype": "float32", "disable_activation_checkpoint": True},
-        "teacher_model_name_or_path": str(teacher),
-        "beta": 0.5,
-        "data": {"sources": [str(files["train"])], "max_length": 64, "dl_num_workers": 0},
-        "max_completion_length": 16,
-        "micro_batch_size": 4,
-        "gradient_accumulation_steps": 2,
-        "train_iters": 2,
-        "optimizer": {"lr": 1e-3},
-        "loss_log_interval": 1,
-        "checkpoint": [],
-        "deepspeed": {"gradient_clipping": 0.0},
-    }
     cases: dict[str, dict[str, Any]] = {
         "grpo": merge(base, loss_type="grpo"),
         "dapo": merge(base, loss_type="dapo", deepspeed={"zero_optimization": {"stage": 2}}),
@@ -93,11 +83,9 @@ def test_grpo_sp2_killed_between_two_updates_resumes_exactly(base_config: dict, 
     back from the checkpoint and the run ends on the uninterrupted run's losses and weights."""
     from tests.resume_helpers import assert_same_continuation, kill_and_resume
 
-    (tmp_path / "digits.py").write_text(DIGITS)
-    files = {"train": write_prompts(tmp_path / "train.jsonl", 32), "reward": tmp_path / "digits.py"}
     base = grpo_config(
         base_config,
-        files,
+        digit_prompts(tmp_path),
         num_iterations=2,
         num_generations=4,
         micro_batch_size=4,

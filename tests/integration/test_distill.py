@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from posttrain.testing.env import child_env
-from tests.grpo_helpers import write_prompts
+from tests.grpo_helpers import distill_config, write_prompts
 from tests.resume_helpers import assert_same_continuation, cli, kill_and_resume, last_metrics
 
 pytestmark = pytest.mark.integration
@@ -23,29 +23,13 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from posttrain.tiny_model import write_tiny_model
-
     root = tmp_path_factory.mktemp("distill")
-    student = write_tiny_model(root / "student", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2)
-    teacher = write_tiny_model(root / "teacher", seed=0, hidden_size=128, layers=3, vocab_size=1024, heads=4)
-    config = {
-        "type": "distill",
-        "model": {"name_or_path": str(student), "dtype": "float32", "disable_activation_checkpoint": True},
-        "teacher_model_name_or_path": str(teacher),
-        "beta": 0.5,
-        "data": {
-            "sources": [str(write_prompts(root / "train.jsonl", 64))],
-            "max_length": 64,
-            "dl_num_workers": 0,
-        },
-        "max_completion_length": 16,
-        "micro_batch_size": 8,
-        "gradient_accumulation_steps": 2,
-        "optimizer": {"lr": 1e-2},
-        "scheduler": {"name": "constant", "warmup_ratio": 0},
-        "loss_log_interval": 1,
-        "completions_log_interval": 1,
-    }
+    config = distill_config(
+        root,
+        write_prompts(root / "train.jsonl", 64),
+        scheduler={"name": "constant", "warmup_ratio": 0},
+        completions_log_interval=1,
+    )
     return {"root": root, "config": config, "eval": write_prompts(root / "eval.jsonl", 8, seed=1)}
 
 

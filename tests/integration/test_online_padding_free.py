@@ -4,7 +4,6 @@ the padded batch's; whole GRPO (with a separate reference) and distill runs log 
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,8 @@ from posttrain.models.sampling_policy import SamplingPolicy
 from posttrain.models.token_logps import token_logps
 from posttrain.rollout.feed import training_micro_batches
 from posttrain.rollout.generation import Completions
-from tests.grpo_helpers import grpo_config, write_prompts
-from tests.integration.helpers import metrics, train
+from tests.grpo_helpers import distill_config, grpo_config, write_prompts
+from tests.integration.helpers import merge, metrics, train
 
 pytestmark = pytest.mark.integration
 
@@ -130,32 +129,10 @@ def test_grpo_with_a_reference_logs_the_padded_runs_records(
 
 def test_distill_logs_the_padded_runs_records(prompt_file: Path, tmp_path: Path) -> None:
     """The student's and the teacher's forwards on the joined rows give the padded run's divergences."""
-    from posttrain.tiny_model import write_tiny_model
-
-    student = write_tiny_model(
-        tmp_path / "student", seed=0, hidden_size=64, layers=2, vocab_size=1024, heads=2
-    )
-    teacher = write_tiny_model(
-        tmp_path / "teacher", seed=0, hidden_size=128, layers=3, vocab_size=1024, heads=4
-    )
-    base = {
-        "type": "distill",
-        "model": {"name_or_path": str(student), "dtype": "float32", "disable_activation_checkpoint": True},
-        "teacher_model_name_or_path": str(teacher),
-        "beta": 0.5,
-        "data": {"sources": [str(prompt_file)], "max_length": 64, "dl_num_workers": 0},
-        "max_completion_length": 16,
-        "micro_batch_size": 8,
-        "gradient_accumulation_steps": 2,
-        "train_iters": 2,
-        "optimizer": {"lr": 1e-2},
-        "loss_log_interval": 1,
-        "checkpoint": [],
-    }
+    base = distill_config(tmp_path, prompt_file, train_iters=2, checkpoint=[])
     found = []
     for join in (True, False):
-        config = copy.deepcopy(base) | {"padding_free": join}
-        config["logger"] = {"output_dir": str(tmp_path / f"run-{join}")}
+        config = merge(base, padding_free=join, logger={"output_dir": str(tmp_path / f"run-{join}")})
         train(config)
         found.append(metrics(config))
     _same_records(*found, keys=("loss", "entropy", "teacher_entropy"))

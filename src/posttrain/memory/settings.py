@@ -31,7 +31,8 @@ def settings_for(
     spec = TRAINERS.get(config.type).obj
     rows = spec.rows_per_sample
     method = load_component(spec.memory)(config) if spec.memory else {}
-    generation_rows = config.micro_batch_size * config.gradient_accumulation_steps
+    # a rank generates its share of its replica's completions (sequence parallelism: split over the group)
+    generation_rows = config.micro_batch_size * config.gradient_accumulation_steps // sp
     if method.get("tokens_per_row_extra"):  # training rows are prompt + completion
         tokens_per_row = tokens_per_row + method["tokens_per_row_extra"]
     return Settings(
