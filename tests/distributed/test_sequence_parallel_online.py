@@ -19,12 +19,12 @@ from tests.integration.helpers import merge
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.slow  # make test-slow (CI runs it): two launches, about a minute
 def digit_prompts(root: Path) -> dict[str, Path]:
     (root / "digits.py").write_text(DIGITS)
     return {"train": write_prompts(root / "train.jsonl", 32), "reward": root / "digits.py"}
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): two launches, about a minute
 def test_grpo_sp2_matches_one_process(base_config: dict, tmp_path: Path) -> None:
     files = digit_prompts(tmp_path)
     base = grpo_config(

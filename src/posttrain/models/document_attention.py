@@ -312,16 +312,31 @@ _CACHES = ("past_key_values", "cache")
 _POSITIONS_AT: dict[Any, int | None] = {}
 
 
-def _positions(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The forward's ``position_ids``, passed by name or by place."""
-    if "position_ids" in kwargs or not args:
-        return kwargs.get("position_ids")
+def _argument(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """The forward's argument ``name``, passed by name or by place."""
+    if name in kwargs or not args:
+        return kwargs.get(name)
     forward = type(module).forward
-    if forward not in _POSITIONS_AT:
+    if (forward, name) not in _POSITIONS_AT:
         names = list(inspect.signature(forward).parameters)[1:]  # without self
-        _POSITIONS_AT[forward] = names.index("position_ids") if "position_ids" in names else None
-    at = _POSITIONS_AT[forward]
+        _POSITIONS_AT[forward, name] = names.index(name) if name in names else None
+    at = _POSITIONS_AT[forward, name]
     return args[at] if at is not None and at < len(args) else None
+
+
+def _padding_masks(on: bool) -> None:
+    """Whether transformers builds a mask for per-document attention in this forward: ``sdpa``'s for a
+    padded batch (an attention mask given: left-padded prompts in generation, whose padding must not be
+    attended, at every cached step too), none otherwise. Set by the model's pre-hook before each forward, so
+    a forward of rows of documents builds no mask and reads nothing from the device (transformers looks for
+    packed rows in the positions, one device read, whenever it has a mask function and no attention mask)."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    mapping = AttentionMaskInterface._global_mapping  # what transformers itself checks
+    if on:
+        mapping[DOCUMENT_ATTENTION] = sdpa_mask
+    else:
+        mapping.pop(DOCUMENT_ATTENTION, None)
 
 
 def derive_bounds(positions: torch.Tensor) -> dict[str, Any]:
@@ -336,16 +351,19 @@ def derive_bounds(positions: torch.Tensor) -> dict[str, Any]:
 def bounds_hook(
     module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """A forward pre-hook on the model: a batch-1 row with ``position_ids`` that restart (documents laid end to
-    end), no attention mask and no bounds of its own (a user's call, or a collator ``HostPrepared`` did not
+    """A forward pre-hook on the model. It tells transformers whether to build a mask for this forward (only
+    for a batch with an attention mask: ``_padding_masks``). A batch-1 row with ``position_ids`` that restart
+    (documents laid end to end), no attention mask and no bounds of its own (a user's call, or a collator ``HostPrepared`` did not
     wrap) gets the bounds derived here, once per forward: every layer, compiled blocks included, then
     attends per document, and no layer reads the positions or copies bounds to the device. Nothing is kept
     between forwards, so a positions tensor changed in place is read afresh."""
-    if "document_bounds" in kwargs or kwargs.get("attention_mask") is not None:
+    padded = _argument(module, args, kwargs, "attention_mask") is not None
+    _padding_masks(padded)
+    if "document_bounds" in kwargs or padded:
         return None
     if any(kwargs.get(name) is not None for name in _CACHES):
         return None
-    positions = _positions(module, args, kwargs)
+    positions = _argument(module, args, kwargs, "position_ids")
     if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[0] != 1:
         return None
     found = derive_bounds(positions)
@@ -374,18 +392,6 @@ def language_model_only(model: torch.nn.Module, name: str) -> str | dict[str, st
     return name
 
 
-def padding_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
-    """The mask transformers builds for per-document attention: ``sdpa``'s when the inputs carry an attention
-    mask (a padded batch: left-padded prompts in generation, whose padding must not be attended, also at
-    every cached decoding step), none otherwise (rows of documents attend per document by their bounds, and
-    a mask over a long row would be ``[tokens x tokens]``)."""
-    if attention_mask is None:
-        return None
-    from transformers.masking_utils import sdpa_mask
-
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
-
-
 def use_document_attention(model: torch.nn.Module) -> str:
     """Switch an ``sdpa`` or ``eager`` model to per-document attention for rows of several documents (eager
     per document is causal ``sdpa``: the same product, without the whole-row mask), unless the model's
@@ -394,7 +400,6 @@ def use_document_attention(model: torch.nn.Module) -> str:
     padding after it, and padding carries no label."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface
 
     reason = unsupported_by_documents(model)
     if reason:
@@ -402,7 +407,6 @@ def use_document_attention(model: torch.nn.Module) -> str:
     if _varlen_attn() is not None:
         _parameters(_varlen_attn())  # read the signature now, not inside a compiled block
     AttentionInterface.register(DOCUMENT_ATTENTION, per_document(sdpa_attention_forward))
-    AttentionMaskInterface.register(DOCUMENT_ATTENTION, padding_mask)
     model.set_attn_implementation(language_model_only(model, DOCUMENT_ATTENTION))
     model.register_forward_pre_hook(bounds_hook, with_kwargs=True)
     return ""
