@@ -44,7 +44,7 @@ from posttrain.config.trainer import TrainerConfig
 from posttrain.data.samples import document_bounds
 from posttrain.errors import UserError
 from posttrain.logs import say
-from posttrain.models.dimensions import more_than_causal, read_dimensions
+from posttrain.models.dimensions import more_than_causal, read_dimensions, text_config
 from posttrain.vision.processor import is_vision_language
 
 #: the attention name the model is switched to: transformers builds no mask for a name it does not know, and
@@ -309,7 +309,7 @@ def _flat(x: torch.Tensor, batch: int, length: int) -> torch.Tensor:
 
 #: where a forward may take a cache (generation): no documents are derived there
 _CACHES = ("past_key_values", "cache")
-_POSITIONS_AT: dict[Any, int | None] = {}
+_ARGUMENT_AT: dict[Any, int | None] = {}
 
 
 def _argument(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
@@ -317,10 +317,10 @@ def _argument(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     if name in kwargs or not args:
         return kwargs.get(name)
     forward = type(module).forward
-    if (forward, name) not in _POSITIONS_AT:
+    if (forward, name) not in _ARGUMENT_AT:
         names = list(inspect.signature(forward).parameters)[1:]  # without self
-        _POSITIONS_AT[forward, name] = names.index(name) if name in names else None
-    at = _POSITIONS_AT[forward, name]
+        _ARGUMENT_AT[forward, name] = names.index(name) if name in names else None
+    at = _ARGUMENT_AT[forward, name]
     return args[at] if at is not None and at < len(args) else None
 
 
@@ -353,8 +353,8 @@ def bounds_hook(
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """A forward pre-hook on the model. It tells transformers whether to build a mask for this forward (only
     for a batch with an attention mask: ``_padding_masks``). A batch-1 row with ``position_ids`` that restart
-    (documents laid end to end), no attention mask and no bounds of its own (a user's call, or a collator ``HostPrepared`` did not
-    wrap) gets the bounds derived here, once per forward: every layer, compiled blocks included, then
+    (documents laid end to end), no attention mask and no bounds of its own (a user's call, or a collator
+    ``HostPrepared`` did not wrap) gets the bounds derived here, once per forward: every layer, compiled blocks included, then
     attends per document, and no layer reads the positions or copies bounds to the device. Nothing is kept
     between forwards, so a positions tensor changed in place is read afresh."""
     padded = _argument(module, args, kwargs, "attention_mask") is not None
@@ -440,9 +440,13 @@ DOCUMENT_KERNELS = (DOCUMENT_ATTENTION, "flash_attention_2", "flash_attention_3"
 def attends_per_document(model: torch.nn.Module) -> bool:
     """Whether the model's language model attends per document in a row of several (its attention is
     posttrain's per-document one, or a kernel that reads the documents from the positions)."""
+    return _attention_of(model) in DOCUMENT_KERNELS
+
+
+def _attention_of(model: torch.nn.Module) -> str | None:
+    """The attention implementation of the model's language model."""
     config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "_attn_implementation", None) in DOCUMENT_KERNELS
+    return getattr(text_config(config), "_attn_implementation", None) if config is not None else None
 
 
 def joins_rows(padding_free: bool, model: torch.nn.Module, split: bool = False) -> bool:
@@ -468,9 +472,7 @@ def follow_documents(model: torch.nn.Module, policy: torch.nn.Module, what: str)
     when the policy does, so joined rows stay exact for it too; refused in one line when it cannot."""
     if not attends_per_document(policy) or attends_per_document(model):
         return
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    implementation = getattr(text, "_attn_implementation", None)
+    implementation = _attention_of(model)
     if implementation not in REPLACED:
         raise UserError(
             f"{what}: its attention ({implementation}) cannot keep the joined rows of padding_free apart; set "
