@@ -165,8 +165,10 @@ def run_posttrain(config_path: Path) -> dict[str, Any]:
     return _result(sum(r["step_time"] for r in steps), sum(_tokens(r) for r in steps), memory, steps)
 
 
-def _tokens(record: dict[str, Any]) -> float:
-    return record["tokens_per_second"] * record["step_time"]
+def _tokens(record: dict[str, Any]) -> int:
+    """A step's input tokens, read back from its rate and time (a whole number: the product's rounding
+    error, e.g. 4060.0000000000005, is not a token)."""
+    return round(record["tokens_per_second"] * record["step_time"])
 
 
 def bare(config_path: Path, masters: bool) -> dict[str, Any]:
