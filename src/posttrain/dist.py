@@ -151,3 +151,12 @@ def all_gather_rows(tensor: torch.Tensor, info: DistInfo) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(info.world_size)]
     torch_dist.all_gather(parts, local)
     return torch.cat(parts).to(tensor.device)
+
+
+def all_gather_objects(value: object, info: DistInfo) -> list[object]:
+    """Every rank's picklable ``value`` in rank order (``[value]`` with one process)."""
+    if info.world_size == 1:
+        return [value]
+    everyone: list[object] = [None] * info.world_size
+    torch_dist.all_gather_object(everyone, value)
+    return everyone

@@ -181,6 +181,17 @@ def _grpo(tmp_path: Path, **extra) -> dict:
         ),
         ({"rewards": []}, "rewards", "name at least one reward function"),
         (
+            {"dynamic_sampling": True, "dynamic_filtering_range": [1, 0]},
+            "dynamic_filtering_range",
+            "the low end is not below the high end",
+        ),
+        ({"dynamic_sampling": True, "tools": ["python"]}, "dynamic_sampling", "multi-turn"),
+        (
+            {"dynamic_sampling": True, "max_num_gen_batches": 0},
+            "max_num_gen_batches",
+            "greater than or equal",
+        ),
+        (
             {"use_vllm": True, "vllm_importance_sampling_clip_max": None},
             "vllm_importance_sampling_clip_max",
             "a bound",

@@ -38,6 +38,11 @@ class GRPOTrainerConfig(ScoredConfig):
             "a clipped loss_type (grpo, dapo, dr_grpo)",
         ),
         ModeKeys(
+            ("dynamic_filtering_range", "max_num_gen_batches"),
+            lambda c, root: c.dynamic_sampling,
+            "dynamic_sampling: true",
+        ),
+        ModeKeys(
             (
                 "vllm_importance_sampling_correction",
                 "vllm_importance_sampling_mode",
@@ -96,6 +101,22 @@ class GRPOTrainerConfig(ScoredConfig):
     mask_truncated_completions: bool = False
     """Leave completions cut at max_completion_length (no end-of-turn token) out of the loss."""
 
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (NeMo-RL's ``use_dynamic_sampling``, verl's ``filter_groups``): a group whose
+    completions all have the same total reward (no signal) is dropped before the loss, and more prompts are
+    generated, from the current weights in a fixed keyed order, until the batch is full again; the same
+    batches for any process count or timing. See ``dynamic_filtering_range`` and ``max_num_gen_batches``."""
+
+    dynamic_filtering_range: tuple[HumanFloat, HumanFloat] | None = None
+    """OpenRLHF's name and meaning: with ``dynamic_sampling``, also drop a group whose mean total reward is
+    not strictly inside ``[low, high]`` (a pass-rate range with 0/1 rewards: ``[0, 1]`` drops the groups all
+    solved or all failed, a tighter one the nearly so). Null: only the groups without spread."""
+
+    max_num_gen_batches: HumanInt = Field(default=8, ge=1)
+    """verl's name and meaning: with ``dynamic_sampling``, the most generation rounds a step's batch may take,
+    the first included. When they are spent the batch's places still empty keep filtered groups, out of the
+    loss (said once a run, counted in ``dynamic_sampling/masked_groups``)."""
+
     vllm_importance_sampling_correction: bool = True
     """TRL's name and default: weigh each token's loss by the ratio of the training model's probability of the
     sampled completion to the engine's (truncated or masked, ``vllm_importance_sampling_mode``), correcting the
@@ -151,6 +172,7 @@ class GRPOTrainerConfig(ScoredConfig):
         if self.ref_model is not None and self.ref_model.peft_config is not None:
             yield Problem("ref_model.peft_config", "the reference model is frozen; adapters belong on model")
         yield from frozen_model_problems(self.ref_model, "ref_model")
+        yield from self._dynamic_sampling_problems()
         if self.generates_ahead and not self.vllm_importance_sampling_correction:
             key = "max_staleness" if self.max_staleness else "weight_sync_steps"
             yield Problem(
@@ -172,6 +194,22 @@ class GRPOTrainerConfig(ScoredConfig):
                     "vllm_importance_sampling_clip_min",
                     f"{low} is not below vllm_importance_sampling_clip_max ({high}); lower it or raise the max",
                 )
+
+    def _dynamic_sampling_problems(self) -> Iterator[Problem]:
+        if self.dynamic_filtering_range is not None:
+            low, high = self.dynamic_filtering_range
+            if low >= high:
+                yield Problem(
+                    "dynamic_filtering_range",
+                    f"[{low}, {high}]: the low end is not below the high end; groups are kept when their mean "
+                    "reward is strictly between the two, e.g. [0, 1] for 0/1 rewards",
+                )
+        if self.dynamic_sampling and (self.agentic or self.rollout_func):
+            yield Problem(
+                "dynamic_sampling",
+                "true with multi-turn rollouts (tools, environment_factory, rollout_func): refilled batches of "
+                "multi-turn completions are not supported yet; use dynamic_sampling: false there",
+            )
 
     def sequence_parallel_problems(self) -> Iterator[Problem]:
         """What needs a whole completion's sum inside the loss is not split over the group yet."""

@@ -131,7 +131,8 @@ def build_backend(
 @dataclass
 class GeneratedBatch:
     """One rank's share of a generated batch: its completion slots, the prompts' rows (decoded, with every
-    column), the prompts' token ids and the sampled completions."""
+    column), the prompts' token ids and the sampled completions (which ``after_generation`` may replace:
+    dynamic sampling refills the batch)."""
 
     epoch: int
     batch: int
@@ -144,6 +145,17 @@ class GeneratedBatch:
     #: (batches trained since: 0 on policy; generated ahead, up to ``max_staleness``)
     version: int = 0
     staleness: int = 0
+
+
+class BatchGivenUp(Exception):
+    """A refill round of a batch gave up at a stop (its servers gone): the batch is not trained."""
+
+
+#: a per-completion value of ``after_generation``: 1 in the loss, 0 left out (its tokens' mask is 0)
+IN_LOSS = "in_loss"
+
+#: the refill orders' part of their key (dynamic sampling), apart from every completion's
+REFILL = 0x5EF111
 
 
 class OnlineMethod:
@@ -288,6 +300,7 @@ class OnlineSteps:
         self.counters: dict[str, float] = {}  # the loop state's (steps() takes them from it)
         self.orders: dict[int, np.ndarray] = {}  # an epoch's prompt order
         self.orders_lock = threading.Lock()
+        self.refill_order: tuple[tuple[int, int], np.ndarray] = ((-1, -1), np.zeros(0, dtype=np.int64))
         self.trainer_state = self._trainer_state(None, 0, 0, 1)  # before the first generation
         self.metrics = RolloutMetrics(method, self.backend)
         self.extras = [self.metrics]
@@ -392,19 +405,61 @@ class OnlineSteps:
         return self.offsets[epoch] + batch
 
     def _slots(
-        self, epoch: int, batch: int
+        self, epoch: int, batch: int, round_: int = 0
     ) -> tuple[int, range, list[dict[str, Any]], list[list[int]], list[int]]:
-        """This rank's share of a batch: its first slot, its slots, each slot's row, prompt ids and key."""
+        """This rank's share of a batch: its first slot, its slots, each slot's row, prompt ids and key.
+        ``round_`` > 0: a refill round of the batch (``refill_positions``), its prompts numbered on from the
+        batch's (prompt ``round_ * P + p``), so each completion has a key of its own."""
         group = self.group
         first = self.ctx.dist.rank * self.mine
         slots = range(first, first + self.mine)
-        order = self._order(epoch)
-        positions = order[batch * self.per_batch : (batch + 1) * self.per_batch]
+        if round_:
+            positions = self.refill_positions(epoch, batch, round_)
+        else:
+            positions = self._order(epoch)[batch * self.per_batch : (batch + 1) * self.per_batch]
         items = {s // group: self.prompts[int(positions[s // group])] for s in slots}
         rows = {p: decode_row(item) for p, item in items.items()}
         prompt_ids = [np.asarray(items[s // group]["input_ids"]).tolist() for s in slots]
-        keys = [completion_key(self.config.seed, epoch, batch, s // group, s % group) for s in slots]
+        numbered = round_ * self.per_batch
+        keys = [
+            completion_key(self.config.seed, epoch, batch, numbered + s // group, s % group) for s in slots
+        ]
         return first, slots, [rows[s // group] for s in slots], prompt_ids, keys
+
+    def refill_positions(self, epoch: int, batch: int, round_: int) -> np.ndarray:
+        """The prompts of refill round ``round_`` (1, 2, ...) of a batch (dynamic sampling): the next P of the
+        batch's refill order, a permutation of the epoch's other prompts drawn from (``data.seed``, epoch,
+        batch) alone; so a refill never changes which prompts later batches get, and is the same for any
+        process count or timing (wrapping round when the data has fewer prompts)."""
+        key = (epoch, batch)
+        if self.refill_order[0] != key:
+            own = self._order(epoch)[batch * self.per_batch : (batch + 1) * self.per_batch]
+            rest = np.setdiff1d(np.arange(len(self.prompts)), own)
+            rest = rest if len(rest) else np.arange(len(self.prompts))
+            draw = np.random.default_rng(completion_key(self.config.data.seed, epoch, batch, REFILL))
+            self.refill_order = (key, rest[draw.permutation(len(rest))])
+        order = self.refill_order[1]
+        return order[(np.arange(self.per_batch) + (round_ - 1) * self.per_batch) % len(order)]
+
+    def refill(self, epoch: int, batch: int, round_: int) -> GeneratedBatch:
+        """Refill round ``round_`` of a batch (dynamic sampling): P more prompts (``refill_positions``), G
+        completions each from the current weights (after the batches generated ahead are waited for), laid
+        out over the processes as the batch is. Every process calls it at once."""
+        first, slots, rows, prompt_ids, keys = self._slots(epoch, batch, round_)
+        started, stopped = time.perf_counter(), False
+        completions = Completions([], [])
+        try:
+            completions = self.complete(
+                self.engine.module, rows, prompt_ids, self.sampling, keys, self.logprobs()
+            )
+        except GenerationStopped:
+            stopped = True
+        if self._given_up(stopped):
+            raise BatchGivenUp
+        self.metrics.generation_time += time.perf_counter() - started
+        index = self.global_batch(epoch, batch)
+        prompt_ids = completions.prompt_ids or prompt_ids
+        return GeneratedBatch(epoch, batch, first, slots, rows, prompt_ids, completions, index, 0)
 
     def _order(self, epoch: int) -> np.ndarray:
         """The epoch's prompt order (the two latest kept: a batch generated ahead may be the next epoch's)."""
@@ -441,14 +496,21 @@ class OnlineSteps:
         generated = GeneratedBatch(
             epoch, batch, first, slots, slot_rows, prompt_ids, completions, version, index - version
         )
-        started = time.perf_counter()
-        values = self.method.after_generation(self, generated)
-        self.metrics.scoring_time = time.perf_counter() - started
+        started, generating = time.perf_counter(), self.metrics.generation_time
+        try:
+            values = self.method.after_generation(self, generated)
+        except BatchGivenUp:  # a refill round (dynamic sampling) gave up at a stop
+            return None
+        refilling = self.metrics.generation_time - generating  # dynamic sampling's rounds
+        self.metrics.scoring_time = time.perf_counter() - started - refilling
+        completions = generated.completions  # dynamic sampling may have refilled the batch
         if self.turns is not None:
             self.metrics.latest.update(tool_records(completions, self.ctx.dist))
         if self.ahead is not None:
             self.metrics.latest.update(self.ahead.records(index, version))
-        micro_batches = self.micro_batches(prompt_ids, completions, values, prompt_images(slot_rows))
+        micro_batches = self.micro_batches(
+            generated.prompt_ids, completions, values, prompt_images(generated.rows)
+        )
         self.method.finish_batches(self, generated, micro_batches)
         self._log(generated)
         return micro_batches
@@ -612,7 +674,7 @@ def training_micro_batches(
 ) -> list[dict[str, Any]]:
     """Prompt + completion rows in micro-batches of ``micro``, completion tokens in the loss
     (``completion_mask``; those cut at the limit left out when ``mask_truncated``), each per-completion value
-    sliced in, and the engine's log-probabilities laid out as the trainer's (``sampling_logps``) when it gave
+    sliced in (``IN_LOSS`` multiplies the mask instead), and the engine's log-probabilities laid out as the trainer's (``sampling_logps``) when it gave
     them. The tokens tools added (``Completions.tool_mask`` 0) are not in the loss. ``join``: each micro-batch
     also carries its rows joined without padding (``JOINED``), which the forward runs instead."""
     prompt_ids = completions.prompt_ids or prompt_ids
@@ -631,6 +693,8 @@ def training_micro_batches(
         if mask_truncated:
             kept = torch.tensor([not completions.truncated[i] for i in part], dtype=torch.float32)
             mask = mask * kept[:, None]
+        if IN_LOSS in values:  # completions the method leaves out of the loss (0)
+            mask = mask * values[IN_LOSS][start : start + len(part), None].float()
         batch: dict[str, Any] = {
             "input_ids": input_ids,
             "labels": labels,
@@ -642,7 +706,8 @@ def training_micro_batches(
             "num_attention_sq": sum(len(ids) ** 2 for ids, _ in rows),
         }
         for name, value in values.items():
-            batch[name] = value[start : start + len(part)]
+            if name != IN_LOSS:
+                batch[name] = value[start : start + len(part)]
         batch["target_rows"] = target_rows(batch)
         if join:
             batch[JOINED] = joined_rows(input_ids, attention)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from posttrain.config.rewards import ScoredConfig
-from posttrain.dist import DistInfo, all_reduce_sum
+from posttrain.dist import DistInfo, all_gather_objects, all_reduce_sum
 from posttrain.logs import say
 from posttrain.rollout.generation import Completions
 from posttrain.rollout.reward_calls import RewardContext
@@ -204,13 +204,8 @@ class Scorer:
     def _logged_metrics(logged: dict[str, list[float]], dist: DistInfo) -> dict[str, float]:
         """The rewards' ``log_metric`` values: each name's mean over every call on every rank (names gathered
         from all ranks, so that a name logged on one rank only still reduces)."""
-        names = set(logged)
-        if dist.world_size > 1:
-            import torch.distributed as torch_dist
-
-            everyone: list[Any] = [None] * dist.world_size
-            torch_dist.all_gather_object(everyone, sorted(names))
-            names = {name for found in everyone for name in found}
+        everyone: list[Any] = all_gather_objects(sorted(logged), dist)
+        names = {name for found in everyone for name in found}
         ordered = sorted(names)
         local = [x for n in ordered for x in (sum(logged.get(n, [])), float(len(logged.get(n, []))))]
         totals = all_reduce_sum(local, dist) if local else []

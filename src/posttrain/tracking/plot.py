@@ -33,7 +33,8 @@ def _label(path: Path, paths: list[Path]) -> str:
 
 
 def plot_metrics(paths: list[Path], out: Path) -> Path:
-    """Loss (train, eval), the reward of online RL runs (train and held-out), LR and tokens/s."""
+    """Loss (train, eval), the reward of online RL runs (train and held-out), generation ahead, dynamic
+    sampling, the harness tasks, LR and tokens/s."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,8 +43,9 @@ def plot_metrics(paths: list[Path], out: Path) -> Path:
     runs = [(path, read_metrics(path)) for path in paths]
     rewards = any(r.get("reward") is not None for _, records in runs for r in records)
     ahead = any(r.get("sample/staleness_max") is not None for _, records in runs for r in records)
+    dynamic = any(r.get(KEPT) is not None for _, records in runs for r in records)
     harness = harness_keys(runs)
-    panels = 3 + rewards + ahead + bool(harness)
+    panels = 3 + rewards + ahead + dynamic + bool(harness)
     figure, axes = plt.subplots(panels, 1, figsize=(9, 3.3 * panels), sharex=True)
     loss_axis, *middle, lr_axis, speed_axis = axes
     for index, (path, records) in enumerate(runs):
@@ -59,6 +61,8 @@ def plot_metrics(paths: list[Path], out: Path) -> Path:
         speed_axis.plot([r["iter"] for r in speed], [r["tokens_per_second"] for r in speed], color=color)
         if ahead:
             _ahead(middle[rewards], records, color, label)
+        if dynamic:
+            _dynamic(middle[rewards + ahead], records, color, label)
         for style, key in enumerate(harness):
             found = [r for r in records if r.get(key) is not None]
             middle[-1].plot(
@@ -77,6 +81,9 @@ def plot_metrics(paths: list[Path], out: Path) -> Path:
     if ahead:
         middle[rewards].set_ylabel("seconds waited / staleness")
         middle[rewards].legend(fontsize="small")
+    if dynamic:
+        middle[rewards + ahead].set_ylabel("dynamic sampling")
+        middle[rewards + ahead].legend(fontsize="small")
     if harness:
         middle[-1].set_ylabel("harness tasks")
         middle[-1].legend(fontsize="small")
@@ -122,6 +129,19 @@ def _ahead(axis: Any, records: list[dict[str, Any]], color: str, label: str) -> 
         color=color,
         label=f"{label} generator waited",
     )
+
+
+#: grpo's dynamic sampling records (methods/grpo/dynamic_sampling.py)
+KEPT, ROUNDS = "dynamic_sampling/kept_share", "dynamic_sampling/generation_rounds"
+
+
+def _dynamic(axis: Any, records: list[dict[str, Any]], color: str, label: str) -> None:
+    """Dynamic sampling: the share of the first round's groups kept (solid) and the generation rounds a
+    batch took (dotted; the filtered and extra counts are in the records)."""
+    steps = [r for r in records if r.get(KEPT) is not None]
+    x = [r["iter"] for r in steps]
+    axis.plot(x, [r[KEPT] for r in steps], color=color, label=f"{label} kept share")
+    axis.plot(x, [r[ROUNDS] for r in steps], ":", color=color, label=f"{label} generation rounds")
 
 
 def _curve(axis: Any, records: list[dict[str, Any]], key: str, held_out: str, color: str, label: str) -> None:

@@ -12,6 +12,7 @@ import torch
 from posttrain.context import RunContext
 from posttrain.dist import all_gather_rows
 from posttrain.logs import say
+from posttrain.methods.grpo.dynamic_sampling import DynamicSampling
 from posttrain.methods.grpo.losses import (
     PolicyLoss,
     SamplingCorrection,
@@ -27,7 +28,7 @@ from posttrain.methods.grpo.losses import (
 from posttrain.models.reference import Reference
 from posttrain.models.sampling_policy import policy_of
 from posttrain.models.token_logps import token_logps
-from posttrain.rollout.feed import GeneratedBatch, OnlineMethod, OnlineSteps, completion_records
+from posttrain.rollout.feed import IN_LOSS, GeneratedBatch, OnlineMethod, OnlineSteps, completion_records
 from posttrain.rollout.scorer import Scorer, Scores
 
 STATE_KEY = "grpo"
@@ -55,6 +56,7 @@ class GRPOMethod(OnlineMethod):
         self.scores = Scores(torch.zeros(0, 0), {}, {}, [])
         self.totals = torch.zeros(0)
         self.advantage = torch.zeros(0)
+        self.dynamic = DynamicSampling(config, len(self.scorer.names)) if config.dynamic_sampling else None
 
     def close(self) -> None:
         self.scorer.close()
@@ -65,28 +67,42 @@ class GRPOMethod(OnlineMethod):
     def after_generation(self, feed: OnlineSteps, generated: GeneratedBatch) -> dict[str, torch.Tensor]:
         """Rewards of this rank's completions, gathered with every rank's into the batch's advantages and
         records (the same on every rank); this rank's advantages and loss units for the micro-batches."""
-        dist, group, completions = self.ctx.dist, feed.group, generated.completions
-        self.scores = self.scorer.score(generated.rows, completions, feed.trainer_state)
-        values = self.scores.values
-        lengths = torch.tensor(completions.model_lengths(), dtype=torch.float64)
-        truncated = torch.tensor(completions.truncated, dtype=torch.float64)
-        prompted = torch.tensor([len(p) for p in generated.prompt_ids], dtype=torch.float64)
-        mine = torch.cat([values, prompted[:, None], lengths[:, None], truncated[:, None]], dim=1)
-        everyone = all_gather_rows(mine, dist)  # [batch completions, rewards + 3], slot order
-        rewards = everyone[:, : values.shape[1]]
+        dist, group = self.ctx.dist, feed.group
+        out: dict[str, torch.Tensor] = {}
+        if self.dynamic is not None:  # DAPO's filter and refill: the batch may change (dynamic_sampling.py)
+            filled = self.dynamic.fill(feed, generated, lambda g: self._score(feed, g), self.scorer.total)
+            self.scores, everyone, generated_tokens = filled.scores, filled.everyone, filled.generated_tokens
+            out[IN_LOSS] = filled.in_loss[generated.first : generated.first + len(generated.slots)]
+        else:
+            self.scores, everyone = self._score(feed, generated)
+            generated_tokens = float(everyone[:, -3].sum() + everyone[:, -2].sum())
+        rewards = everyone[:, : len(self.scorer.names)]
         totals = self.scorer.total(rewards)
         advantage = advantages(totals, group, self.config.advantage, self.config.scale_rewards)
         every_length, every_cut, scale = everyone[:, -2], everyone[:, -1], self.config.scale_rewards
         latest = batch_records(rewards, totals, every_length, every_cut, self.scorer.names, group, scale)
         latest.update(self.scorer.step_records(self.scores, dist))
         # TRL's num_tokens: prompt and completion tokens of every generated batch so far, all ranks
-        seen = feed.counters.get("num_tokens", 0.0) + float(everyone[:, -3].sum() + everyone[:, -2].sum())
+        seen = feed.counters.get("num_tokens", 0.0) + generated_tokens
         feed.counters["num_tokens"] = seen
         latest["num_tokens"] = seen
+        if self.dynamic is not None:
+            latest.update(filled.records)
         feed.metrics.latest = latest
         own = slice(generated.first, generated.first + len(generated.slots))
         self.totals, self.advantage = totals[own], advantage[own]
-        return {"advantages": self.advantage.float()}
+        return {"advantages": self.advantage.float(), **out}
+
+    def _score(self, feed: OnlineSteps, generated: GeneratedBatch) -> tuple[Scores, torch.Tensor]:
+        """This rank's rewards of a generated batch, and every rank's rewards, prompt and completion lengths
+        and truncation gathered (``[batch completions, rewards + 3]``, slot order: a collective)."""
+        scores = self.scorer.score(generated.rows, generated.completions, feed.trainer_state)
+        completions = generated.completions
+        lengths = torch.tensor(completions.model_lengths(), dtype=torch.float64)
+        truncated = torch.tensor(completions.truncated, dtype=torch.float64)
+        prompted = torch.tensor([len(p) for p in generated.prompt_ids], dtype=torch.float64)
+        mine = torch.cat([scores.values, prompted[:, None], lengths[:, None], truncated[:, None]], dim=1)
+        return scores, all_gather_rows(mine, self.ctx.dist)
 
     def finish_batches(
         self, feed: OnlineSteps, generated: GeneratedBatch, micro_batches: list[dict[str, Any]]
