@@ -93,6 +93,8 @@ def _completions_served(log: Path) -> int:
 def _same(one: dict[int, dict[str, Any]], other: dict[int, dict[str, Any]], exact_loss: bool = True) -> None:
     for step in range(1, STEPS + 1):
         assert one[step]["reward"] == other[step]["reward"], step
+        rounds = "dynamic_sampling/generation_rounds"
+        assert one[step].get(rounds) == other[step].get(rounds), step
         if exact_loss:
             assert one[step]["loss"] == other[step]["loss"], step
         else:
@@ -102,14 +104,19 @@ def _same(one: dict[int, dict[str, Any]], other: dict[int, dict[str, Any]], exac
 def test_two_servers_give_one_servers_numbers_on_one_and_on_two_trainer_nodes(
     pool: dict[str, Any], tmp_path: Path
 ) -> None:
-    root = pool["root"]
-    one = _run(pool, tmp_path / "one", servers=1)
+    """With grpo's dynamic sampling on (its refill rounds go through the pool too, generated from the
+    current weights after the batches ahead), at max_staleness 0 and 1."""
+    root, dynamic = pool["root"], {"dynamic_sampling": True, "dynamic_filtering_range": [0.1, 1.0]}
+    one = _run(pool, tmp_path / "one", servers=1, **dynamic)
     before = _completions_served(root / "b.log")
-    two = _run(pool, tmp_path / "two")
+    two = _run(pool, tmp_path / "two", **dynamic)
     _same(one, two)
-    assert _completions_served(root / "b.log") - before == STEPS * 32 // 2  # half of every batch
-    lagged = _run(pool, tmp_path / "lag-one", servers=1, max_staleness=1)
-    config = _config(pool, tmp_path / "nodes", max_staleness=1, micro_batch_size=8)
+    extra = sum(two[step]["dynamic_sampling/extra_completions"] for step in range(1, STEPS + 1))
+    assert extra > 0, two  # some batches were refilled
+    # half of every batch and of every refill round
+    assert _completions_served(root / "b.log") - before == (STEPS * 32 + extra) // 2
+    lagged = _run(pool, tmp_path / "lag-one", servers=1, max_staleness=1, **dynamic)
+    config = _config(pool, tmp_path / "nodes", max_staleness=1, micro_batch_size=8, **dynamic)
     path = tmp_path / "nodes.yaml"
     path.write_text(yaml.safe_dump(config))
     outputs = two_nodes(path, timeout=600)
