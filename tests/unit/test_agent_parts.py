@@ -91,6 +91,22 @@ def test_bad_tools_and_environments_are_config_errors(tmp_path: Path) -> None:
     assert "has no function 'absent'" in text
 
 
+def test_an_agent_function_is_imported_at_load_and_alone(tmp_path: Path) -> None:
+    code = tmp_path / "agent.py"
+    code.write_text("def episode(base_url, rollout_id, prompt, **columns):\n    return 1.0\n")
+    with pytest.raises(ConfigError, match="has no function 'absent'"):
+        load_config(data=_grpo(tmp_path, agent_function=f"{code}:absent"))
+    with pytest.raises(ConfigError) as found:
+        load_config(
+            data=_grpo(tmp_path, agent_function=f"{code}:episode", tools=["python"], dynamic_sampling=True)
+        )
+    text = str(found.value)
+    assert "agent_function: set with rollout_func, tools or environment_factory" in text
+    assert "dynamic_sampling: true with multi-turn rollouts" in text
+    config = load_config(data=_grpo(tmp_path, agent_function=f"{code}:episode", agent_max_calls=4))
+    assert config.agent_max_calls == 4 and config.agent_timeout == 600
+
+
 ENVIRONMENTS = """
 import functools
 from pathlib import Path

@@ -204,11 +204,11 @@ class GRPOTrainerConfig(ScoredConfig):
                     f"[{low}, {high}]: the low end is not below the high end; groups are kept when their mean "
                     "reward is strictly between the two, e.g. [0, 1] for 0/1 rewards",
                 )
-        if self.dynamic_sampling and (self.agentic or self.rollout_func):
+        if self.dynamic_sampling and (self.agentic or self.rollout_func or self.agent_function):
             yield Problem(
                 "dynamic_sampling",
-                "true with multi-turn rollouts (tools, environment_factory, rollout_func): refilled batches of "
-                "multi-turn completions are not supported yet; use dynamic_sampling: false there",
+                "true with multi-turn rollouts (tools, environment_factory, rollout_func, agent_function): refilled "
+                "batches of multi-turn completions are not supported yet; use dynamic_sampling: false there",
             )
 
     def sequence_parallel_problems(self) -> Iterator[Problem]:

@@ -27,6 +27,11 @@ class OnlineTrainerConfig(TrainerConfig):
     mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
         *TrainerConfig.mode_keys,
         ModeKeys(
+            ("agent_max_calls", "agent_timeout", "agent_concurrency"),
+            lambda c, root: bool(c.agent_function),
+            "agent_function",
+        ),
+        ModeKeys(
             ("vllm_mode", "vllm_max_model_length", "vllm_push_adapter"),
             lambda c, root: c.use_vllm,
             "use_vllm: true",
@@ -213,6 +218,26 @@ class OnlineTrainerConfig(TrainerConfig):
     ``completion_ids`` and ``logprobs`` (or None), optionally ``env_mask`` (1 for the model's tokens) and more
     columns for the reward functions. ``trainer.generate(prompt_ids)`` samples with the run's engine."""
 
+    agent_function: str | None = None
+    """An agent that owns its loop, ``path/file.py:function``, called once per completion (an episode) as
+    ``function(base_url=..., rollout_id=..., prompt=..., **columns)`` on a thread of its own: ``base_url`` is
+    an OpenAI-compatible endpoint (``/chat/completions``, ``/completions``) that posttrain serves on 127.0.0.1
+    in front of the run's engine for this episode; the agent runs its loop with any OpenAI client and returns
+    its reward (a number, None, or a dict of columns for the reward functions: ``agent_reward`` holds a
+    number it returns). The trajectory trained on is built from the token ids the engine saw and sampled,
+    what the agent added between calls out of the loss (``rollout/agent_endpoint.py``)."""
+
+    agent_max_calls: HumanInt = Field(default=32, ge=1)
+    """With ``agent_function``: the most engine calls an episode may make; later calls are answered with an
+    error and the episode's trajectory ends there."""
+
+    agent_timeout: HumanFloat = Field(default=600.0, gt=0)
+    """With ``agent_function``: seconds an episode may run; after them its calls are refused and the run goes
+    on with the trajectory so far."""
+
+    agent_concurrency: HumanInt = Field(default=16, ge=1)
+    """With ``agent_function``: episodes run at once per process (the engine serves their calls one by one)."""
+
     @field_validator("tools")
     @classmethod
     def _tools_typed(cls, value: list[str]) -> list[str]:
@@ -257,7 +282,7 @@ class OnlineTrainerConfig(TrainerConfig):
             raise ValueError("; ".join(problems))
         return value
 
-    @field_validator("rollout_func")
+    @field_validator("rollout_func", "agent_function")
     @classmethod
     def _rollout_function(cls, value: str | None) -> str | None:
         from posttrain.config.user_code import import_named
@@ -289,6 +314,12 @@ class OnlineTrainerConfig(TrainerConfig):
 
     def problems(self) -> Iterator[Problem]:
         yield from super().problems()
+        if self.agent_function and (self.rollout_func or self.agentic):
+            yield Problem(
+                "agent_function",
+                "set with rollout_func, tools or environment_factory: an agent that owns its loop runs its own "
+                "tools; keep one way of rolling out",
+            )
         if self.rollout_func and self.agentic:
             yield Problem(
                 "rollout_func",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.config.agents import (
     accepts,
@@ -39,6 +39,9 @@ from posttrain.logs import say
 from posttrain.rollout.generation import Completions, GenerationBackend, Sampling, completion_key
 from posttrain.rollout.reward_calls import user_frame
 from posttrain.rollout.tools import ToolCall, ToolRunner, load_tool, parse_calls, tool_format
+
+if TYPE_CHECKING:
+    from posttrain.rollout.agent_endpoint import AgentLoop
 
 _HERMES_BLOCK = "<tool_call>"
 
@@ -229,6 +232,10 @@ class Agent:
             message["tool_calls"] = [call.as_message() for call in calls]
         return message
 
+    def records(self) -> dict[str, float]:
+        """Counts of its own for the step's records: none (the tools' are ``Completions.tool_calls``)."""
+        return {}
+
     def close(self) -> None:
         self.runner.close()
 
@@ -389,6 +396,10 @@ class HandWritten:
             columns=extra or None,
         )
 
+    def records(self) -> dict[str, float]:
+        """Counts of its own for the step's records: none."""
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -430,15 +441,20 @@ class RolloutTrainer:
         return {"completion_ids": out.ids, "logprobs": out.logps, "truncated": out.truncated}
 
 
-def multi_turn(config: Any, tokenizer: Any, stops: list[int]) -> Agent | HandWritten | None:
-    """The run's multi-turn rollouts: an ``Agent`` (tools, environments), a ``rollout_func``, or None (the
-    backend's single-turn completions). A run that executes model-written code first checks the sandbox."""
+def multi_turn(config: Any, tokenizer: Any, stops: list[int]) -> Agent | HandWritten | AgentLoop | None:
+    """The run's multi-turn rollouts: an ``Agent`` (tools, environments), a ``rollout_func``, an agent that
+    owns its loop (``agent_function``: ``rollout.agent_endpoint``), or None (the backend's single-turn
+    completions). A run that executes model-written code first checks the sandbox."""
     if getattr(config, "runs_model_code", False):
         from posttrain.rollout.sandbox import prepare
 
         prepare(config.sandbox_accept_weaker)
     if getattr(config, "rollout_func", None):
         return HandWritten(config, tokenizer, stops)
+    if getattr(config, "agent_function", None):
+        from posttrain.rollout.agent_endpoint import AgentLoop
+
+        return AgentLoop(config, tokenizer, stops)
     if getattr(config, "agentic", False):
         return Agent(config, tokenizer, stops)
     return None

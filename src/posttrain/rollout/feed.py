@@ -506,6 +506,7 @@ class OnlineSteps:
         completions = generated.completions  # dynamic sampling may have refilled the batch
         if self.turns is not None:
             self.metrics.latest.update(tool_records(completions, self.ctx.dist))
+            self.metrics.latest.update(turn_records(self.turns.records(), self.ctx.dist))
         if self.ahead is not None:
             self.metrics.latest.update(self.ahead.records(index, version))
         micro_batches = self.micro_batches(
@@ -637,6 +638,16 @@ def tool_records(completions: Completions, dist: Any) -> dict[str, float]:
     }
 
 
+def turn_records(local: dict[str, float], dist: Any) -> dict[str, float]:
+    """A multi-turn rollout's own counts (an agent endpoint's episodes, calls, branches...) summed over every
+    rank; ``agent/*`` counts become TRL-style means per episode."""
+    if not local:
+        return {}
+    totals = dict(zip(local, all_reduce_sum(list(local.values()), dist), strict=True))
+    episodes = totals.pop("agent/episodes", 0.0)
+    return {name: value / episodes if episodes else 0.0 for name, value in totals.items()}
+
+
 def completion_records(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
     """TRL's completion records over every rank's completions of a batch: lengths of all and of those that
     ended (0 when none did), and the share cut at ``max_completion_length``."""
@@ -742,6 +753,7 @@ class CompletionsLog:
                 "completion": text,
                 "truncated": completions.truncated[index],
                 **({"messages": completions.messages[index]} if completions.messages else {}),
+                **({"calls": completions.calls[index]} if completions.calls else {}),
                 **fields[index],
                 "origin": row.get(ORIGIN_KEY),
             }

@@ -147,6 +147,9 @@ class Completions:
     columns: dict[str, list[Any]] | None = None
     tool_calls: int = 0
     tool_failures: int = 0
+    #: an agent's episodes (``agent_function``): each completion's engine calls as the engine saw and sampled
+    #: them (prompt and completion ids, log-probabilities, branch), for the completions log
+    calls: list[list[dict[str, Any]]] | None = None
 
     def model_lengths(self) -> list[int]:
         """Each completion's tokens the model wrote (tool results not counted), as TRL counts lengths."""
