@@ -15,6 +15,7 @@ import yaml
 
 from posttrain.rollout.vllm_engine import free_port
 from posttrain.testing.served import vllm_server
+from tests.agent_endpoint_helpers import write_agent
 from tests.grpo_helpers import DIGITS, engine_grpo_config
 from tests.resume_helpers import assert_same_continuation, cli, kill_and_resume, last_metrics
 
@@ -200,3 +201,19 @@ def test_servers_signalled_with_the_trainer_still_save(served: dict[str, Any], t
     assert last_metrics(out)[last + 2]["iter"] == last + 2
     again = done.stdout + done.stderr
     assert ("in flight when the run that wrote the checkpoint stopped" in again) == left_out, again[-3000:]
+
+
+def test_an_agent_that_owns_its_loop_generates_ahead_exactly(served: dict[str, Any], tmp_path: Path) -> None:
+    """agent_function's episodes on the generation thread, their calls served by the vLLM server from the
+    weights the rule names: two runs with max_staleness 1 log the same records; the engine's log-probabilities
+    of the episodes' sampled tokens are the trainer's (the ratio 1 on the first batch, from the same weights)."""
+    files = write_agent(tmp_path)
+    agent = {"agent_function": files["agent_function"], "rewards": [files["reward"]], "train_iters": 2}
+    # one prompt's 8 episodes a step; room for both calls and the observation between them
+    agent.update(micro_batch_size=4, gradient_accumulation_steps=2, max_completion_length=48)
+    one = _run(served, tmp_path / "agent-one", **agent)
+    again = _run(served, tmp_path / "agent-again", **agent)
+    for step in range(1, 3):
+        assert one[step]["reward"] == again[step]["reward"] and one[step]["loss"] == again[step]["loss"], step
+        assert one[step]["agent/calls"] == 2 and one[step]["sample/staleness_max"] == min(step - 1, 1), step
+    assert abs(one[1]["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4, one[1]
