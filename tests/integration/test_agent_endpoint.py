@@ -150,14 +150,14 @@ def test_grpo_trains_on_an_agents_episodes_and_records_them(base_config: dict, t
 
 @pytest.mark.slow  # make test-slow (CI runs it)
 def test_a_run_killed_in_the_middle_of_an_episode_resumes_exactly(base_config: dict, tmp_path: Path) -> None:
-    """SIGKILL after the first call of step 3's 10th episode (checkpoints every step, 16 episodes a step):
-    the resumed run plays step 3's episodes again from their keys and logs the uninterrupted run's records."""
+    """SIGKILL after the first call of step 3's 5th episode (checkpoints every step, 8 episodes a step): the
+    resumed run plays step 3's episodes again from their keys and logs the uninterrupted run's records."""
     config, files = _grpo(base_config, tmp_path)
-    config.update(train_iters=4, log_completions=False)
+    config.update(train_iters=4, log_completions=False, micro_batch_size=4)
     reference = {**config, "logger": {"output_dir": str(tmp_path / "reference")}}
     assert cli(reference, tmp_path / "reference.yaml").returncode == 0
     flag = Path(files["agent_function"].split(":")[0]).with_name("die_at_episode")
-    flag.write_text(str(2 * 16 + 10))
+    flag.write_text(str(2 * 8 + 5))
     checkpoint = {
         "type": "deepspeed",
         "output_dir": str(tmp_path / "ckpt"),
