@@ -27,7 +27,7 @@ class Limits:
 
     def __init__(self, agent: str, **changes: object) -> None:
         self.agent_function, self.agent_max_calls, self.agent_timeout = agent, 32, 60.0
-        self.agent_concurrency, self.max_completion_length = 4, 48
+        self.max_completion_length = 48
         self.data = type("Data", (), {"max_prompt_length": None, "max_length": 128})()
         self.__dict__.update(changes)
 

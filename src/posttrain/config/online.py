@@ -27,7 +27,7 @@ class OnlineTrainerConfig(TrainerConfig):
     mode_keys: ClassVar[tuple[ModeKeys, ...]] = (
         *TrainerConfig.mode_keys,
         ModeKeys(
-            ("agent_max_calls", "agent_timeout", "agent_concurrency"),
+            ("agent_max_calls", "agent_timeout"),
             lambda c, root: bool(c.agent_function),
             "agent_function",
         ),
@@ -234,9 +234,6 @@ class OnlineTrainerConfig(TrainerConfig):
     agent_timeout: HumanFloat = Field(default=600.0, gt=0)
     """With ``agent_function``: seconds an episode may run; after them its calls are refused and the run goes
     on with the trajectory so far."""
-
-    agent_concurrency: HumanInt = Field(default=16, ge=1)
-    """With ``agent_function``: episodes run at once per process (the engine serves their calls one by one)."""
 
     @field_validator("tools")
     @classmethod

@@ -6,9 +6,11 @@ For a batch, each completion slot is an episode: the user's function is called o
 ``/completions``), the rollout ``ID``, the prompt as the data holds it and the row's other columns; it runs its
 loop (calls, tools, a sandbox...) and returns its reward, None, or a dict of columns for the rewards.
 
-Every call is served from the run's backend, one at a time, sampled as the config says (the request's
-sampling fields are ignored: the trainer's log-probabilities must be the sampler's) from its own key (the
-slot's key and the call's index), so an episode is a function of the config and the agent's code. Each call is
+The calls are sampled by the run's backend in batches: each batch is the next call of every episode still
+running, taken once each has made it (or returned, or run out of time), so the batches' make-up does not
+depend on timing; every call is sampled as the config says (the request's sampling fields are ignored: the
+trainer's log-probabilities must be the sampler's) from its own key (the slot's key and the call's index), so
+an episode is a function of the config and the agent's code. Each call is
 recorded as the engine saw and sampled it: prompt ids, completion ids, log-probabilities.
 
 The trajectory is built from those ids, never from re-tokenized text. A chat call whose messages are the
@@ -73,6 +75,26 @@ class Episode:
     branches: list[Branch] = dataclasses.field(default_factory=list)
     calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     ended: str = ""  # a budget spent, or the agent's error
+    returned: bool = False  # the agent's function has returned (or raised)
+    pending: Request | None = None  # the call waiting for the engine
+
+    def waited_for(self) -> bool:
+        """Whether the next batch of calls waits for this episode (it runs, and has no call in yet)."""
+        return not self.returned and not self.ended and self.pending is None
+
+
+@dataclasses.dataclass
+class Request:
+    """A call waiting for the engine: what it asks, and (once served) its answer or why it was refused."""
+
+    rollout: str
+    kind: str
+    branch: Branch
+    new: bool
+    prompt: list[int]
+    tokens: int
+    answer: dict[str, Any] | None = None
+    refused: Refused | None = None
 
 
 class Endpoint:
@@ -81,8 +103,8 @@ class Endpoint:
     def __init__(self, tokenizer: Any, stops: set[int], limits: dict[str, Any]) -> None:
         self.tokenizer, self.stops, self.limits = tokenizer, stops, limits
         self.episodes: dict[str, Episode] = {}
-        self.lock = threading.Lock()  # one engine call at a time
-        self.batch: tuple[GenerationBackend, Any, Sampling, bool] | None = None
+        self.changed = threading.Condition()  # the episodes' state: calls in, answers out, agents done
+        self.sampling: Sampling | None = None  # while a batch's episodes run
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -135,19 +157,76 @@ class Endpoint:
         return {"object": "list", "data": [{"id": rollout, "object": "model", "owned_by": "posttrain"}]}
 
     def call(self, rollout: str, kind: str, body: Any) -> dict[str, Any]:
-        episode = self.episodes.get(rollout)
-        if episode is None or self.batch is None:
-            raise Refused(f"no episode {rollout} is running", 404)
+        """An agent's call (an HTTP thread): checked, its prompt found, then waiting until :meth:`serve` has
+        sampled it with the other episodes' calls."""
         if kind == "models":
             raise Refused("POST to /models: use GET", 405)
         if not isinstance(body, dict):
             raise Refused("the request's body is not a JSON object")
         if body.get("stream") or int(body.get("n") or 1) != 1:
             raise Refused("stream and n > 1 are not served: one answer per call")
-        with self.lock:
-            self._budget(episode)
-            branch, new = self._prompt(episode, kind, body)
-            return self._sample(rollout, episode, branch, new, kind, body)
+        with self.changed:
+            episode = self.episodes.get(rollout)
+            if episode is None or self.sampling is None:
+                raise Refused(f"no episode {rollout} is running", 404)
+            try:
+                self._budget(episode)
+                branch, new = self._prompt(episode, kind, body)
+                room = self.limits["tokens"] - len(branch.ids)
+                if room <= 0:
+                    episode.ended = (
+                        f"max_completion_length: {self.limits['tokens']} tokens after the first prompt"
+                    )
+                    raise Refused(f"this episode's budget is spent ({episode.ended})")
+            finally:
+                self.changed.notify_all()  # an episode ended by its budget is waited for no more
+            asked = (
+                body.get("max_completion_tokens") or body.get("max_tokens") or self.sampling.max_new_tokens
+            )
+            tokens = max(1, min(int(asked), room))
+            request = Request(rollout, kind, branch, new, branch.seen(), tokens)
+            episode.pending = request
+            self.changed.notify_all()
+            self.changed.wait_for(lambda: request.answer is not None or request.refused is not None)
+            if request.refused is not None:
+                raise request.refused
+            assert request.answer is not None
+            return request.answer
+
+    def serve(self, backend: GenerationBackend, module: Any, logprobs: bool) -> None:
+        """Sample the episodes' calls until every episode has returned or ended (the generation thread): each
+        batch is the next call of every episode still running, taken once each has one in (or its time is
+        up), so its make-up does not depend on timing; one ``generate`` per requested length."""
+        while True:
+            with self.changed:
+                self.changed.wait_for(self._ready, timeout=self._until_deadline())
+                self._end_late()
+                running = [e for e in self.episodes.values() if not e.returned and not e.ended]
+                ready = [e.pending for e in self.episodes.values() if e.pending is not None and not e.ended]
+                if not running and not ready:
+                    return
+                if any(e.waited_for() for e in running):
+                    continue  # woken early (a time limit not yet up)
+                batch = [r for r in ready if r is not None]
+            for tokens in sorted({r.tokens for r in batch}):
+                self._sample(backend, module, logprobs, [r for r in batch if r.tokens == tokens])
+
+    def _ready(self) -> bool:
+        return not any(e.waited_for() for e in self.episodes.values())
+
+    def _until_deadline(self) -> float | None:
+        deadlines = [e.deadline for e in self.episodes.values() if not e.returned and not e.ended]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _end_late(self) -> None:
+        """Episodes past ``agent_timeout``: ended, a call of theirs refused."""
+        for episode in self.episodes.values():
+            if not episode.returned and not episode.ended and time.monotonic() > episode.deadline:
+                episode.ended = f"agent_timeout: {self.limits['seconds']:g} s spent"
+                if episode.pending is not None:
+                    episode.pending.refused = Refused(f"this episode's budget is spent ({episode.ended})")
+                    episode.pending = None
+                self.changed.notify_all()
 
     def _budget(self, episode: Episode) -> None:
         if episode.ended:
@@ -216,35 +295,40 @@ class Endpoint:
         cut = ends[-1] + (0 if last.truncated else 1)  # an answer cut short gets the end of turn added
         return full[cut:]
 
-    def _sample(
-        self, rollout: str, episode: Episode, branch: Branch, new: bool, kind: str, body: dict[str, Any]
+    def _sample(self, backend: GenerationBackend, module: Any, logprobs: bool, batch: list[Request]) -> None:
+        """One ``generate`` for calls asking the same length, each from its own key; their answers out."""
+        assert self.sampling is not None
+        episodes = [self.episodes[r.rollout] for r in batch]
+        keys = [None if e.key is None else completion_key(e.key, len(e.calls)) for e in episodes]
+        asking = dataclasses.replace(self.sampling, max_new_tokens=batch[0].tokens)
+        prompts = [r.prompt for r in batch]
+        out = backend.generate(module, prompts, asking, None if keys[0] is None else keys, logprobs)  # type: ignore[arg-type]
+        with self.changed:
+            for index, (request, episode) in enumerate(zip(batch, episodes, strict=True)):
+                ids, cut = list(out.ids[index]), bool(out.truncated[index])
+                logps = list(out.logps[index]) if out.logps is not None else None
+                request.answer = self._answer(request, episode, ids, cut, logps)
+                episode.pending = None
+            self.changed.notify_all()
+
+    def _answer(
+        self, request: Request, episode: Episode, ids: list[int], cut: bool, logps: list[float] | None
     ) -> dict[str, Any]:
-        backend, module, sampling, logprobs = self.batch  # type: ignore[misc]
-        room = self.limits["tokens"] - len(branch.ids)
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or sampling.max_new_tokens
-        if room <= 0:
-            episode.ended = f"max_completion_length: {self.limits['tokens']} tokens after the first prompt"
-            raise Refused(f"this episode's budget is spent ({episode.ended})")
-        index = len(episode.calls)
-        key = None if episode.key is None else completion_key(episode.key, index)
-        asking = dataclasses.replace(sampling, max_new_tokens=max(1, min(int(asked), room)))
-        prompt = branch.seen()
-        out = backend.generate(module, [prompt], asking, None if key is None else [key], logprobs)
-        ids, cut = list(out.ids[0]), bool(out.truncated[0])
-        logps = list(out.logps[0]) if out.logps is not None else [0.0] * len(ids)
+        """The sampled tokens into the episode's branch and calls; the OpenAI reply."""
+        branch, prompt, call = request.branch, request.prompt, len(episode.calls)
         branch.ids += ids
         branch.mask += [1] * len(ids)
-        branch.logps += logps[: len(ids)]
+        branch.logps += (logps or [0.0] * len(ids))[: len(ids)]
         branch.truncated = cut
         text = self.tokenizer.decode([t for t in ids if t not in self.stops], skip_special_tokens=True)
         branch.answer = text
         episode.calls.append(
             {
                 "branch": len(episode.branches) - 1,
-                "new_branch": new,
+                "new_branch": request.new,
                 "prompt_ids": prompt,
                 "completion_ids": ids,
-                "logprobs": logps if out.logps is not None else None,
+                "logprobs": logps,
             }
         )
         usage = {
@@ -253,16 +337,14 @@ class Endpoint:
             "total_tokens": len(prompt) + len(ids),
         }
         finish = "length" if cut else "stop"
-        common = {"id": f"{rollout}-{index}", "created": int(time.time()), "model": rollout, "usage": usage}
-        if kind == "chat/completions":
+        common = {"id": f"{request.rollout}-{call}", "created": int(time.time()), "model": request.rollout}
+        common["usage"] = usage
+        if request.kind == "chat/completions":
             message = {"role": "assistant", "content": text}
             choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
             return {**common, "object": "chat.completion", "choices": [choice]}
-        return {
-            **common,
-            "object": "text_completion",
-            "choices": [{"index": 0, "text": text, "finish_reason": finish}],
-        }
+        choice = {"index": 0, "text": text, "finish_reason": finish}
+        return {**common, "object": "text_completion", "choices": [choice]}
 
     def close(self) -> None:
         self.server.shutdown()
@@ -286,7 +368,6 @@ class AgentLoop:
             "tokens": config.max_completion_length,
             "prompt": getattr(data, "max_prompt_length", None) or data.max_length,
         }
-        self.concurrency = config.agent_concurrency
         self.endpoint: Endpoint | None = None
         self.counts = {"episodes": 0.0, "calls": 0.0, "branched": 0.0, "budget": 0.0, "crashed": 0.0}
         self.crash_said = False
@@ -308,49 +389,44 @@ class AgentLoop:
             refuse_collective_generation(backend, module)
             self.endpoint = Endpoint(self.tokenizer, self.stops, self.limits)
         endpoint = self.endpoint
-        endpoint.batch = (backend, module, sampling, logprobs)
         names = [
             f"{k:016x}" if keys is not None else f"{id(rows):x}{i:04x}" for i, k in enumerate(keys or rows)
         ]
         started = time.monotonic()
-        episodes = {
-            name: Episode(None if keys is None else keys[i], started + self.limits["seconds"])
-            for i, name in enumerate(names)
-        }
-        endpoint.episodes = episodes
+        with endpoint.changed:
+            endpoint.episodes = {
+                name: Episode(None if keys is None else keys[i], started + self.limits["seconds"])
+                for i, name in enumerate(names)
+            }
+            endpoint.sampling = sampling
+        episodes = endpoint.episodes
         results: dict[str, Any] = {}
-        gate = threading.Semaphore(self.concurrency)
-        threads = [
+        for name, row in zip(names, rows, strict=True):
             threading.Thread(
-                target=self._episode,
-                args=(gate, endpoint, name, row, results),
-                daemon=True,
-                name=f"agent-{name}",
-            )
-            for name, row in zip(names, rows, strict=True)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(max(0.0, started + self.limits["seconds"] + 1 - time.monotonic()))
-        with endpoint.lock:  # what is still running is cut off here: its calls are refused from now on
-            for name, episode in episodes.items():
-                if name not in results and not episode.ended:
-                    episode.ended = f"agent_timeout: {self.limits['seconds']:g} s spent"
-            endpoint.batch = None
+                target=self._episode, args=(endpoint, name, row, results), daemon=True, name=f"agent-{name}"
+            ).start()
+        try:
+            endpoint.serve(backend, module, logprobs)
+        finally:
+            with endpoint.changed:  # an agent still running past its time has its calls refused from now on
+                endpoint.sampling = None
+                for episode in episodes.values():
+                    episode.ended = episode.ended or ("" if episode.returned else "agent_timeout")
         return self._completions(rows, names, episodes, results)
 
-    def _episode(
-        self, gate: threading.Semaphore, endpoint: Endpoint, name: str, row: dict[str, Any], results: dict
-    ) -> None:
-        with gate:
-            columns = {k: v for k, v in row.items() if k not in ("prompt", "messages", ORIGIN_KEY)}
-            try:
-                results[name] = self.function(
-                    base_url=endpoint.base_url(name), rollout_id=name, prompt=prompt_of(row), **columns
-                )
-            except Exception as exc:
-                results[name] = exc
+    def _episode(self, endpoint: Endpoint, name: str, row: dict[str, Any], results: dict) -> None:
+        episode = endpoint.episodes[name]  # (the batch's: a late agent outlives it)
+        columns = {k: v for k, v in row.items() if k not in ("prompt", "messages", ORIGIN_KEY)}
+        try:
+            results[name] = self.function(
+                base_url=endpoint.base_url(name), rollout_id=name, prompt=prompt_of(row), **columns
+            )
+        except Exception as exc:
+            results[name] = exc
+        finally:
+            with endpoint.changed:
+                episode.returned = True
+                endpoint.changed.notify_all()
 
     def _completions(
         self, rows: list[dict[str, Any]], names: list[str], episodes: dict[str, Episode], results: dict
