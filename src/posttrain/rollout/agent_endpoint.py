@@ -97,6 +97,14 @@ class Request:
     refused: Refused | None = None
 
 
+class Server(ThreadingHTTPServer):
+    """The standard library's threading server with room for every episode's connection at once (its
+    default backlog, 5, refuses connections when a batch's episodes call together)."""
+
+    request_queue_size = 4096
+    daemon_threads = True
+
+
 class Endpoint:
     """The HTTP server (one per process, started on first use on 127.0.0.1) and the episodes it serves."""
 
@@ -140,8 +148,7 @@ class Endpoint:
             def log_message(self, *args: Any) -> None:  # quiet: the records say what happened
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, name="posttrain-agents", daemon=True)
         self.thread.start()
 
