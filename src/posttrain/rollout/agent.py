@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from posttrain.config.agents import (
     accepts,
@@ -39,9 +39,6 @@ from posttrain.logs import say
 from posttrain.rollout.generation import Completions, GenerationBackend, Sampling, completion_key
 from posttrain.rollout.reward_calls import user_frame
 from posttrain.rollout.tools import ToolCall, ToolRunner, load_tool, parse_calls, tool_format
-
-if TYPE_CHECKING:
-    from posttrain.rollout.agent_endpoint import AgentLoop
 
 _HERMES_BLOCK = "<tool_call>"
 
@@ -441,7 +438,29 @@ class RolloutTrainer:
         return {"completion_ids": out.ids, "logprobs": out.logps, "truncated": out.truncated}
 
 
-def multi_turn(config: Any, tokenizer: Any, stops: list[int]) -> Agent | HandWritten | AgentLoop | None:
+class MultiTurn(Protocol):
+    """What the feed asks of a run's multi-turn rollouts (``Agent``, ``HandWritten``,
+    ``agent_endpoint.AgentLoop``): one completion per row (its own prompt ids, a mask of the model's tokens),
+    the counts of its own for the step's records, and its close."""
+
+    def generate(
+        self,
+        backend: GenerationBackend,
+        module: Any,
+        rows: list[dict[str, Any]],
+        prompt_ids: list[list[int]],
+        sampling: Sampling,
+        keys: list[int] | None,
+        logprobs: bool = False,
+        trainer_state: Any = None,
+    ) -> Completions: ...
+
+    def records(self) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
+
+
+def multi_turn(config: Any, tokenizer: Any, stops: list[int]) -> MultiTurn | None:
     """The run's multi-turn rollouts: an ``Agent`` (tools, environments), a ``rollout_func``, an agent that
     owns its loop (``agent_function``: ``rollout.agent_endpoint``), or None (the backend's single-turn
     completions). A run that executes model-written code first checks the sandbox."""
