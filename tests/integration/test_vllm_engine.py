@@ -319,7 +319,7 @@ def test_distillation_samples_through_the_engine(runs: dict[str, Any], tmp_path:
 def test_tool_rollouts_through_the_engine(tmp_path: Path) -> None:
     """Multi-turn rollouts with a tool generate every turn through the colocated engine: the tool runs, its
     tokens stay out of the loss and of TRL's correction (the engine's and the trainer's log-probabilities of
-    the model's tokens agree)."""
+    the model's tokens agree); so do an agent's own loop's calls (``agent_function``)."""
     from posttrain.tiny_model import write_tiny_model
     from tests.agent_helpers import agent_config, teach_tool_calls, tool_prompts
 
@@ -334,6 +334,25 @@ def test_tool_rollouts_through_the_engine(tmp_path: Path) -> None:
         assert records[step]["sampling/sampling_logp_difference/max"] < 1e-4, records[step]
     lines = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     assert any(m["role"] == "tool" for line in lines for m in line["messages"])
+    # an agent that owns its loop, its calls through the same colocated engine: the engine's log-probabilities
+    # of the sampled tokens are the trainer's, what the agent added between its calls left out
+    from tests.agent_endpoint_helpers import write_agent
+
+    files = write_agent(tmp_path)
+    config.update(
+        agent_function=files["agent_function"],
+        rewards=[files["reward"]],
+        tools=[],
+        environment_factory=None,
+        max_completion_length=48,
+        logger={"output_dir": str(tmp_path / "agent")},
+    )
+    done = cli(config, tmp_path / "agent.yaml")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = last_metrics(tmp_path / "agent")
+    for step in (1, 2, 3):
+        assert records[step]["agent/calls"] == 2 and records[step]["agent/crashed"] == 0, records[step]
+        assert records[step]["sampling/sampling_logp_difference/max"] < 1e-4, records[step]
 
 
 #: a generation task whose score moves with every character generated (chrF against the prompt's own text,
