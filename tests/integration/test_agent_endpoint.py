@@ -173,3 +173,58 @@ def test_a_run_killed_in_the_middle_of_an_episode_resumes_exactly(base_config: d
     for step in (3, 4):
         for key in ("reward", "loss", "agent/calls", "num_tokens"):
             assert resumed[step][key] == expected[step][key], (step, key)
+
+
+def test_malformed_calls_are_answered_with_an_error_and_end_nothing(
+    tiny_model_dir: Path, tiny_tokenizer, tmp_path: Path
+) -> None:
+    """What an agent (or anything on 127.0.0.1) may send: not JSON, wrong types, another episode's id, a
+    stream; each is answered with an OpenAI error body, and the episode's next good call is served."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    stops = stop_ids(tiny_tokenizer, model)
+    (tmp_path / "probe.py").write_text(PROBE)
+    loop = AgentLoop(Limits(f"{tmp_path / 'probe.py'}:probe"), tiny_tokenizer, stops)
+    try:
+        out = loop.generate(
+            TransformersBackend(stops, 0), model, _rows(["reverse 12"]), [[1]], Sampling(8, 1.0), [7]
+        )
+    finally:
+        loop.close()
+    statuses = out.columns["statuses"][0]
+    assert statuses == [400, 400, 400, 400, 404, 405, 404, 200], statuses
+    assert len(out.calls[0]) == 1 and out.columns["agent_reward"][0] == 1.0
+
+
+#: an agent that sends what it should not, then one good call
+PROBE = """
+import json, urllib.request, urllib.error
+
+
+def post(url, data, headers=None):
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        body = json.loads(error.read())
+        assert "message" in body["error"], body
+        return error.code, body
+
+
+def probe(base_url, rollout_id, prompt, **columns):
+    chat = base_url + "/chat/completions"
+    good = json.dumps({"model": rollout_id, "messages": prompt, "max_tokens": 4}).encode()
+    statuses = [
+        post(chat, b"not json")[0],
+        post(chat, json.dumps({"messages": "hello"}).encode())[0],
+        post(chat, json.dumps({"messages": prompt, "n": "many"}).encode())[0],
+        post(chat, json.dumps({"messages": prompt, "stream": True}).encode())[0],
+        post(base_url.replace(rollout_id, "0" * 16) + "/chat/completions", good)[0],
+        post(base_url + "/models", good)[0],
+        post(base_url.rsplit("/v1", 1)[0] + "/v2/chat", good)[0],
+        post(chat, good)[0],
+    ]
+    return {"agent_reward": 1.0, "statuses": statuses}
+"""

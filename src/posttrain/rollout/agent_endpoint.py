@@ -120,10 +120,10 @@ class Endpoint:
                 self._answer(endpoint.models)
 
             def do_POST(self) -> None:
-                length = int(self.headers.get("Content-Length", "0"))
                 try:
+                    length = int(self.headers.get("Content-Length", "0"))
                     body = json.loads(self.rfile.read(length) or b"{}")
-                except json.JSONDecodeError:
+                except (ValueError, UnicodeDecodeError):  # no length, or not JSON
                     body = None
                 self._answer(lambda rollout, kind: endpoint.call(rollout, kind, body))
 
@@ -138,6 +138,9 @@ class Endpoint:
                         exc.status,
                         {"error": {"message": str(exc), "type": "invalid_request_error"}},
                     )
+                except (ValueError, TypeError, AttributeError, KeyError) as exc:  # a malformed request
+                    message = f"the request could not be read: {type(exc).__name__}: {exc}"
+                    status, out = 400, {"error": {"message": message, "type": "invalid_request_error"}}
                 data = json.dumps(out).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

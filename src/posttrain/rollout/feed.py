@@ -685,8 +685,8 @@ def training_micro_batches(
 ) -> list[dict[str, Any]]:
     """Prompt + completion rows in micro-batches of ``micro``, completion tokens in the loss
     (``completion_mask``; those cut at the limit left out when ``mask_truncated``), each per-completion value
-    sliced in (``IN_LOSS`` multiplies the mask instead), and the engine's log-probabilities laid out as the trainer's (``sampling_logps``) when it gave
-    them. The tokens tools added (``Completions.tool_mask`` 0) are not in the loss. ``join``: each micro-batch
+    sliced in (``IN_LOSS`` multiplies the mask instead), and the engine's log-probabilities laid out as the
+    trainer's (``sampling_logps``) when it gave them. The tokens tools added (``Completions.tool_mask`` 0) are not in the loss. ``join``: each micro-batch
     also carries its rows joined without padding (``JOINED``), which the forward runs instead."""
     prompt_ids = completions.prompt_ids or prompt_ids
     out = []
