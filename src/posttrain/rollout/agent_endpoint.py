@@ -65,6 +65,13 @@ class Branch:
     def seen(self) -> list[int]:
         return self.prompt + self.ids
 
+    def add(self, ids: list[int], sampled: bool, logps: list[float] | None = None) -> None:
+        """Tokens after the prompt: sampled by the engine (in the loss, with its log-probabilities) or added
+        by the agent (out of the loss, log-probability 0)."""
+        self.ids += ids
+        self.mask += [int(sampled)] * len(ids)
+        self.logps += (logps or [0.0] * len(ids))[: len(ids)]
+
 
 @dataclasses.dataclass
 class Episode:
@@ -257,9 +264,7 @@ class Endpoint:
                 raise Refused("messages: a non-empty list of chat messages is needed")
             added = self._continuation(last, messages, tools) if last is not None else None
             if added is not None and last is not None:
-                last.ids += added
-                last.mask += [0] * len(added)
-                last.logps += [0.0] * len(added)
+                last.add(added, sampled=False)
                 last.messages = messages
                 return last, False
             branch = Branch(render_ids(self.tokenizer, messages, add_generation_prompt=True, tools=tools))
@@ -273,10 +278,7 @@ class Endpoint:
             else:
                 raise Refused("prompt: a string or a list of token ids is needed")
             if last is not None and ids[: len(last.seen())] == last.seen():
-                added = ids[len(last.seen()) :]
-                last.ids += added
-                last.mask += [0] * len(added)
-                last.logps += [0.0] * len(added)
+                last.add(ids[len(last.seen()) :], sampled=False)
                 return last, False
             branch = Branch(list(ids))
         if len(branch.prompt) > self.limits["prompt"]:
@@ -326,9 +328,7 @@ class Endpoint:
     ) -> dict[str, Any]:
         """The sampled tokens into the episode's branch and calls; the OpenAI reply."""
         branch, prompt, call = request.branch, request.prompt, len(episode.calls)
-        branch.ids += ids
-        branch.mask += [1] * len(ids)
-        branch.logps += (logps or [0.0] * len(ids))[: len(ids)]
+        branch.add(ids, sampled=True, logps=logps)
         branch.truncated = cut
         text = self.tokenizer.decode([t for t in ids if t not in self.stops], skip_special_tokens=True)
         branch.answer = text
@@ -393,8 +393,8 @@ class AgentLoop:
         logprobs: bool = False,
         trainer_state: Any = None,
     ) -> Completions:
-        """Each row's episode, its last branch as the completion (``prompt_ids`` unused: the agent writes its
-        own prompts)."""
+        """Each row's episode, its last branch as the completion (the agent writes its own prompts;
+        ``prompt_ids``, as the data stage rendered them, stand for an episode that made no call)."""
         if self.endpoint is None:
             refuse_collective_generation(backend, module)
             self.endpoint = Endpoint(self.tokenizer, self.stops, self.limits)
@@ -422,7 +422,7 @@ class AgentLoop:
                 endpoint.sampling = None
                 for episode in episodes.values():
                     episode.ended = episode.ended or ("" if episode.returned else "agent_timeout")
-        return self._completions(rows, names, episodes, results)
+        return self._completions(rows, prompt_ids, names, episodes, results)
 
     def _episode(self, endpoint: Endpoint, name: str, row: dict[str, Any], results: dict) -> None:
         episode = endpoint.episodes[name]  # (the batch's: a late agent outlives it)
@@ -439,7 +439,12 @@ class AgentLoop:
                 endpoint.changed.notify_all()
 
     def _completions(
-        self, rows: list[dict[str, Any]], names: list[str], episodes: dict[str, Episode], results: dict
+        self,
+        rows: list[dict[str, Any]],
+        prompt_ids: list[list[int]],
+        names: list[str],
+        episodes: dict[str, Episode],
+        results: dict,
     ) -> Completions:
         ids, truncated, logps, masks, prompts, messages, calls = [], [], [], [], [], [], []
         rewards: list[Any] = []
@@ -456,9 +461,7 @@ class AgentLoop:
                     )
                     self.crash_said = True
                 result = None
-            branch = (
-                episode.branches[-1] if episode.branches else Branch(prompt_of_row_ids(self.tokenizer, row))
-            )
+            branch = episode.branches[-1] if episode.branches else Branch(list(prompt_ids[index]))
             if not episode.branches:
                 episode.ended = episode.ended or "the agent made no call"
             self.counts["episodes"] += 1
@@ -503,14 +506,6 @@ class AgentLoop:
     def close(self) -> None:
         if self.endpoint is not None:
             self.endpoint.close()
-
-
-def prompt_of_row_ids(tokenizer: Any, row: dict[str, Any]) -> list[int]:
-    """A row's prompt rendered as a chat (an episode that made no call trains on nothing after it)."""
-    prompt = prompt_of(row)
-    if isinstance(prompt, str):
-        return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    return render_ids(tokenizer, prompt, add_generation_prompt=True)
 
 
 def refuse_collective_generation(backend: GenerationBackend, module: Any) -> None:
