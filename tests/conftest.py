@@ -21,6 +21,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    # make test-vllm: each worker, and the runs and engines it starts, on cores of its own (an engine binds its
+    # OpenMP threads to the cores its process may use; two engines spinning on the same cores would crawl)
+    if os.environ.get("POSTTRAIN_TEST_PIN_WORKERS") == "1" and hasattr(os, "sched_setaffinity"):
+        from posttrain.testing.env import worker_cores
+
+        os.sched_setaffinity(0, worker_cores())
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 STEPS = 6
 CONTEXT = 352  # the agents' prompts and completions (tests/agent_helpers.py)
+#: the two servers' cores: this worker's first and last (make test-vllm gives each worker cores of its own)
+CORES = sorted(os.sched_getaffinity(0))
 #: a reward that holds the run after 3 steps while the file `hold` exists, until the file `go` does
 HOLDING = """
 import os, time
@@ -67,8 +69,8 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = root / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
     with (
-        vllm_server(path, root / "a.log", ports[0], cores=[0]),
-        vllm_server(path, root / "b.log", ports[1], cores=[1]) as second,
+        vllm_server(path, root / "a.log", ports[0], cores=CORES[:1]),
+        vllm_server(path, root / "b.log", ports[1], cores=CORES[-1:]) as second,
     ):
         yield {"root": root, "config": config, "path": path, "ports": ports, "second": second}
 
@@ -175,7 +177,7 @@ def test_a_server_killed_mid_run_changes_no_number_and_rejoins_when_started_agai
         time.sleep(0.2)
     os.killpg(second.pid, signal.SIGKILL)  # the second server and its engine, mid-run
     second.wait()
-    with vllm_server(pool["path"], root / "b-again.log", pool["ports"][1], cores=[1]):
+    with vllm_server(pool["path"], root / "b-again.log", pool["ports"][1], cores=CORES[-1:]):
         (root / "go").touch()  # the run goes on past step 3 once the server is back
         output = run.communicate(timeout=600)[0]
         served_again = _completions_served(root / "b-again.log")

@@ -21,3 +21,16 @@ def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     env.update(extra)
     return env
+
+
+def worker_cores() -> set[int]:
+    """This pytest-xdist worker's share of the cores this process may use (``gw0`` the first share, ``gw1``
+    the next, ...): all of them outside xdist or when there are fewer cores than workers."""
+    cores = sorted(os.sched_getaffinity(0))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    if workers < 2 or len(cores) < workers or not worker.startswith("gw"):
+        return set(cores)
+    share = len(cores) // workers
+    index = int(worker[2:]) % workers
+    return set(cores[index * share : (index + 1) * share])
