@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from posttrain.errors import UserError
-from posttrain.rollout import server_pool
-from posttrain.rollout.server_pool import ServerPool
+from posttrain.generation import server_pool
+from posttrain.generation.server_pool import ServerPool
 
 
 class _Quiet(http.server.ThreadingHTTPServer):
@@ -260,7 +260,7 @@ def test_a_process_asked_to_stop_does_not_wait_for_lost_servers(servers: Any, tm
     """Every server lost while the process is stopping (its allocation ended: the servers went with it): the
     call gives up at once (``GenerationStopped``) instead of waiting vllm_server_timeout for one to return;
     not stopping, the same pool waits as before."""
-    from posttrain.rollout.generation import GenerationStopped
+    from posttrain.generation.types import GenerationStopped
 
     stopping = threading.Event()
     (only,) = servers(1)
@@ -281,7 +281,7 @@ def test_a_stopping_process_does_not_wait_for_an_answer_a_closing_server_holds(
     """A server shutting down closes its port but holds the requests in flight unanswered: a process asked to
     stop gives them up once /health no longer answers, not after request_timeout; a server that still answers
     /health is waited for, stop or not."""
-    from posttrain.rollout.generation import GenerationStopped
+    from posttrain.generation.types import GenerationStopped
 
     stopping = threading.Event()
     (closing,) = servers(1)

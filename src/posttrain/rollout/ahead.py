@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from posttrain.errors import UserError
+from posttrain.generation.types import Completions, GenerationStopped, Sampling
 from posttrain.logs import say
-from posttrain.rollout.generation import Completions, GenerationStopped, Sampling
 
 #: where a process's batches generated ahead are kept in the loop state (saved with resumable checkpoints)
 STATE_KEY = "ahead"

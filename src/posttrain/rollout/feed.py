@@ -33,19 +33,13 @@ from posttrain.data.sampler import shard_order
 from posttrain.data.samples import IGNORE_INDEX, JOINED, joined_rows, pad_rows, target_labels, target_rows
 from posttrain.dist import all_reduce_sum
 from posttrain.errors import UserError
+from posttrain.generation.keyed import completion_key
+from posttrain.generation.transformers_backend import TransformersBackend, generation_eos
+from posttrain.generation.types import Completions, GenerationBackend, GenerationStopped, Sampling
 from posttrain.models.document_attention import joins_rows
 from posttrain.models.sampling_policy import policy_of
 from posttrain.models.token_logps import unwrap
 from posttrain.rollout.ahead import STATE_KEY, Ahead, SavedAhead
-from posttrain.rollout.generation import (
-    Completions,
-    GenerationBackend,
-    GenerationStopped,
-    Sampling,
-    TransformersBackend,
-    completion_key,
-    generation_eos,
-)
 from posttrain.rollout.sequence_split import sequence_split
 from posttrain.tokenizers.chat_templates import end_of_turn_ids
 from posttrain.tokenizers.padding import input_pad_id
@@ -118,10 +112,10 @@ def build_backend(
             "or use_vllm: false (transformers' generate on the training weights)"
         )
     if config.vllm_mode == "server":
-        from posttrain.rollout.vllm_server import build_server_backend
+        from posttrain.generation.vllm_server import build_server_backend
 
         return build_server_backend(config, module, stops, longest_prompt(data), dist, stopping)
-    from posttrain.rollout.vllm_engine import build_vllm_backend
+    from posttrain.generation.vllm_engine import build_vllm_backend
 
     return build_vllm_backend(
         config, module, stops, longest_prompt(data), rows, dist, processor, most_images(data)

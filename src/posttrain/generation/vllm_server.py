@@ -36,10 +36,9 @@ import torch
 
 from posttrain.config.online import server_urls
 from posttrain.errors import UserError
-from posttrain.logs import say
-from posttrain.rollout.generation import Completions, Sampling
-from posttrain.rollout.server_pool import ServerClient, ServerPool
-from posttrain.rollout.vllm_engine import (
+from posttrain.generation.server_pool import ServerClient, ServerPool
+from posttrain.generation.types import Completions, Sampling
+from posttrain.generation.vllm_engine import (
     EngineCopy,
     EngineSettings,
     engine_settings,
@@ -48,7 +47,8 @@ from posttrain.rollout.vllm_engine import (
     named_weights,
     usable_cores,
 )
-from posttrain.rollout.vllm_lora import adapter_push, adapter_state, save_adapter
+from posttrain.generation.vllm_lora import adapter_push, adapter_state, save_adapter
+from posttrain.logs import say
 
 #: ``vllm.LLM`` arguments and the server's flags for them (the rest have no place in a server)
 SERVER_FLAGS = {

@@ -33,11 +33,11 @@ import torch
 
 from posttrain.dist import kept_random_state
 from posttrain.errors import UserError
+from posttrain.generation.types import Completions, Sampling
+from posttrain.generation.vllm_lora import AdapterPush, adapter_push, engine_lora_kwargs, write_adapter
 from posttrain.logs import say
 from posttrain.memory.estimate import kv_cache_bytes
 from posttrain.models.dimensions import Dimensions, read_dimensions
-from posttrain.rollout.generation import Completions, Sampling
-from posttrain.rollout.vllm_lora import AdapterPush, adapter_push, engine_lora_kwargs, write_adapter
 
 #: the smallest KV cache a CPU engine is given (a few blocks of a tiny model need more than the plan says)
 CPU_KV_FLOOR = 64 << 20
@@ -112,7 +112,7 @@ def engine_settings(
         "trust_remote_code": config.model.trust_remote_code,
         "enable_prefix_caching": True,
         "generation_config": "vllm",  # the model's generation_config.json sets no sampling default
-        "worker_extension_cls": WORKER_EXTENSION,  # the checked weight push (rollout/vllm_worker.py)
+        "worker_extension_cls": WORKER_EXTENSION,  # the checked weight push (generation/vllm_worker.py)
     }
     if images_per_prompt is not None:  # the image encoder's budget is profiled for this many a prompt
         kwargs["limit_mm_per_prompt"] = {"image": images_per_prompt}
@@ -432,7 +432,7 @@ def empty_prefix_cache(llm: Any, tries: int = 10) -> None:
 
 
 #: posttrain's methods on vLLM's workers (the checked weight push), for the engine and the server
-WORKER_EXTENSION = "posttrain.rollout.vllm_worker.PosttrainWorker"
+WORKER_EXTENSION = "posttrain.generation.vllm_worker.PosttrainWorker"
 
 
 def check_reload(reports: Sequence[Any], engine: str) -> None:

@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.errors import UserError
+from posttrain.generation.types import GenerationStopped
+from posttrain.generation.vllm_engine import check_reload
 from posttrain.logs import get_logger
-from posttrain.rollout.generation import GenerationStopped
-from posttrain.rollout.vllm_engine import check_reload
 
 #: seconds between two looks at a lost server while the others generate
 LOOK_AGAIN = 5.0
