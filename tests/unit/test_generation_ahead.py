@@ -113,6 +113,9 @@ class _Engine:
     def push(self) -> None:
         self.holds = self.now
 
+    def alive(self) -> bool:
+        return True
+
 
 def _train(ahead: Ahead, engine: _Engine, batches: range) -> dict[int, int]:
     """Trains ``batches`` as the feed does (advance to k, take k): the weights each one came from."""

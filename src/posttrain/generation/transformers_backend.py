@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from posttrain.generation.keyed import KeyedSampler
-from posttrain.generation.types import Completions, Sampling
+from posttrain.generation.types import Completions, EngineInputs, Sampling
 from posttrain.models.sampling_policy import kept_tokens, penalty_scale
 
 
@@ -111,6 +111,7 @@ class TransformersBackend:
     """``generate`` with the KV cache on the training weights in place (PEFT adapters included)."""
 
     name = "transformers"
+    stale = False  # it generates on the training weights: never older than them
 
     def __init__(self, stop_ids: Sequence[int], pad_id: int, processor: Any = None) -> None:
         """``processor``: a vision-language model's processor (its image processor makes the image inputs)."""
@@ -163,8 +164,17 @@ class TransformersBackend:
             )
         return split_completions(out[:, ids.shape[1] :].cpu(), stops, self.pad_id)
 
+    def push(self, module: torch.nn.Module) -> None:
+        """Nothing to push: generation runs on the training weights."""
+
     def mark_stale(self) -> None:
         """Nothing to push: generation runs on the training weights."""
 
     def close(self) -> None:
         pass
+
+
+def transformers_engine(config: Any, inputs: EngineInputs) -> TransformersBackend:
+    """``registry.GENERATION_ENGINES``' ``transformers`` (``use_vllm: false``): generation on the training
+    weights in place."""
+    return TransformersBackend(inputs.stops, inputs.pad_id, inputs.processor)

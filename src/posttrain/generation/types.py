@@ -3,7 +3,7 @@ and the methods use without importing an engine."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -66,12 +66,32 @@ class GenerationStopped(RuntimeError):
     stop took with it): the step it was for is not trained, and the run saves after its last whole step."""
 
 
+@dataclass
+class EngineInputs:
+    """What an engine factory (``registry.GENERATION_ENGINES``) is given besides the run's config."""
+
+    module: torch.nn.Module  # the training module (transformers generates on it; an engine copies it)
+    stops: list[int]  # the ids a completion ends at
+    pad_id: int
+    longest_prompt: int  # tokens of the longest prompt of the data (an engine's context)
+    most_images: int  # a vision-language model's most images in one prompt (0: none)
+    rows: int  # completions this process generates at once
+    dist: Any  # this process's place (``dist.DistInfo``)
+    stopping: Callable[[], bool]  # the run was asked to stop (a wait for a server gives up)
+    processor: Any = None  # a vision-language model's processor
+
+
 class GenerationBackend(Protocol):
     """Where an online run's completions come from (the feed and the multi-turn rollouts depend on this
     alone): transformers' ``generate`` on the training weights (``TransformersBackend``), or an engine with
-    its own copy of the weights (``vllm_engine.EngineCopy``: one in this process, or a server)."""
+    its own copy of the weights (``engine.EngineCopy``: vLLM in this process, or a server). The registry
+    ``GENERATION_ENGINES`` names them (``generation_engine``); a new engine is a module with its factory and
+    one entry there."""
 
     name: str
+    #: the engine's weights are older than the training weights: :meth:`push` them before it generates
+    #: (always False where generation runs on the training weights)
+    stale: bool
 
     def generate(
         self,
@@ -86,6 +106,11 @@ class GenerationBackend(Protocol):
         engine's log-probabilities of the sampled tokens too (None where the sampler is the trainer);
         ``images``: each prompt's images (Pillow, in the order of its image tokens: a vision-language model's
         prompts hold the processor's expanded ids)."""
+        ...
+
+    def push(self, module: torch.nn.Module) -> None:
+        """The training weights given to the engine (TRL's weight sync; nothing where generation runs on the
+        training weights): a collective, every process calls it."""
         ...
 
     def mark_stale(self) -> None:

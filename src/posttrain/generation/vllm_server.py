@@ -36,10 +36,10 @@ import torch
 
 from posttrain.config.online import server_urls
 from posttrain.errors import UserError
+from posttrain.generation.engine import EngineCopy
 from posttrain.generation.server_pool import ServerClient, ServerPool
-from posttrain.generation.types import Completions, Sampling
+from posttrain.generation.types import Completions, EngineInputs, Sampling
 from posttrain.generation.vllm_engine import (
-    EngineCopy,
     EngineSettings,
     engine_settings,
     free_port,
@@ -460,3 +460,16 @@ def build_server_backend(
 
     needed = model_context(config, read_dimensions(unwrap(module).config), longest)
     return VLLMServerBackend(config, module, stops, dist, needed, stopping)
+
+
+def server_engine(config: Any, inputs: EngineInputs) -> VLLMServerBackend:
+    """``registry.GENERATION_ENGINES``' ``vllm-server`` (``use_vllm`` with ``vllm_mode: server``)."""
+    if inputs.processor is not None:
+        raise UserError(
+            "use_vllm: true with a vision-language model: its colocated engine (vllm_mode: colocate) generates "
+            "with images, vllm_mode: server does not yet; use vllm_mode: colocate, or use_vllm: false "
+            "(transformers' generate on the training weights)"
+        )
+    return build_server_backend(
+        config, inputs.module, inputs.stops, inputs.longest_prompt, inputs.dist, inputs.stopping
+    )
