@@ -70,9 +70,9 @@ def engine_row(tasks: Path, samples: int, batch_size: int) -> dict[str, float | 
 
     from posttrain.config.harness import HarnessConfig
     from posttrain.config.load import load_config
+    from posttrain.generation.vllm_engine import build_vllm_backend
     from posttrain.inference.harness_training import HarnessEvaluator
     from posttrain.rollout.feed import EngineGeneration, stop_ids
-    from posttrain.rollout.vllm_engine import build_vllm_backend
 
     model = AutoModelForCausalLM.from_pretrained(EXPORT, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(EXPORT)

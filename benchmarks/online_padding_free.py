@@ -21,8 +21,8 @@ import torch
 
 
 def batches(args: argparse.Namespace, join: bool) -> list[dict]:
+    from posttrain.generation.types import Completions
     from posttrain.rollout.feed import training_micro_batches
-    from posttrain.rollout.generation import Completions
 
     generator = torch.Generator().manual_seed(0)
     count = args.micro * args.batches

@@ -70,7 +70,7 @@ def pushes(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from posttrain.rollout.vllm_server import VLLMServerBackend
+    from posttrain.generation.vllm_server import VLLMServerBackend
 
     model = SimpleNamespace(
         name_or_path=str(model_dir), peft_config=lora, peft_pretrained=None, quantization_config=None
@@ -108,9 +108,9 @@ def pushes(
 
 def generation(urls: list[str], completions: int, tokens: int) -> dict[str, float]:
     """Completions and tokens per second through the pool (after a warm-up call)."""
-    from posttrain.rollout.generation import Sampling
-    from posttrain.rollout.server_pool import ServerPool
-    from posttrain.rollout.vllm_server import completion_body
+    from posttrain.generation.server_pool import ServerPool
+    from posttrain.generation.types import Sampling
+    from posttrain.generation.vllm_server import completion_body
 
     pool = ServerPool(urls, 600.0, 600.0, 1800.0, main=True)
     served = pool.start(lambda client: client.call("/v1/models")["data"][0]["id"])
@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    from posttrain.rollout.vllm_engine import free_port, usable_cores
+    from posttrain.generation.vllm_engine import free_port, usable_cores
     from posttrain.testing.served import vllm_server
     from posttrain.tiny_model import write_tiny_model
 
@@ -187,7 +187,7 @@ def lora_pushes(work: Path, model: Path, count: int, cores: list[int]) -> dict[s
     """A LoRA model's push to one server: the adapter alone against the merged weights."""
     import yaml
 
-    from posttrain.rollout.vllm_engine import free_port
+    from posttrain.generation.vllm_engine import free_port
     from posttrain.testing.served import vllm_server
 
     lora = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}

@@ -21,6 +21,7 @@ from posttrain.config.dpo import DPODataConfig, DPOTrainerConfig
 from posttrain.config.grpo import GRPOTrainerConfig
 from posttrain.config.kto import KTODataConfig, KTOTrainerConfig
 from posttrain.config.model import ModelConfig
+from posttrain.config.online import OnlineTrainerConfig
 from posttrain.config.optimizer import OptimizerConfig
 from posttrain.config.prompts import PromptsDataConfig
 from posttrain.config.reward import RewardDataConfig, RewardTrainerConfig
@@ -31,6 +32,7 @@ from posttrain.registry import (
     CHECKPOINT_ENGINES,
     DATA_FACTORIES,
     DATA_SOURCES,
+    GENERATION_ENGINES,
     MODEL_FACTORIES,
     MODEL_TRANSFORMS,
     OPTIMIZERS,
@@ -174,6 +176,20 @@ COMPONENTS = (
         "deepspeed",
         "posttrain.checkpoint.deepspeed:DeepSpeedCheckpointEngine",
         DeepSpeedCheckpointConfig,
+    ),
+    # an online run's generation engines (``generation_engine``; default from use_vllm and vllm_mode)
+    (
+        GENERATION_ENGINES,
+        "transformers",
+        "posttrain.generation.transformers_backend:transformers_engine",
+        OnlineTrainerConfig,
+    ),
+    (GENERATION_ENGINES, "vllm", "posttrain.generation.vllm_engine:colocated_engine", OnlineTrainerConfig),
+    (
+        GENERATION_ENGINES,
+        "vllm-server",
+        "posttrain.generation.vllm_server:server_engine",
+        OnlineTrainerConfig,
     ),
 )
 

@@ -112,6 +112,14 @@ class StepExtraFactory(Protocol):
     def __call__(self, module: torch.nn.Module, facts: ModelFacts, config: Any) -> StepExtra | None: ...
 
 
+class GenerationEngineFactory(Protocol):
+    """An online run's generation engine from the run's config and ``generation.types.EngineInputs`` (the
+    training module, stop ids, the prompts' sizes, the process group...): a ``generation.types.
+    GenerationBackend``. Picked by ``generation_engine`` (default: from ``use_vllm`` and ``vllm_mode``)."""
+
+    def __call__(self, config: Any, inputs: Any) -> Any: ...
+
+
 class CheckpointEngineFactory(Protocol):
     """``(checkpoint config, run context, tokenizer) -> a checkpoint engine`` (a ``CheckpointEngine`` class)."""
 
@@ -427,6 +435,7 @@ DATA_FACTORIES: Registry[DataFactory] = Registry("data")
 OPTIMIZERS: Registry[OptimizerFactory] = Registry("optimizer")
 SCHEDULERS: Registry[SchedulerFactory] = Registry("scheduler")
 CHECKPOINT_ENGINES: Registry[CheckpointEngineFactory] = Registry("checkpoint")
+GENERATION_ENGINES: Registry[GenerationEngineFactory] = Registry("generation engine")
 #: the model stage's transforms, in the order they apply (``posttrain.stages.model.prepare_model``)
 MODEL_TRANSFORMS: OrderedTable[ModelTransform] = OrderedTable("model transform")
 #: what a model feature adds to every training step (a loss term, metrics), in order

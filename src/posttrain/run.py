@@ -176,10 +176,8 @@ def loop_inputs(
         )  # before resuming: sees the initial weights
     state, resumed_from = _resume(checkpoints, engine)
     steps = load_component(spec.steps)(ctx, engine, batches, tokenizer)
-    generation = getattr(steps, "generation", None)  # an online run's vLLM engine
-    evaluators = evaluators_for(
-        config, engine.module, tokenizer, ctx.dist, generation
-    )  # checked before output
+    # checked before output; an online run's engine with weights of its own generates the harness's tasks
+    evaluators = evaluators_for(config, engine.module, tokenizer, ctx.dist, steps.generation)
     inputs = LoopInputs(
         engine=engine,
         loss_fn=load_component(spec.loss)(config, tokenizer, steps),

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from posttrain.generation.keyed import completion_key
+from posttrain.generation.transformers_backend import TransformersBackend
+from posttrain.generation.types import Sampling
 from posttrain.rollout.agent_endpoint import AgentLoop
 from posttrain.rollout.feed import stop_ids
-from posttrain.rollout.generation import Sampling, TransformersBackend, completion_key
 from tests.agent_endpoint_helpers import write_agent
 from tests.grpo_helpers import write_prompts
 from tests.integration.helpers import metrics, train

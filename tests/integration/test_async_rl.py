@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from posttrain.rollout.vllm_engine import free_port
+from posttrain.generation.vllm_engine import free_port
 from posttrain.testing.served import vllm_server
 from tests.agent_endpoint_helpers import write_agent
 from tests.grpo_helpers import DIGITS, engine_grpo_config
@@ -106,7 +106,9 @@ def test_resumed_and_two_processes_give_the_same_records(served: dict[str, Any],
     one = results["reference_metrics"]
     for step in range(1, STEPS + 1):
         assert two[step]["reward"] == one[step]["reward"], step
-        assert two[step]["loss"] == pytest.approx(one[step]["loss"], abs=1e-6), step
+        # the same completions (rewards equal); the loss to float32's noise: the first step's exactly, the
+        # later ones after updates whose gradients two processes sum in another order (seen: 7e-6 at step 6)
+        assert two[step]["loss"] == pytest.approx(one[step]["loss"], abs=1e-6 if step == 1 else 3e-5), step
 
 
 def test_a_longer_lag_and_weights_synced_every_other_batch(served: dict[str, Any], tmp_path: Path) -> None:

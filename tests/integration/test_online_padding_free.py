@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from posttrain.data.samples import JOINED
+from posttrain.generation.types import Completions
 from posttrain.models.sampling_policy import SamplingPolicy
 from posttrain.models.token_logps import token_logps
 from posttrain.rollout.feed import training_micro_batches
-from posttrain.rollout.generation import Completions
 from tests.grpo_helpers import distill_config, grpo_config, write_prompts
 from tests.integration.helpers import merge, metrics, train
 

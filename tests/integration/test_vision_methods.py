@@ -205,9 +205,10 @@ def test_grpo_prompts_with_images_generate_and_score_on_the_processors_inputs(
     from transformers import AutoModelForImageTextToText
 
     from posttrain.config.prompts import PromptsDataConfig
+    from posttrain.generation.transformers_backend import TransformersBackend, split_completions
+    from posttrain.generation.types import Sampling
     from posttrain.models.token_logps import token_logps
     from posttrain.rollout.feed import stop_ids, training_micro_batches
-    from posttrain.rollout.generation import Sampling, TransformersBackend, split_completions
     from posttrain.vision.collate import attach_images
     from posttrain.vision.prompts import format_image_prompts
 

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from posttrain.rollout.vllm_engine import named_weights
+from posttrain.generation.vllm_engine import named_weights
 from posttrain.tiny_model import build_model
 
 pytestmark = pytest.mark.integration

@@ -16,11 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.config import load_config
+from posttrain.generation.types import Sampling
+from posttrain.generation.vllm_engine import build_vllm_backend
 from posttrain.models.sampling_policy import SamplingPolicy
 from posttrain.models.token_logps import token_logps
 from posttrain.rollout.feed import training_micro_batches
-from posttrain.rollout.generation import Sampling
-from posttrain.rollout.vllm_engine import build_vllm_backend
 from posttrain.tiny_model import write_tiny_model
 
 sys.path.insert(0, str(Path(__file__).parents[2]))

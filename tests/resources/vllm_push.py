@@ -16,8 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.config import load_config
-from posttrain.rollout.generation import Sampling, TransformersBackend
-from posttrain.rollout.vllm_engine import build_vllm_backend
+from posttrain.generation.transformers_backend import TransformersBackend
+from posttrain.generation.types import Sampling
+from posttrain.generation.vllm_engine import build_vllm_backend
 from posttrain.tiny_model import write_tiny_model
 
 

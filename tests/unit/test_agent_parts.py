@@ -12,11 +12,11 @@ import pytest
 from posttrain.config import load_config
 from posttrain.config.errors import ConfigError
 from posttrain.config.rewards import CodeTestsReward, FunctionReward
-from posttrain.rollout.generation import Completions
-from posttrain.rollout.reward_calls import RewardError
-from posttrain.rollout.reward_functions import build_rewards
-from posttrain.rollout.reward_guard import RewardGuard, score_all
-from posttrain.rollout.reward_workers import RewardWorkers
+from posttrain.generation.types import Completions
+from posttrain.rewards.calls import RewardError
+from posttrain.rewards.functions import build_rewards
+from posttrain.rewards.guard import RewardGuard, score_all
+from posttrain.rewards.workers import RewardWorkers
 from posttrain.rollout.tools import ToolCall, ToolRunner, parse_hermes, parse_llama3_json, parse_mistral
 from posttrain.testing import tool_task
 
@@ -221,8 +221,8 @@ def test_environment_errors_name_the_users_class_and_line(tmp_path: Path) -> Non
     """At run time: a reset that raises, a row reset cannot take, a factory returning another class, a tool's
     own error (said once, the model still reading it) and get_reward's error each name the user's code."""
     from posttrain.errors import UserError
+    from posttrain.rewards.functions import environment_rewards
     from posttrain.rollout.agent import Environments, reset
-    from posttrain.rollout.reward_functions import environment_rewards
 
     code = tmp_path / "envs.py"
     code.write_text(ENVIRONMENTS)
@@ -332,7 +332,9 @@ def test_tool_tokens_are_not_trained() -> None:
 
 def test_the_python_tool_runs_code_and_its_schema_is_the_configs() -> None:
     from posttrain.config.agents import BUILTIN_SCHEMAS, schema_of
-    from posttrain.rollout.sandbox import python
+    from posttrain.sandbox.confine import python_tool
+
+    python = python_tool()
 
     assert schema_of(python) == BUILTIN_SCHEMAS["python"]
     assert python("print(6 * 7)") == "42"

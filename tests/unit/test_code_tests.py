@@ -1,4 +1,4 @@
-"""The code_tests judge (``rollout.code_tests``) against programs that try to forge their score: every
+"""The code_tests judge (``sandbox.code_tests``) against programs that try to forge their score: every
 forgery a review found (a builtin shadowed or rewritten, a test's expected side computed where the program
 could reach it, answer lines printed, output that made the parent's parsing raise) and the tests a real
 dataset writes (setup, loops, comprehensions, expected exceptions, classes, in-place changes). Each is a real
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.rollout import code_tests
-from posttrain.rollout.sandbox import Limits, confinement
+from posttrain.sandbox import code_tests
+from posttrain.sandbox.confine import Limits, confinement
 
 LIMITS = Limits(wall=8, cpu=4, memory=256 * 2**20, processes=16, disk=32 * 2**20)
 FULL = pytest.mark.skipif(bool(confinement().missing), reason="this machine lacks a required confinement")
@@ -123,8 +123,8 @@ def test_reward_timeout_in_this_process_ends_the_sandboxes_at_once() -> None:
     import time
 
     from posttrain.config.rewards import CodeTestsReward
-    from posttrain.rollout.reward_calls import call_here
-    from posttrain.rollout.reward_functions import code_tests
+    from posttrain.rewards.calls import call_here
+    from posttrain.rewards.functions import code_tests
 
     reward = code_tests(CodeTestsReward(timeout=30, parallel=2))
     hang = "```python\nimport time\ndef f(x):\n    time.sleep(60)\n```"

@@ -7,9 +7,9 @@ import math
 
 import torch
 
+from posttrain.generation.types import Completions
 from posttrain.methods.grpo.dynamic_sampling import kept_groups, places
 from posttrain.rollout.feed import IN_LOSS, training_micro_batches
-from posttrain.rollout.generation import Completions
 
 
 def test_a_group_is_kept_when_its_rewards_differ_and_its_mean_is_inside_the_range() -> None:

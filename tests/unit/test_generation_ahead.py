@@ -15,8 +15,8 @@ import torch
 
 from posttrain.config import load_config
 from posttrain.config.errors import ConfigError
+from posttrain.generation.types import Completions
 from posttrain.rollout.ahead import Ahead, weights_version
-from posttrain.rollout.generation import Completions
 
 
 def _grpo(tmp_path: Path, **changes: object) -> dict:
@@ -112,6 +112,9 @@ class _Engine:
 
     def push(self) -> None:
         self.holds = self.now
+
+    def alive(self) -> bool:
+        return True
 
 
 def _train(ahead: Ahead, engine: _Engine, batches: range) -> dict[int, int]:
@@ -231,7 +234,7 @@ def test_a_batch_given_up_at_a_stop_is_left_out_and_generated_again(caplog: pyte
     the resumed run generates both from its weights."""
     import pickle
 
-    from posttrain.rollout.generation import GenerationStopped
+    from posttrain.generation.types import GenerationStopped
 
     caplog.set_level(logging.INFO, logger="posttrain")
     engine = _Engine()

@@ -1,5 +1,5 @@
 """Reward functions: the built-ins, the TRL calling convention, and the errors a bad reward stops the run with;
-and the reproducible draw behind every completion (rollout/generation.py)."""
+and the reproducible draw behind every completion (generation/keyed.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 
 from posttrain.config import ConfigError, load_config
 from posttrain.config.rewards import ExactMatchReward, FunctionReward, LengthPenaltyReward, RegexReward
-from posttrain.rollout.generation import MASK, KeyedSampler, _mix, _mix_int, completion_key, keyed_draw
-from posttrain.rollout.reward_calls import RewardError
-from posttrain.rollout.reward_functions import build_rewards, last_boxed, same_answer
-from posttrain.rollout.reward_guard import score_all
+from posttrain.generation.keyed import MASK, KeyedSampler, _mix, _mix_int, completion_key, keyed_draw
+from posttrain.rewards.calls import RewardError
+from posttrain.rewards.functions import build_rewards, last_boxed, same_answer
+from posttrain.rewards.guard import score_all
 
 
 def _one(config) -> object:
@@ -309,7 +309,9 @@ def test_the_models_generation_defaults_never_apply_and_its_eos_stops() -> None:
     end a completion as the tokenizer's do (TRL stops at both)."""
     from transformers import GenerationConfig
 
-    from posttrain.rollout.generation import Sampling, TransformersBackend, completion_key
+    from posttrain.generation.keyed import completion_key
+    from posttrain.generation.transformers_backend import TransformersBackend
+    from posttrain.generation.types import Sampling
     from posttrain.tiny_model import build_model
 
     model = build_model(256, hidden_size=32, heads=2, seed=5).eval()
@@ -340,8 +342,8 @@ def test_completions_no_reward_scores_are_said(tmp_path: Path, tiny_tokenizer) -
     in one line naming how many, the rows and the functions (TRL warns too), and says nothing otherwise."""
     from posttrain.data.prompts import ORIGIN_KEY
     from posttrain.dist import DistInfo
-    from posttrain.rollout.generation import Completions
-    from posttrain.rollout.scorer import Scorer
+    from posttrain.generation.types import Completions
+    from posttrain.rewards.scorer import Scorer
 
     body = "def reward(completions, kind, **kw):\n    return [1.0 if k == 'a' else None for k in kind]\n"
     function = _user_reward(tmp_path, body)

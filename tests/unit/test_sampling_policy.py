@@ -146,7 +146,8 @@ def test_the_tiled_head_gives_the_plain_values_and_gradients(setting: dict[str, 
 def test_transformers_generate_draws_only_from_the_kept_set(setting: dict[str, object]) -> None:
     """transformers' backend samples with the same processor: every sampled token's log-probability under the
     replayed policy is finite and its probability under the sampler is what the trainer computes."""
-    from posttrain.rollout.generation import Sampling, TransformersBackend
+    from posttrain.generation.transformers_backend import TransformersBackend
+    from posttrain.generation.types import Sampling
 
     model = setting["model"]
     assert isinstance(model, torch.nn.Module)
@@ -177,7 +178,8 @@ def test_transformers_generate_draws_only_from_the_kept_set(setting: dict[str, o
 def test_banned_tokens_are_never_drawn_greedy_or_sampled(setting: dict[str, object]) -> None:
     """A vision-language model's image token is never generated (it would stand for an image that is not
     there): the greedy choice moves to the next token, sampling never draws it."""
-    from posttrain.rollout.generation import Sampling, TransformersBackend
+    from posttrain.generation.transformers_backend import TransformersBackend
+    from posttrain.generation.types import Sampling
 
     model = setting["model"]
     assert isinstance(model, torch.nn.Module)

@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 
 from posttrain.errors import UserError
-from posttrain.rollout import code_tests, sandbox
-from posttrain.rollout.sandbox import Limits, confinement, remove_tree, run_python
+from posttrain.sandbox import code_tests
+from posttrain.sandbox import confine as sandbox
+from posttrain.sandbox.confine import Limits, confinement, remove_tree, run_python
 
 LIMITS = Limits(wall=8, cpu=4, memory=256 * 2**20, processes=16, disk=32 * 2**20)
 HOLDS = confinement()
@@ -79,7 +80,7 @@ def test_this_machine_gives_the_whole_confinement() -> None:
 
 
 def test_a_missing_confinement_stops_the_run_unless_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
-    weaker = sandbox.Confinement(("CPU time per process",), (sandbox.REQUIRED["memory per run"],))
+    weaker = sandbox.Confinement(("CPU time per process",), (sandbox.REQUIRED["memory_per_run"],))
     monkeypatch.setattr(sandbox, "confinement", lambda: weaker)
     with pytest.raises(
         UserError, match=r"lacks on this machine: memory per run .* sandbox_accept_weaker: true"
@@ -515,9 +516,9 @@ def test_a_strict_sandbox_whose_cgroups_cannot_be_made_refuses_in_one_line(
 ) -> None:
     """The machine held cgroups at the start, this program's could not be made (the kernel refused one): a
     strict run does not go on without them silently; a run that accepts less does."""
-    from posttrain.rollout import sandbox
+    from posttrain.sandbox import confine as sandbox
 
-    monkeypatch.setattr(sandbox, "run_cgroups", lambda limits: ([], []))
+    monkeypatch.setattr(sandbox, "run_cgroups", lambda limits: ([], [], set()))
     with pytest.raises(sandbox.SandboxError, match=r"cgroups .* could not be made for this program"):
         sandbox.run_python("print(1)", sandbox.Limits(wall=30), strict=True)
     assert sandbox.run_python("print(1)", sandbox.Limits(wall=30), strict=False).stdout.strip() == "1"
@@ -620,7 +621,7 @@ def test_a_sandbox_dies_with_whoever_started_it_on_sigkill(tmp_path: Path) -> No
         textwrap.dedent(
             """
             import sys, time
-            from posttrain.rollout.sandbox import Limits, launched
+            from posttrain.sandbox.confine import Limits, launched
             with launched("import time\\ntime.sleep(120)", Limits(wall=120, cpu=120), strict=False) as run:
                 while run.pidfd is None and run.process.poll() is None:
                     time.sleep(0.01)
@@ -653,7 +654,7 @@ def test_stale_run_cgroups_are_swept_by_the_next_start(monkeypatch: pytest.Monke
     """A killed trainer's empty run cgroups are removed by the next process that makes one; one a live run
     uses (a process in it) is left. Swept in a parent of this test's own: every idle group counts as stale
     here, and a sweep of the machine's parent would take the groups other tests are making at the time."""
-    groups, _ = sandbox.run_cgroups(LIMITS)  # real ones, where this machine makes them
+    groups, _, _ = sandbox.run_cgroups(LIMITS)  # real ones, where this machine makes them
     assert groups
     parent = Path(tempfile.mkdtemp(prefix="posttrain-sweep-", dir=groups[0].parent))
     stale = Path(tempfile.mkdtemp(prefix="posttrain-sandbox-", dir=parent))
@@ -732,7 +733,7 @@ def test_no_zombie_is_left_to_a_trainer_that_is_process_1(tmp_path: Path) -> Non
             """
             import os, time
             from pathlib import Path
-            from posttrain.rollout.sandbox import Limits, run_python
+            from posttrain.sandbox.confine import Limits, run_python
             assert os.getpid() == 1
             for _ in range(3):
                 assert run_python("import time\\ntime.sleep(30)", Limits(wall=0.5, cpu=5)).timed_out

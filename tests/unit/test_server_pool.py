@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from posttrain.errors import UserError
-from posttrain.rollout import server_pool
-from posttrain.rollout.server_pool import ServerPool
+from posttrain.generation import server_pool
+from posttrain.generation.server_pool import ServerPool
 
 
 class _Quiet(http.server.ThreadingHTTPServer):
@@ -260,7 +260,7 @@ def test_a_process_asked_to_stop_does_not_wait_for_lost_servers(servers: Any, tm
     """Every server lost while the process is stopping (its allocation ended: the servers went with it): the
     call gives up at once (``GenerationStopped``) instead of waiting vllm_server_timeout for one to return;
     not stopping, the same pool waits as before."""
-    from posttrain.rollout.generation import GenerationStopped
+    from posttrain.generation.types import GenerationStopped
 
     stopping = threading.Event()
     (only,) = servers(1)
@@ -281,7 +281,7 @@ def test_a_stopping_process_does_not_wait_for_an_answer_a_closing_server_holds(
     """A server shutting down closes its port but holds the requests in flight unanswered: a process asked to
     stop gives them up once /health no longer answers, not after request_timeout; a server that still answers
     /health is waited for, stop or not."""
-    from posttrain.rollout.generation import GenerationStopped
+    from posttrain.generation.types import GenerationStopped
 
     stopping = threading.Event()
     (closing,) = servers(1)
@@ -446,3 +446,116 @@ def test_an_unemptied_prefix_cache_is_asked_again_then_one_line(servers: Any, tm
         push(pool, tmp_path, "run-2")
     assert f"the vLLM server at {server.url} could not empty its prefix cache" in str(caught.value)
     pool.close()
+
+
+class StubKind:
+    """A kind of server that is not vLLM (``server_pool.ServerKind``): endpoints of its own for the weights
+    (``/weights``, ``/tag``) and the completions (``/sample``). The pool's logic is the kind's whatever."""
+
+    name = "stub server"
+
+    def holds(self, client: server_pool.ServerClient, tag: str | None) -> str | None:
+        return client.call("/tag", doing="saying which weights it holds")["tag"]
+
+    def reload(
+        self,
+        client: server_pool.ServerClient,
+        folder: Path,
+        tag: str,
+        previous: str | None,
+        timeout: float,
+        pushing: str,
+    ) -> None:
+        client.call("/weights", {"folder": str(folder), "tag": tag}, timeout, pushing)
+
+    def complete(self, client: server_pool.ServerClient, body: dict[str, Any], doing: str) -> dict[str, Any]:
+        return client.call("/sample", body, doing=doing)
+
+
+class StubServer:
+    """Speaks only StubKind's endpoints and /health; no vLLM route answers."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.port, self.tag, self.served, self.reloads = port, None, 0, []
+        self.start()
+
+    def start(self) -> None:
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    return self._json({})
+                if self.path == "/tag":
+                    return self._json({"tag": outer.tag})
+                self.send_error(404)
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                if self.path == "/weights":
+                    outer.tag = body["tag"]
+                    outer.reloads.append(body["tag"])
+                    return self._json({"ok": True})
+                if self.path == "/sample":
+                    outer.served += 1
+                    return self._json({"draw": [body["seed"], zlib.crc32(str(outer.tag).encode()) % 1000]})
+                self.send_error(404)
+
+            def _json(self, answer: Any) -> None:
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = _Quiet(("127.0.0.1", self.port), Handler)
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.tag = None  # started again: the weights are gone
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_pool_of_another_kind_of_server_loses_rejoins_and_pushes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pool with a stub kind (no vLLM endpoint): pushes reach every server, the requests are spread, a
+    stopped server is lost and its requests go to the other, and when it answers again it is given the
+    current weights and serves; the lines name the kind."""
+    first, second = StubServer(), StubServer()
+    pool = ServerPool([first.url, second.url], 3.0, 5.0, 10.0, main=True, kind=StubKind())
+    try:
+        pool.start(lambda client: "stub")
+        push(pool, tmp_path, "run-1")
+        bodies = [{"seed": i} for i in range(8)]
+        answers = pool.complete(bodies, "generating")
+        assert [a["draw"][0] for a in answers] == list(range(8)) and first.served == second.served == 4
+        assert first.reloads == second.reloads == ["run-1"]
+
+        second.stop()
+        with caplog.at_level("WARNING", logger="posttrain"):
+            answers = pool.complete(bodies, "generating")
+        assert [a["draw"][0] for a in answers] == list(range(8)) and pool.lost_events == 1
+        assert f"stub server at {second.url}" in caplog.text and "out of the pool" in caplog.text
+        push(pool, tmp_path, "run-2")  # pushed while it is away: the other takes the weights
+        assert first.reloads == ["run-1", "run-2"] and second.reloads == ["run-1"]
+
+        second.start()  # back at its address, without weights
+        monkeypatch.setattr(server_pool, "LOOK_AGAIN", 0.0)
+        before = second.served
+        with caplog.at_level("WARNING", logger="posttrain"):
+            answers = pool.complete(bodies, "generating")
+        assert second.reloads == ["run-1", "run-2"] and second.served > before and pool.rejoined_events == 1
+        assert f"stub server at {second.url} is back with the current weights" in caplog.text
+        assert len({a["draw"][1] for a in answers}) == 1  # every answer from the same weights
+    finally:
+        pool.close()
+        first.stop()
+        with contextlib.suppress(OSError):
+            second.stop()

@@ -64,10 +64,10 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_sleep_mode_keeps_the_pushed_weights_for_every_sample_until_the_next_push(stand_in: None) -> None:
-    from posttrain.rollout import vllm_engine
+    from posttrain.generation import vllm_engine
+    from posttrain.generation.types import Sampling
+    from posttrain.generation.vllm_engine import EngineSettings, VLLMBackend
     from posttrain.rollout.ahead import Pinned
-    from posttrain.rollout.generation import Sampling
-    from posttrain.rollout.vllm_engine import EngineSettings, VLLMBackend
 
     seen: list[str] = []
 

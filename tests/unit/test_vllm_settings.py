@@ -15,6 +15,21 @@ import torch
 from posttrain.config import load_config
 from posttrain.config.errors import ConfigError
 from posttrain.errors import UserError
+from posttrain.generation.types import Sampling
+from posttrain.generation.vllm_engine import (
+    CPU_KV_FLOOR,
+    cpu_threads,
+    engine_settings,
+    model_context,
+    refuse_grown_vocabulary,
+)
+from posttrain.generation.vllm_server import (
+    check_served_model,
+    completion_body,
+    completions_from,
+    server_command,
+    server_urls_of,
+)
 from posttrain.methods.grpo.losses import (
     SamplingCorrection,
     sampling_records,
@@ -22,21 +37,6 @@ from posttrain.methods.grpo.losses import (
     sampling_weights,
 )
 from posttrain.models.dimensions import Dimensions
-from posttrain.rollout.generation import Sampling
-from posttrain.rollout.vllm_engine import (
-    CPU_KV_FLOOR,
-    cpu_threads,
-    engine_settings,
-    model_context,
-    refuse_grown_vocabulary,
-)
-from posttrain.rollout.vllm_server import (
-    check_served_model,
-    completion_body,
-    completions_from,
-    server_command,
-    server_urls_of,
-)
 
 DIMS = Dimensions(
     "llama",
@@ -213,7 +213,7 @@ def test_a_server_for_another_model_or_a_shorter_context_is_refused() -> None:
 
 def test_the_server_of_a_gpu_run_takes_the_weights_over_nccl(tiny_model_dir: Any) -> None:
     run = config(model={"name_or_path": str(tiny_model_dir)}, vllm_mode="server")
-    from posttrain.rollout.vllm_server import server_settings
+    from posttrain.generation.vllm_server import server_settings
 
     gpu, gpu_env = server_command(server_settings(run, "cuda"), "0.0.0.0", 8000)
     assert gpu[gpu.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
@@ -229,8 +229,8 @@ def test_the_server_of_a_gpu_run_takes_the_weights_over_nccl(tiny_model_dir: Any
 def test_a_tied_head_is_found_and_a_layer_that_took_no_weight_is_an_error() -> None:
     """The worker extension prepares tied layers again after a push (the head of a tied model takes no weight
     of its own); any other layer without its weights stops the run in one line."""
-    from posttrain.rollout.vllm_engine import check_reload
-    from posttrain.rollout.vllm_worker import tied_layers
+    from posttrain.generation.vllm_engine import check_reload
+    from posttrain.generation.vllm_worker import tied_layers
     from posttrain.tiny_model import build_model
 
     tied, untied = build_model(256, tied=True), build_model(256)
@@ -312,7 +312,7 @@ class _Misbehaving:
 def test_every_way_a_server_fails_is_one_line_naming_it() -> None:
     import socket
 
-    from posttrain.rollout.server_pool import ServerClient, ServerError, ServerPool
+    from posttrain.generation.server_pool import ServerClient, ServerError, ServerPool
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -343,7 +343,7 @@ def test_a_server_that_dies_during_a_push_and_stays_away_stops_the_run_in_one_li
     one (a real push of a real model's weights to a socket that drops it)."""
     from types import SimpleNamespace
 
-    from posttrain.rollout.vllm_server import VLLMServerBackend
+    from posttrain.generation.vllm_server import VLLMServerBackend
     from posttrain.tiny_model import build_model
 
     server = _Misbehaving({"/collective_rpc": "reset"})
@@ -374,7 +374,7 @@ def test_a_server_that_dies_during_a_push_and_stays_away_stops_the_run_in_one_li
 def test_servers_on_one_machine_take_the_cores_they_are_given() -> None:
     import os
 
-    from posttrain.rollout.vllm_server import parse_cores
+    from posttrain.generation.vllm_server import parse_cores
 
     mine = sorted(os.sched_getaffinity(0))
     assert parse_cores(f"{mine[0]}") == [mine[0]]
@@ -401,7 +401,7 @@ def test_a_pool_of_servers_is_a_list_of_addresses_each_named_once() -> None:
 
 
 def test_vllm_serve_listens_on_the_port_of_the_runs_address() -> None:
-    from posttrain.rollout.vllm_server import serve_port
+    from posttrain.generation.vllm_server import serve_port
 
     assert serve_port(config(vllm_mode="server", vllm_server_port=8123)) == 8123
     assert serve_port(config(vllm_mode="server", vllm_server_base_url="http://gen:9001")) == 9001
@@ -410,7 +410,7 @@ def test_vllm_serve_listens_on_the_port_of_the_runs_address() -> None:
 
 
 def test_a_lora_run_pushes_its_adapter_alone_where_vllm_can_serve_it_and_says_why_not_elsewhere() -> None:
-    from posttrain.rollout.vllm_lora import adapter_push
+    from posttrain.generation.vllm_lora import adapter_push
 
     lora = {"r": 12, "lora_alpha": 24, "target_modules": "all-linear"}
     plain = adapter_push(config(model={"peft_config": lora}))

@@ -170,8 +170,8 @@ def cmd_vllm_serve(args: argparse.Namespace) -> int:
 
     import torch
 
-    from posttrain.rollout.vllm_engine import require_vllm
-    from posttrain.rollout.vllm_server import parse_cores, serve_port, server_command, server_settings
+    from posttrain.generation.vllm_engine import require_vllm
+    from posttrain.generation.vllm_server import parse_cores, serve_port, server_command, server_settings
 
     config = load(args.config, args.overrides)
     cores = parse_cores(args.cores) if args.cores else None

@@ -218,7 +218,7 @@ def _sandbox_arguments(parser: argparse.ArgumentParser) -> None:
     python tool's line) where a required confinement is missing, unless --accept-weaker.""",
 )
 def cmd_sandbox(args: argparse.Namespace) -> int:
-    from posttrain.rollout import sandbox
+    from posttrain.sandbox import confine as sandbox
 
     if args.action == "check":
         found = sandbox.confinement()
@@ -239,7 +239,7 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
     if args.action == "run":
         _show_run(sandbox.run_python(code, limits, strict=not missing), args.json)
         return 0
-    from posttrain.rollout.code_tests import tests_passed
+    from posttrain.sandbox.code_tests import tests_passed
 
     tests = [line for line in _read(args.tests, f"--tests {args.tests}").splitlines() if line.strip()]
     score = tests_passed(code, tests, limits, strict=not missing)

@@ -103,6 +103,12 @@ class OnlineTrainerConfig(TrainerConfig):
     weights in place. On a CPU posttrain picks what the CPU build needs (eager mode, an in-process engine, the
     KV cache from ``vllm_kv_cache_memory``, one thread per engine, no sleep mode) and says so."""
 
+    generation_engine: str | None = None
+    """The engine that samples the completions, by its name in ``registry.GENERATION_ENGINES``: another engine
+    than the built-in ones, registered by the run's ``code:`` module (its factory takes the config and
+    ``generation.types.EngineInputs`` and returns a ``generation.types.GenerationBackend``). Null: from
+    ``use_vllm`` and ``vllm_mode`` (``transformers``, ``vllm``, ``vllm-server``)."""
+
     vllm_mode: Literal["colocate", "server"] = "colocate"
     """TRL's name. colocate: an engine inside every training process, on its device. server: one vLLM server
     (``posttrain vllm-serve CONFIG``) generates for every process, and rank 0 pushes the weights to it."""
@@ -322,6 +328,7 @@ class OnlineTrainerConfig(TrainerConfig):
                 "rollout_func",
                 "set with tools or environment_factory: a hand-written rollout runs its own tools; drop one",
             )
+        yield from self._engine_problems()
         if self.use_vllm and (self.model.quantization_config or {}).get("load_in_8bit"):
             yield Problem(
                 "model.quantization_config",
@@ -374,3 +381,36 @@ class OnlineTrainerConfig(TrainerConfig):
     def generates_ahead(self) -> bool:
         """Whether a batch may be generated from weights older than the current ones."""
         return self.max_staleness > 0 or self.weight_sync_steps > 1
+
+    @property
+    def engine_name(self) -> str:
+        """The run's generation engine in ``registry.GENERATION_ENGINES``."""
+        if self.generation_engine:
+            return self.generation_engine
+        if not self.use_vllm:
+            return "transformers"
+        return "vllm-server" if self.vllm_mode == "server" else "vllm"
+
+    def _engine_problems(self) -> Iterator[Problem]:
+        from posttrain.registry import GENERATION_ENGINES
+
+        name = self.generation_engine
+        if name is None:
+            return
+        if name not in GENERATION_ENGINES:
+            yield Problem(
+                "generation_engine",
+                f"{name!r} is not a registered generation engine ({', '.join(GENERATION_ENGINES.names())}); "
+                "register yours in the code: module (registry.GENERATION_ENGINES.add), or leave it unset",
+            )
+        elif name in ("transformers", "vllm", "vllm-server"):
+            yield Problem(
+                "generation_engine",
+                f"{name!r} is a built-in engine, picked by use_vllm and vllm_mode (TRL's keys): set those "
+                "instead and leave generation_engine for an engine of your own",
+            )
+        elif self.use_vllm:
+            yield Problem(
+                "generation_engine",
+                f"{name!r} set with use_vllm: true: one engine samples the completions; drop one",
+            )

@@ -2,7 +2,7 @@
 ``docs/extending.md``): ``rewards`` (built-ins, users' functions, reward models, the code reward) and how they
 are called (``reward_timeout``, ``reward_num_workers``, ``reward_errors``), TRL's names where TRL has them. A
 user function is imported when the config loads (as ``code:`` is), so a missing file or function is a config
-error before anything runs. The functions themselves are ``rollout.reward_functions``'."""
+error before anything runs. The functions themselves are ``rewards.functions``'."""
 
 from __future__ import annotations
 
@@ -118,11 +118,11 @@ class ModelReward(RewardConfig):
 
 class CodeTestsReward(RewardConfig):
     """The share of the row's tests that the completion's last Python block passes, run in the sandbox
-    (``rollout.sandbox``: namespaces of its own, a read-only system, no network, memory, processes and disk
+    (``sandbox.confine``: namespaces of its own, a read-only system, no network, memory, processes and disk
     limited for the whole run, none of the parent's environment; ``posttrain sandbox check``). Each test runs
     whole in a second sandbox that never runs the program, with the real builtins; the names it does not
     define (builtins' names aside) are the program's, which answers for them with plain data
-    (``rollout.code_tests``), so a program answers for its own functions and cannot forge its score. 0
+    (``sandbox.code_tests``), so a program answers for its own functions and cannot forge its score. 0
     without a code block."""
 
     type: Literal["code_tests"] = "code_tests"

@@ -27,6 +27,7 @@ import torch
 from posttrain.dist import barrier, kept_random_state
 from posttrain.errors import UserError
 from posttrain.inference.harness import task_manager
+from posttrain.training.steps import SideGeneration
 
 
 def metrics_of(results: dict[str, Any]) -> dict[str, float]:
@@ -46,7 +47,12 @@ class HarnessEvaluator:
     """The ``harness:`` block's tasks (see the module docstring)."""
 
     def __init__(
-        self, config: Any, tokenizer: Any, dist: Any, everywhere: bool, generation: Any = None
+        self,
+        config: Any,
+        tokenizer: Any,
+        dist: Any,
+        everywhere: bool,
+        generation: SideGeneration | None = None,
     ) -> None:
         from posttrain.vision.processor import processor_of
 
@@ -58,7 +64,7 @@ class HarnessEvaluator:
         include = Path(config.include_path) if config.include_path else None
         self.manager = task_manager(config.tasks, include, [], ("harness.tasks", "harness.include_path"))
         self.config, self.tokenizer, self.dist, self.everywhere = config, tokenizer, dist, everywhere
-        self.generation = generation  # the run's vLLM engine (``feed.EngineGeneration``), or None
+        self.generation = generation  # the run's engine with weights of its own (``feed.EngineGeneration``)
         self.last = -1
         self.generated = 0  # prompts generated through the run's engine
 
@@ -151,10 +157,14 @@ def run_model(base: Any, evaluator: HarnessEvaluator) -> Any:
 
 
 def evaluators_for(
-    config: Any, module: torch.nn.Module, tokenizer: Any, dist: Any, generation: Any = None
+    config: Any,
+    module: torch.nn.Module,
+    tokenizer: Any,
+    dist: Any,
+    generation: SideGeneration | None = None,
 ) -> list[HarnessEvaluator]:
     """The run's evaluators beside its method's own evaluation: the ``harness:`` block's, when there is one
-    (``generation``: the run's vLLM engine, which its generations go through)."""
+    (``generation``: the run's engine with weights of its own, which its generations go through)."""
     if config.harness is None:
         return []
     zero3 = any(hasattr(p, "ds_id") for p in module.parameters())

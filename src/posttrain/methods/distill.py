@@ -30,11 +30,13 @@ from torch.utils.checkpoint import checkpoint
 from posttrain.config.distill import DistillTrainerConfig
 from posttrain.dist import all_gather_rows
 from posttrain.errors import UserError
+from posttrain.generation.keyed import completion_key, keyed_uniform
+from posttrain.generation.transformers_backend import TransformersBackend
+from posttrain.generation.types import Completions
 from posttrain.logs import say
 from posttrain.models.document_attention import follow_documents
 from posttrain.models.token_logps import chunk_rows, forward_inputs, tileable_head, unwrap
 from posttrain.rollout.feed import GeneratedBatch, OnlineMethod, OnlineSteps, completion_records, stop_ids
-from posttrain.rollout.generation import Completions, TransformersBackend, completion_key, keyed_uniform
 from posttrain.tokenizers.chat_templates import end_of_turn_ids
 from posttrain.tokenizers.padding import input_pad_id
 from posttrain.training.extras import COUNT

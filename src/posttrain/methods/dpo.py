@@ -105,7 +105,7 @@ class PairSteps:
 
     def __init__(self, inner: LoaderSteps, ctx: RunContext) -> None:
         self.inner, self.ctx = inner, ctx
-        self.extras = inner.extras
+        self.extras, self.generation = inner.extras, inner.generation
 
     def steps(self, state: Any) -> Iterator[list[dict[str, Any]]]:
         for micro_batches in self.inner.steps(state):

@@ -113,7 +113,7 @@ class KLSteps:
 
     def __init__(self, inner: LoaderSteps, engine: Engine, tiled: bool | str) -> None:
         self.inner, self.engine, self.tiled = inner, engine, tiled
-        self.extras = inner.extras
+        self.extras, self.generation = inner.extras, inner.generation
 
     def steps(self, state: Any) -> Iterator[list[dict[str, Any]]]:
         for micro_batches in self.inner.steps(state):

@@ -35,9 +35,10 @@ from posttrain.data.prompts import ORIGIN_KEY, prompt_of, row_tools
 from posttrain.data.prompts import prompt_ids as rendered_prompt
 from posttrain.data.samples import keep_prompt_tokens, render_ids
 from posttrain.errors import UserError
+from posttrain.generation.keyed import completion_key
+from posttrain.generation.types import Completions, GenerationBackend, Sampling
 from posttrain.logs import say
-from posttrain.rollout.generation import Completions, GenerationBackend, Sampling, completion_key
-from posttrain.rollout.reward_calls import user_frame
+from posttrain.rewards.calls import user_frame
 from posttrain.rollout.tools import ToolCall, ToolRunner, load_tool, parse_calls, tool_format
 
 _HERMES_BLOCK = "<tool_call>"
@@ -52,7 +53,8 @@ class Agent:
         self.limit = config.max_completion_length
         iterations = config.max_tool_calling_iterations
         self.iterations = sys.maxsize if iterations is None else iterations
-        self.functions = {f.__name__: f for f in (load_tool(entry) for entry in config.tools)}
+        weaker = bool(getattr(config, "sandbox_accept_weaker", False))
+        self.functions = {f.__name__: f for f in (load_tool(entry, weaker) for entry in config.tools)}
         factory = config.environment_factory
         self.multi = isinstance(factory, dict)
         entries = factory if isinstance(factory, dict) else {None: factory} if factory else {}
@@ -465,7 +467,7 @@ def multi_turn(config: Any, tokenizer: Any, stops: list[int]) -> MultiTurn | Non
     owns its loop (``agent_function``: ``rollout.agent_endpoint``), or None (the backend's single-turn
     completions). A run that executes model-written code first checks the sandbox."""
     if getattr(config, "runs_model_code", False):
-        from posttrain.rollout.sandbox import prepare
+        from posttrain.sandbox.confine import prepare
 
         prepare(config.sandbox_accept_weaker)
     if getattr(config, "rollout_func", None):
@@ -486,7 +488,7 @@ def agent_report(flight: Any) -> list[str]:
     config = flight.config
     lines = []
     if getattr(config, "runs_model_code", False):
-        from posttrain.rollout.sandbox import confinement
+        from posttrain.sandbox.confine import confinement
 
         found = confinement()
         lines.append(f"sandbox: {found.line()}")

@@ -35,8 +35,9 @@ from typing import Any
 from posttrain.data.prompts import ORIGIN_KEY, prompt_of
 from posttrain.data.samples import render_ids
 from posttrain.errors import UserError
+from posttrain.generation.keyed import completion_key
+from posttrain.generation.types import Completions, GenerationBackend, Sampling
 from posttrain.logs import say
-from posttrain.rollout.generation import Completions, GenerationBackend, Sampling, completion_key
 
 ROUTE = re.compile(r"^/rollouts/([0-9a-f]+)/v1/(chat/completions|completions|models)/?$")
 

@@ -41,8 +41,9 @@ from typing import Any
 import torch
 
 from posttrain.errors import UserError
+from posttrain.generation.engine import EngineCopy
+from posttrain.generation.types import Completions, GenerationStopped, Sampling
 from posttrain.logs import say
-from posttrain.rollout.generation import Completions, GenerationStopped, Sampling
 
 #: where a process's batches generated ahead are kept in the loop state (saved with resumable checkpoints)
 STATE_KEY = "ahead"
@@ -57,7 +58,9 @@ class Pinned:
     """A generation backend's view for the background thread: it samples from the weights the engine holds and
     never pushes (the training thread pushes, between batches)."""
 
-    def __init__(self, backend: Any) -> None:
+    stale = False  # the training thread pushes, between batches
+
+    def __init__(self, backend: EngineCopy) -> None:
         self.backend, self.name = backend, backend.name
 
     def generate(
@@ -70,10 +73,11 @@ class Pinned:
         images: Sequence[Sequence[Any]] | None = None,
     ) -> Completions:
         if images and any(images):
-            with_images: Completions = self.backend.sample_images(prompts, sampling, keys, logprobs, images)
-            return with_images
-        completions: Completions = self.backend.sample(prompts, sampling, keys, logprobs)
-        return completions
+            return self.backend.sample_images(prompts, sampling, keys, logprobs, images)
+        return self.backend.sample(prompts, sampling, keys, logprobs)
+
+    def push(self, module: torch.nn.Module) -> None:
+        pass
 
     def mark_stale(self) -> None:
         pass
@@ -98,7 +102,7 @@ class Ahead:
     def __init__(
         self,
         generate: Callable[[int, Any], Completions],
-        backend: Any,
+        backend: EngineCopy,
         push: Callable[[], None],
         staleness: int,
         every: int,
@@ -286,7 +290,7 @@ class SavedAhead:
     def wait(self) -> tuple[dict[int, tuple[int, Completions]], list[int]]:
         """The batches in flight, waited for; and those left out at a stop."""
         ahead, stopping = self.ahead, self.stopping()
-        alive = getattr(ahead.pinned.backend, "alive", lambda: True)
+        alive = ahead.pinned.backend.alive
         batches, left_out = {}, list(ahead.given_up)
         for k, found in sorted(ahead.pending.items()):
             future = found.future

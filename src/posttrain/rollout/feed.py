@@ -33,19 +33,20 @@ from posttrain.data.sampler import shard_order
 from posttrain.data.samples import IGNORE_INDEX, JOINED, joined_rows, pad_rows, target_labels, target_rows
 from posttrain.dist import all_reduce_sum
 from posttrain.errors import UserError
+from posttrain.generation.engine import EngineCopy
+from posttrain.generation.keyed import completion_key
+from posttrain.generation.transformers_backend import generation_eos
+from posttrain.generation.types import (
+    Completions,
+    EngineInputs,
+    GenerationBackend,
+    GenerationStopped,
+    Sampling,
+)
 from posttrain.models.document_attention import joins_rows
 from posttrain.models.sampling_policy import policy_of
 from posttrain.models.token_logps import unwrap
 from posttrain.rollout.ahead import STATE_KEY, Ahead, SavedAhead
-from posttrain.rollout.generation import (
-    Completions,
-    GenerationBackend,
-    GenerationStopped,
-    Sampling,
-    TransformersBackend,
-    completion_key,
-    generation_eos,
-)
 from posttrain.rollout.sequence_split import sequence_split
 from posttrain.tokenizers.chat_templates import end_of_turn_ids
 from posttrain.tokenizers.padding import input_pad_id
@@ -106,26 +107,15 @@ def build_backend(
     stopping: Callable[[], bool] = lambda: False,
     processor: Any = None,
 ) -> GenerationBackend:
-    """The run's generation backend: transformers' ``generate`` on the training weights, or vLLM
-    (``use_vllm``): an engine in this process, or the run's server (``vllm_mode: server``). ``processor``: a
-    vision-language model's (transformers' ``generate`` is given the prompts' images)."""
-    if not config.use_vllm:
-        return TransformersBackend(stops, pad_id, processor)
-    if processor is not None and (config.vllm_mode == "server" or config.model.peft_config is not None):
-        raise UserError(
-            "use_vllm: true with a vision-language model: its colocated engine (vllm_mode: colocate) generates "
-            "with images, vllm_mode: server and LoRA pushes do not yet; use vllm_mode: colocate without LoRA, "
-            "or use_vllm: false (transformers' generate on the training weights)"
-        )
-    if config.vllm_mode == "server":
-        from posttrain.rollout.vllm_server import build_server_backend
+    """The run's generation engine, by its name in ``registry.GENERATION_ENGINES`` (``generation_engine``;
+    by default transformers' ``generate`` on the training weights, or with ``use_vllm`` vLLM in this process
+    or the run's server). ``processor``: a vision-language model's (the prompts hold images)."""
+    from posttrain.registry import GENERATION_ENGINES
 
-        return build_server_backend(config, module, stops, longest_prompt(data), dist, stopping)
-    from posttrain.rollout.vllm_engine import build_vllm_backend
-
-    return build_vllm_backend(
-        config, module, stops, longest_prompt(data), rows, dist, processor, most_images(data)
+    inputs = EngineInputs(
+        module, stops, pad_id, longest_prompt(data), most_images(data), rows, dist, stopping, processor
     )
+    return GENERATION_ENGINES.get(config.engine_name).obj(config, inputs)  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -314,11 +304,17 @@ class OnlineSteps:
         self.ahead: Ahead | None = None
         if config.generates_ahead:  # max_staleness, weight_sync_steps: rollout/ahead.py
             total = min(self.offsets[-1], -(-self.total_steps // updates))
-            module = engine.module
+            module, backend = engine.module, self.backend
+            if not isinstance(backend, EngineCopy):
+                raise UserError(
+                    f"max_staleness / weight_sync_steps generate ahead of training from an engine's own copy of "
+                    f"the weights; the {backend.name} engine generates on the training weights: use vLLM "
+                    "(use_vllm: true) or set max_staleness: 0"
+                )
             self.ahead = Ahead(
                 self._generate_ahead,
-                self.backend,
-                lambda: self.backend.push(module),  # type: ignore[attr-defined]  # an engine's own copy
+                backend,
+                lambda: backend.push(module),
                 config.max_staleness,
                 config.weight_sync_steps,
                 total,
@@ -328,9 +324,9 @@ class OnlineSteps:
 
     @property
     def generation(self) -> EngineGeneration | None:
-        """The run's vLLM engine for greedy generations beside the steps (the harness tasks), None without one
-        (transformers' ``generate`` on the training model is what they use then)."""
-        return EngineGeneration(self) if self.config.use_vllm else None
+        """The run's engine for greedy generations beside the steps (the harness tasks), None where generation
+        runs on the training weights (the evaluators use the training model then)."""
+        return EngineGeneration(self, self.backend) if isinstance(self.backend, EngineCopy) else None
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -764,22 +760,21 @@ class CompletionsLog:
 
 
 class EngineGeneration:
-    """The run's vLLM engine (colocated or servers) for greedy generations outside the step feed: every rank
+    """The run's engine with weights of its own (vLLM colocated or servers) for greedy generations outside the
+    step feed (``training.steps.SideGeneration``): every rank
     calls :meth:`prepare` (the batches generated ahead waited for, the current weights pushed: a collective),
     then any rank may call :meth:`generate` (no collective)."""
 
-    def __init__(self, feed: OnlineSteps) -> None:
-        self.feed = feed
+    def __init__(self, feed: OnlineSteps, backend: EngineCopy) -> None:
+        self.feed, self.backend = feed, backend
 
     def prepare(self, module: torch.nn.Module) -> None:
-        feed = self.feed
-        if feed.ahead is not None:
-            feed.ahead.settle()
-            feed.ahead.forget_weights()
-        if getattr(feed.backend, "stale", False):
-            feed.backend.push(module)  # type: ignore[attr-defined]  # an engine's own copy
+        if self.feed.ahead is not None:
+            self.feed.ahead.settle()
+            self.feed.ahead.forget_weights()
+        if self.backend.stale:
+            self.backend.push(module)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy completions of ``prompts`` (token ids), each up to ``max_new_tokens`` or a stop token."""
-        backend: Any = self.feed.backend
-        return list(backend.sample(prompts, Sampling(max_new_tokens), None, False).ids)
+        return list(self.backend.sample(prompts, Sampling(max_new_tokens), None, False).ids)

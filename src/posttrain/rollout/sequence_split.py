@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from posttrain.generation.types import Completions
 from posttrain.models.sequence_parallel import slice_rows
-from posttrain.rollout.generation import Completions
 
 #: the per-position values of an online micro-batch, aligned with its shifted labels
 TOKEN_KEYS = ("completion_mask", "sampling_logps")

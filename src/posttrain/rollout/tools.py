@@ -4,7 +4,7 @@ limit. Their checks and JSON schemas (when the config loads) are ``config/agents
 
 A tool is a typed function with a Google-style docstring (what ``transformers.utils.get_json_schema`` reads:
 every argument typed and described), sync or ``async``, named in the config as ``path/file.py:function``, or a
-built-in (``python``: code run in the sandbox, ``rollout.sandbox``). An environment is a class
+built-in (``python``: code run in the sandbox, ``sandbox.confine``). An environment is a class
 (``path/file.py:Class``, or a callable there returning one) with ``reset(**row)``; its public methods are its tools, bound to the instance of the
 rollout, and an optional ``get_reward()`` scores the rollout.
 
@@ -28,15 +28,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.config.agents import accepts, where_defined
-from posttrain.rollout.reward_calls import user_frame
+from posttrain.rewards.calls import user_frame
 
 
-def load_tool(entry: str) -> Callable[..., Any]:
-    """The function a ``tools:`` entry names (a built-in or ``path/file.py:function``)."""
+def load_tool(entry: str, accept_weaker_sandbox: bool = False) -> Callable[..., Any]:
+    """The function a ``tools:`` entry names (a built-in or ``path/file.py:function``;
+    ``accept_weaker_sandbox``: the run's ``sandbox_accept_weaker``, for the built-in ``python``)."""
     if entry == "python":
-        from posttrain.rollout.sandbox import python
+        from posttrain.sandbox.confine import python_tool
 
-        return python
+        return python_tool(strict=not accept_weaker_sandbox)
     from posttrain.config.user_code import import_named
 
     return import_named(entry)  # type: ignore[return-value]

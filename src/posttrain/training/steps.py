@@ -5,18 +5,31 @@ rollouts, kto's KL baseline, dpo's step token count) brings its own through ``Tr
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from posttrain.context import RunContext
 from posttrain.training.extras import StepExtra
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedTokenizerBase
 
     from posttrain.plan import Batches
     from posttrain.training.engine import Engine
     from posttrain.training.loop import LoopState
+
+
+class SideGeneration(Protocol):
+    """An online run's engine for greedy generations beside the steps (the harness's tasks during training):
+    every rank calls :meth:`prepare` (a collective: the engine given the current weights), then any rank
+    may call :meth:`generate`."""
+
+    def prepare(self, module: torch.nn.Module) -> None: ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy completions of ``prompts`` (token ids), each up to ``max_new_tokens`` or a stop token."""
+        ...
 
 
 class StepFeed(Protocol):
@@ -25,6 +38,9 @@ class StepFeed(Protocol):
     the source's own terms and metrics to each step (the loop treats them as any step extra)."""
 
     extras: list[StepExtra]
+    #: an online feed's engine with weights of its own, for generations beside the steps; None: the evaluators
+    #: generate on the training model
+    generation: SideGeneration | None
 
     def steps(self, state: LoopState) -> Iterator[list[dict[str, Any]]]:
         """The remaining steps of ``state.epoch`` from ``state.epoch_step`` on (resuming mid-epoch)."""
@@ -64,6 +80,7 @@ class LoaderSteps:
         self.loader, self.set_epoch, self.step_plan = loader, set_epoch, step_plan
         self.overfit_first_batch = overfit_first_batch
         self.extras: list[StepExtra] = []
+        self.generation: SideGeneration | None = None
 
     def steps(self, state: LoopState) -> Iterator[list[dict[str, Any]]]:
         sizes = self.step_plan[state.epoch]

@@ -3,7 +3,7 @@
 grpo's own parts: its keys (``config/grpo.py``), its part of the online feed (``method.py``: advantages,
 the old policy's and the reference's log-probabilities, the engine-mismatch correction) and the pure
 objectives (``losses.py``). What every online method shares is elsewhere: the prompts (``data/prompts.py``),
-the reward keys and functions (``config/rewards.py``, ``rollout/scorer.py``), generation and the step feed
+the reward keys and functions (``config/rewards.py``, ``rewards/scorer.py``), generation and the step feed
 (``rollout/``). This module holds what the trainer spec names: the steps, the loss, the schedule, the memory
 plan's settings and the pre-flight report.
 """
@@ -22,10 +22,10 @@ from posttrain.methods.grpo.losses import loss_sum, sequence_shares, token_losse
 from posttrain.methods.grpo.method import STATE_KEY, GRPOMethod, policy_loss
 from posttrain.models.token_logps import token_logps
 from posttrain.plan import BatchSizes
+from posttrain.rewards.scorer import Scorer
 from posttrain.rollout.agent import agent_report
 from posttrain.rollout.ahead import ahead_lines
 from posttrain.rollout.feed import OnlineSteps
-from posttrain.rollout.scorer import Scorer
 from posttrain.rollout.sequence_split import COMPLETION_TOKENS
 from posttrain.training.extras import COUNT
 

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from posttrain.dist import all_gather_objects
+from posttrain.generation.types import Completions
 from posttrain.logs import say
+from posttrain.rewards.scorer import Scores
 from posttrain.rollout.feed import GeneratedBatch, OnlineSteps
-from posttrain.rollout.generation import Completions
-from posttrain.rollout.scorer import Scores
 
 
 def kept_groups(totals: torch.Tensor, group: int, between: tuple[float, float] | None) -> torch.Tensor:

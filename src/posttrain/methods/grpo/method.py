@@ -28,8 +28,8 @@ from posttrain.methods.grpo.losses import (
 from posttrain.models.reference import Reference
 from posttrain.models.sampling_policy import policy_of
 from posttrain.models.token_logps import token_logps
+from posttrain.rewards.scorer import Scorer, Scores
 from posttrain.rollout.feed import IN_LOSS, GeneratedBatch, OnlineMethod, OnlineSteps, completion_records
-from posttrain.rollout.scorer import Scorer, Scores
 
 STATE_KEY = "grpo"
 

@@ -36,11 +36,10 @@ import torch
 
 from posttrain.config.online import server_urls
 from posttrain.errors import UserError
-from posttrain.logs import say
-from posttrain.rollout.generation import Completions, Sampling
-from posttrain.rollout.server_pool import ServerClient, ServerPool
-from posttrain.rollout.vllm_engine import (
-    EngineCopy,
+from posttrain.generation.engine import EngineCopy
+from posttrain.generation.server_pool import ServerClient, ServerPool
+from posttrain.generation.types import Completions, EngineInputs, Sampling
+from posttrain.generation.vllm_engine import (
     EngineSettings,
     engine_settings,
     free_port,
@@ -48,7 +47,8 @@ from posttrain.rollout.vllm_engine import (
     named_weights,
     usable_cores,
 )
-from posttrain.rollout.vllm_lora import adapter_push, adapter_state, save_adapter
+from posttrain.generation.vllm_lora import adapter_push, adapter_state, save_adapter
+from posttrain.logs import say
 
 #: ``vllm.LLM`` arguments and the server's flags for them (the rest have no place in a server)
 SERVER_FLAGS = {
@@ -460,3 +460,16 @@ def build_server_backend(
 
     needed = model_context(config, read_dimensions(unwrap(module).config), longest)
     return VLLMServerBackend(config, module, stops, dist, needed, stopping)
+
+
+def server_engine(config: Any, inputs: EngineInputs) -> VLLMServerBackend:
+    """``registry.GENERATION_ENGINES``' ``vllm-server`` (``use_vllm`` with ``vllm_mode: server``)."""
+    if inputs.processor is not None:
+        raise UserError(
+            "use_vllm: true with a vision-language model: its colocated engine (vllm_mode: colocate) generates "
+            "with images, vllm_mode: server does not yet; use vllm_mode: colocate, or use_vllm: false "
+            "(transformers' generate on the training weights)"
+        )
+    return build_server_backend(
+        config, inputs.module, inputs.stops, inputs.longest_prompt, inputs.dist, inputs.stopping
+    )

@@ -48,12 +48,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from posttrain.errors import UserError
+from posttrain.generation.types import GenerationStopped
+from posttrain.generation.vllm_engine import check_reload
 from posttrain.logs import get_logger
-from posttrain.rollout.generation import GenerationStopped
-from posttrain.rollout.vllm_engine import check_reload
 
 #: seconds between two looks at a lost server while the others generate
 LOOK_AGAIN = 5.0
@@ -233,6 +233,78 @@ class ServerClient:
         return list((answer or {}).get("results", []))
 
 
+class ServerKind(Protocol):
+    """What a pool asks of one kind of server, beyond ``/health`` (:meth:`ServerClient.answers`): the pool's
+    logic (who serves, a lost server's requests sent to the others, one that comes back given the current
+    weights) is the same for every kind. :class:`VLLMServers` is ``posttrain vllm-serve``'s; a test drives
+    the pool with a kind of its own (``tests/unit/test_server_pool.py``)."""
+
+    #: how the run's lines name one of its servers ("vLLM server")
+    name: str
+
+    def holds(self, client: ServerClient, tag: str | None) -> str | None:
+        """The tag of the weights the server holds (None: others, or it cannot say); ``tag``: the current."""
+        ...
+
+    def reload(
+        self, client: ServerClient, folder: Path, tag: str, previous: str | None, timeout: float, pushing: str
+    ) -> None:
+        """The server takes the weights in ``folder`` under ``tag`` (``previous``: the push before) within
+        ``timeout`` seconds; a :class:`ServerError` when it does not."""
+        ...
+
+    def complete(self, client: ServerClient, body: dict[str, Any], doing: str) -> dict[str, Any]:
+        """One completion request's answer."""
+        ...
+
+
+class VLLMServers:
+    """``posttrain vllm-serve``'s servers: weights reloaded by posttrain's worker extension (or, for a LoRA
+    run, the adapter loaded by vLLM's LoRA endpoints), tags kept by the workers, ``/v1/completions``."""
+
+    name = "vLLM server"
+
+    def __init__(self, adapter: bool = False) -> None:
+        self.adapter = adapter  # a LoRA run's pushes are adapters, loaded by vLLM's LoRA endpoints
+
+    def holds(self, client: ServerClient, tag: str | None) -> str | None:
+        doing = "saying which weights it holds"
+        if self.adapter:
+            served = client.call("/v1/models", timeout=30.0, doing=doing)
+            names = {str(entry.get("id")) for entry in (served or {}).get("data") or []}
+            return tag if tag in names else None
+        tags = set(client.rpc("posttrain_tag", timeout=30.0, doing=doing))
+        return tags.pop() if len(tags) == 1 else None
+
+    def reload(
+        self, client: ServerClient, folder: Path, tag: str, previous: str | None, timeout: float, pushing: str
+    ) -> None:
+        if not self.adapter:
+            results = client.rpc(
+                "posttrain_reload", timeout=timeout, doing=pushing, weights_path=str(folder), tag=tag
+            )
+            check_reload(results, f"the vLLM server at {client.url}")
+            client.reset_prefix_cache(pushing)
+            return
+        # the current adapter loaded under its tag, the previous one dropped. A server that holds it already
+        # (one that comes back after a passing failure) is not sent it again: vLLM refuses a name it has loaded
+        fix = (
+            "start the server with posttrain vllm-serve for this config (vLLM's LoRA and runtime loading on)"
+        )
+        if self.holds(client, tag) != tag:
+            body = {"lora_name": tag, "lora_path": str(folder)}
+            client.call("/v1/load_lora_adapter", body, timeout, pushing, fix, text_answer=True)
+        if previous:
+            with contextlib.suppress(ServerError):  # a server that was restarted does not have it
+                client.call(
+                    "/v1/unload_lora_adapter", {"lora_name": previous}, 30.0, pushing, text_answer=True
+                )
+
+    def complete(self, client: ServerClient, body: dict[str, Any], doing: str) -> dict[str, Any]:
+        answer: dict[str, Any] = client.call("/v1/completions", body, doing=doing)
+        return answer
+
+
 @dataclass
 class Server:
     """One server of the pool as this process sees it: the weights it was seen to hold, why it is out."""
@@ -259,11 +331,14 @@ class ServerPool:
         main: bool,
         adapter: bool = False,
         stopping: Callable[[], bool] = lambda: False,
+        kind: ServerKind | None = None,
     ) -> None:
+        """``kind``: what the servers are (default ``posttrain vllm-serve``'s: :class:`VLLMServers`, serving a
+        LoRA run's adapter with ``adapter``)."""
+        self.kind: ServerKind = kind or VLLMServers(adapter)
         self.servers = [Server(ServerClient(url, timeout, request_timeout, stopping)) for url in urls]
         self.stopping = stopping  # this process was asked to stop: no wait for a lost server to come back
         self.timeout, self.sync_timeout, self.main = timeout, sync_timeout, main
-        self.adapter = adapter  # a LoRA run's pushes are adapters, loaded by vLLM's LoRA endpoints
         self.tag: str | None = None  # the current push's tag (an adapter's: its name on the servers)
         self.previous: str | None = None
         self.tagged = True  # the servers keep the pushes' tags (not with weights sent over NCCL)
@@ -308,7 +383,7 @@ class ServerPool:
         for server in waiting:
             server.lost = "did not answer at the start"
             get_logger().warning(
-                f"vLLM server at {server.client.url} did not answer within {self.timeout:g} s: the run starts "
+                f"{self.kind.name} at {server.client.url} did not answer within {self.timeout:g} s: the run starts "
                 f"without it and gives it the weights when it answers ({START_COMMAND})"
             )
         return names[0]
@@ -336,50 +411,15 @@ class ServerPool:
             return
         assert self.folder is not None
         try:
-            if self.adapter:
-                self._load_adapter(server.client, pushing)
-            else:
-                results = server.client.rpc(
-                    "posttrain_reload",
-                    timeout=self.sync_timeout,
-                    doing=pushing,
-                    weights_path=str(self.folder),
-                    tag=self.tag,
-                )
-                check_reload(results, f"the vLLM server at {server.client.url}")
-                server.client.reset_prefix_cache(pushing)
+            self.kind.reload(
+                server.client, self.folder, self.tag or "", self.previous, self.sync_timeout, pushing
+            )
         except ServerError as error:
             if error.kind not in (REFUSED, RESET):  # a stall or a failed reload is the run's error
                 raise
             self._lose(server, error)
             return
         self._back(server)
-
-    def _load_adapter(self, client: ServerClient, pushing: str) -> None:
-        """The current adapter loaded under its tag, the previous one dropped (vLLM's LoRA endpoints). A server
-        that holds it already (one that comes back after a passing failure) is not sent it again: vLLM refuses
-        a name it has loaded."""
-        fix = (
-            "start the server with posttrain vllm-serve for this config (vLLM's LoRA and runtime loading on)"
-        )
-        if self._holds(client) != self.tag:
-            body = {"lora_name": self.tag, "lora_path": str(self.folder)}
-            client.call("/v1/load_lora_adapter", body, self.sync_timeout, pushing, fix, text_answer=True)
-        if self.previous:
-            with contextlib.suppress(ServerError):  # a server that was restarted does not have it
-                client.call(
-                    "/v1/unload_lora_adapter", {"lora_name": self.previous}, 30.0, pushing, text_answer=True
-                )
-
-    def _holds(self, client: ServerClient) -> str | None:
-        """The tag of the weights a server holds (an adapter run: the current adapter if it has it)."""
-        doing = "saying which weights it holds"
-        if self.adapter:
-            served = client.call("/v1/models", timeout=30.0, doing=doing)
-            names = {str(entry.get("id")) for entry in (served or {}).get("data") or []}
-            return self.tag if self.tag in names else None
-        tags = set(client.rpc("posttrain_tag", timeout=30.0, doing=doing))
-        return tags.pop() if len(tags) == 1 else None
 
     def confirm(self, tag: str, ask: bool = True) -> None:
         """Every process after a push: which servers hold ``tag`` (``ask`` false: all that are in, for
@@ -396,7 +436,7 @@ class ServerPool:
         if server.out:  # out for the rest of the run, whatever it holds
             return
         try:
-            server.holds = self._holds(server.client)
+            server.holds = self.kind.holds(server.client, self.tag)
         except ServerError as error:
             if not error.lost:
                 raise
@@ -425,7 +465,7 @@ class ServerPool:
         failures: list[str] = []
         for _ in range(TRIES):
             try:
-                answer: dict[str, Any] = server.client.call("/v1/completions", body, doing=doing)
+                answer = self.kind.complete(server.client, body, doing)
             except ServerError as error:
                 if not error.lost:
                     raise
@@ -522,7 +562,7 @@ class ServerPool:
                 self.lost_events += 1
                 others = len([s for s in self.servers if not s.lost])
                 get_logger().warning(
-                    f"vLLM server at {server.client.url} {server.lost}: out of the pool for the rest of the run, "
+                    f"{self.kind.name} at {server.client.url} {server.lost}: out of the pool for the rest of the run, "
                     f"its requests go to the {others} other(s); restart it and resume the run to use it again"
                 )
                 return
@@ -532,7 +572,7 @@ class ServerPool:
             self.lost_events += 1
             others = len([s for s in self.servers if not s.lost])
         get_logger().warning(
-            f"vLLM server at {server.client.url} {error.why} while {error.doing}: out of the pool, its requests "
+            f"{self.kind.name} at {server.client.url} {error.why} while {error.doing}: out of the pool, its requests "
             f"go to the {others} other(s); it rejoins when it answers again"
         )
 
@@ -543,7 +583,7 @@ class ServerPool:
                 return
             self.rejoined_events += 1
         get_logger().warning(
-            f"vLLM server at {server.client.url} is back with the current weights: it serves again"
+            f"{self.kind.name} at {server.client.url} is back with the current weights: it serves again"
         )
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ from posttrain.config.rewards import (
     RegexReward,
     RewardConfig,
 )
-from posttrain.rollout.reward_calls import CONTEXT_KEYS, RewardError
+from posttrain.rewards.calls import CONTEXT_KEYS, RewardError
 
 RewardFunction = Callable[..., list[float | None]]
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -138,12 +138,13 @@ def length_penalty(config: LengthPenaltyReward, max_completion_length: int) -> R
     return reward
 
 
-def code_tests(config: CodeTestsReward) -> RewardFunction:
-    """The share of the row's tests each completion's last Python block passes, in the sandbox."""
+def code_tests(config: CodeTestsReward, strict: bool = True) -> RewardFunction:
+    """The share of the row's tests each completion's last Python block passes, in the sandbox (``strict``
+    False: with what holds where the kernel makes no namespaces, the run's ``sandbox_accept_weaker``)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from posttrain.rollout.code_tests import last_code_block, tests_passed
-    from posttrain.rollout.sandbox import Limits
+    from posttrain.sandbox.code_tests import last_code_block, tests_passed
+    from posttrain.sandbox.confine import Limits
 
     limits = Limits(
         wall=config.timeout,
@@ -165,7 +166,7 @@ def code_tests(config: CodeTestsReward) -> RewardFunction:
         try:
             return list(
                 pool.map(
-                    lambda pair: tests_passed(pair[0], pair[1], limits, cancel=cancel),
+                    lambda pair: tests_passed(pair[0], pair[1], limits, strict, cancel),
                     zip(codes, tests, strict=True),
                 )
             )
@@ -251,7 +252,10 @@ def reward_model(config: ModelReward) -> RewardFunction:
     return reward_model_score
 
 
-def build_rewards(configs: Sequence[RewardConfig], max_completion_length: int) -> list[Reward]:
+def build_rewards(
+    configs: Sequence[RewardConfig], max_completion_length: int, accept_weaker_sandbox: bool = False
+) -> list[Reward]:
+    """The run's reward functions (``accept_weaker_sandbox``: the run's ``sandbox_accept_weaker``)."""
     rewards = []
     for config in configs:
         if isinstance(config, ExactMatchReward):
@@ -265,7 +269,7 @@ def build_rewards(configs: Sequence[RewardConfig], max_completion_length: int) -
         elif isinstance(config, ModelReward):
             function = reward_model(config)
         elif isinstance(config, CodeTestsReward):
-            function = code_tests(config)
+            function = code_tests(config, strict=not accept_weaker_sandbox)
         else:
             function = config.build(max_completion_length)  # a reward defined elsewhere (a reward model)
         rewards.append(Reward(config.name or _name(config, function), float(config.weight), function))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
-from posttrain.rollout.reward_calls import LOCAL_ARGUMENTS, Outcome, RewardContext, call_here
+from posttrain.rewards.calls import LOCAL_ARGUMENTS, Outcome, RewardContext, call_here
 
 # --------------------------------------------------------------------------------------------- workers
 

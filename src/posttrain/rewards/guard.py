@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from posttrain.rollout.reward_calls import (
+from posttrain.rewards.calls import (
     Outcome,
     RewardContext,
     RewardError,
@@ -24,10 +24,10 @@ from posttrain.rollout.reward_calls import (
     call_here,
     user_frame,
 )
-from posttrain.rollout.reward_workers import RewardWorkers, one_by_one
+from posttrain.rewards.workers import RewardWorkers, one_by_one
 
 if TYPE_CHECKING:
-    from posttrain.rollout.reward_functions import Reward
+    from posttrain.rewards.functions import Reward
 
 
 class RewardGuard:

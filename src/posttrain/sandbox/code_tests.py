@@ -1,7 +1,7 @@
 """The ``code_tests`` reward's judge: a completion's program against a row's tests, so that the program can
 answer for its own functions and nothing else.
 
-Two sandboxes (``rollout.sandbox``) run side by side, each in its own namespaces, and never share anything:
+Two sandboxes (``sandbox.confine``) run side by side, each in its own namespaces, and never share anything:
 
 - the **program's**: it runs the completion's code, then serves requests for the names it defined: a name's
   value, a call, an attribute, an item. It answers with plain data (exact builtin types: ``None``, ``bool``,
@@ -34,7 +34,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-from posttrain.rollout.sandbox import Launched, Limits, launched, weaker_accepted
+from posttrain.sandbox.confine import Launched, Limits, launched
 
 _BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 #: the longest line either side may send (longer ones are dropped), and lines relayed per judgement
@@ -300,14 +300,13 @@ def tests_passed(
     code: str | None,
     tests: list[str],
     limits: Limits,
-    strict: bool | None = None,
+    strict: bool = True,
     cancel: threading.Event | None = None,
 ) -> float:
     """The share of ``tests`` the code passes (0 without code, or when nothing comes back in time;
     ``cancel`` set: the sandboxes end at once, what came back counts)."""
     if not code or not tests:
         return 0.0
-    strict = not weaker_accepted() if strict is None else strict
     verdicts: dict[int, bool] = {}
     deadline = time.monotonic() + limits.wall
     with ExitStack() as stack:

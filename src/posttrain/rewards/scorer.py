@@ -13,12 +13,12 @@ import torch
 
 from posttrain.config.rewards import ScoredConfig
 from posttrain.dist import DistInfo, all_gather_objects, all_reduce_sum
+from posttrain.generation.types import Completions
 from posttrain.logs import say
-from posttrain.rollout.generation import Completions
-from posttrain.rollout.reward_calls import RewardContext
-from posttrain.rollout.reward_functions import Reward, build_rewards, environment_rewards
-from posttrain.rollout.reward_guard import RewardGuard, rows_named, score_all
-from posttrain.rollout.reward_workers import RewardWorkers
+from posttrain.rewards.calls import RewardContext
+from posttrain.rewards.functions import Reward, build_rewards, environment_rewards
+from posttrain.rewards.guard import RewardGuard, rows_named, score_all
+from posttrain.rewards.workers import RewardWorkers
 from posttrain.training.extras import COUNT
 
 
@@ -73,7 +73,9 @@ class Scorer:
     method that scores its completions (grpo, or one written from ``docs/extending.md``) holds one."""
 
     def __init__(self, config: ScoredConfig, tokenizer: Any) -> None:
-        self.rewards: list[Reward] = build_rewards(config.rewards, config.max_completion_length)
+        self.rewards: list[Reward] = build_rewards(
+            config.rewards, config.max_completion_length, getattr(config, "sandbox_accept_weaker", False)
+        )
         self.rewards += environment_rewards(config)
         self.guard = guard_of(config)
         self.weights = torch.tensor([r.weight for r in self.rewards], dtype=torch.float64)

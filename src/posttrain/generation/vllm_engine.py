@@ -33,11 +33,12 @@ import torch
 
 from posttrain.dist import kept_random_state
 from posttrain.errors import UserError
+from posttrain.generation.engine import EngineCopy
+from posttrain.generation.types import Completions, EngineInputs, Sampling
+from posttrain.generation.vllm_lora import AdapterPush, adapter_push, engine_lora_kwargs, write_adapter
 from posttrain.logs import say
 from posttrain.memory.estimate import kv_cache_bytes
 from posttrain.models.dimensions import Dimensions, read_dimensions
-from posttrain.rollout.generation import Completions, Sampling
-from posttrain.rollout.vllm_lora import AdapterPush, adapter_push, engine_lora_kwargs, write_adapter
 
 #: the smallest KV cache a CPU engine is given (a few blocks of a tiny model need more than the plan says)
 CPU_KV_FLOOR = 64 << 20
@@ -112,7 +113,7 @@ def engine_settings(
         "trust_remote_code": config.model.trust_remote_code,
         "enable_prefix_caching": True,
         "generation_config": "vllm",  # the model's generation_config.json sets no sampling default
-        "worker_extension_cls": WORKER_EXTENSION,  # the checked weight push (rollout/vllm_worker.py)
+        "worker_extension_cls": WORKER_EXTENSION,  # the checked weight push (generation/vllm_worker.py)
     }
     if images_per_prompt is not None:  # the image encoder's budget is profiled for this many a prompt
         kwargs["limit_mm_per_prompt"] = {"image": images_per_prompt}
@@ -239,52 +240,6 @@ def completions_of(outputs: Sequence[Any], stop_ids: Sequence[int], logprobs: bo
         if logprobs:
             logps.append(sampled_logps(sample))
     return Completions(ids, truncated, logps if logprobs else None)
-
-
-class EngineCopy:
-    """A backend that generates from its own copy of the weights (an engine in this process, or a server):
-    they are pushed before the first generation after an update (the rollout marks them stale)."""
-
-    stale = True
-
-    def generate(
-        self,
-        module: torch.nn.Module,
-        prompts: Sequence[Sequence[int]],
-        sampling: Sampling,
-        keys: list[int] | None,
-        logprobs: bool = False,
-        images: Sequence[Sequence[Any]] | None = None,
-    ) -> Completions:
-        """``keys`` None: greedy (evaluation). ``logprobs``: the sampled tokens' log-probabilities too.
-        ``images``: each prompt's (a vision-language model's, whose prompts hold their expansion)."""
-        if self.stale:
-            self.push(module)
-        if images and any(images):
-            return self.sample_images(prompts, sampling, keys, logprobs, images)
-        return self.sample(prompts, sampling, keys, logprobs)
-
-    def sample_images(
-        self,
-        prompts: Sequence[Sequence[int]],
-        sampling: Sampling,
-        keys: list[int] | None,
-        logprobs: bool,
-        images: Sequence[Sequence[Any]],
-    ) -> Completions:
-        raise ValueError(f"prompts with images reached {type(self).__name__}, which does not take them yet")
-
-    def push(self, module: torch.nn.Module) -> None:
-        raise NotImplementedError
-
-    def sample(
-        self, prompts: Sequence[Sequence[int]], sampling: Sampling, keys: list[int] | None, logprobs: bool
-    ) -> Completions:
-        raise NotImplementedError
-
-    def mark_stale(self) -> None:
-        """An update changed the training weights: push them before the next generation."""
-        self.stale = True
 
 
 class VLLMBackend(EngineCopy):
@@ -432,7 +387,7 @@ def empty_prefix_cache(llm: Any, tries: int = 10) -> None:
 
 
 #: posttrain's methods on vLLM's workers (the checked weight push), for the engine and the server
-WORKER_EXTENSION = "posttrain.rollout.vllm_worker.PosttrainWorker"
+WORKER_EXTENSION = "posttrain.generation.vllm_worker.PosttrainWorker"
 
 
 def check_reload(reports: Sequence[Any], engine: str) -> None:
@@ -543,6 +498,26 @@ def build_vllm_backend(
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         settings.env.update({k: v for k, v in env.items() if k not in os.environ})
     return VLLMBackend(settings, module, stop_ids, processor)
+
+
+def colocated_engine(config: Any, inputs: EngineInputs) -> VLLMBackend:
+    """``registry.GENERATION_ENGINES``' ``vllm``: the colocated engine (``use_vllm`` with ``vllm_mode:
+    colocate``)."""
+    if inputs.processor is not None and config.model.peft_config is not None:
+        raise UserError(
+            "use_vllm: true with a vision-language model and LoRA: the engine takes pushes of the whole weights "
+            "with images, not adapters yet; train without LoRA, or use_vllm: false (transformers' generate)"
+        )
+    return build_vllm_backend(
+        config,
+        inputs.module,
+        inputs.stops,
+        inputs.longest_prompt,
+        inputs.rows,
+        inputs.dist,
+        inputs.processor,
+        inputs.most_images,
+    )
 
 
 def usable_cores() -> list[int]:

@@ -1,4 +1,4 @@
-"""The sandbox's launcher (``rollout.sandbox``): run by a fresh ``python -I``, it builds the confinement, then
+"""The sandbox's launcher (``sandbox.confine``): run by a fresh ``python -I``, it builds the confinement, then
 the program replaces its last process (``os.execv``), which keeps every part of it. Standard library only:
 nothing of the training process's packages loads before the confinement holds.
 
@@ -335,7 +335,9 @@ def program(spec: dict, held: list[str], report: int) -> None:
     except OSError as error:
         os.write(report, json.dumps({"failed": f"{type(error).__name__}: {error}"}).encode() + b"\n")
         os._exit(125)
-    os.write(report, json.dumps({"held": held}).encode() + b"\n")
+    # what the parent checks against what it requires (confine.REQUIRED): names, not the sentences above
+    guarantees = ["namespaces", "own_root", "disk", "no_capabilities"]
+    os.write(report, json.dumps({"held": held, "guarantees": guarantees}).encode() + b"\n")
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": "/home/sandbox",

@@ -1,7 +1,7 @@
 """A sandbox for model-written code: the ``code_tests`` reward and the ``python`` tool run it here, and
 ``posttrain sandbox`` runs it for a user.
 
-Each run is a launcher process (``sandbox_child``) that builds, before the program starts:
+Each run is a launcher process (``sandbox.child``) that builds, before the program starts:
 
 - namespaces of its own: user (its root is ``nobody`` outside when the trainer is root, else the trainer's
   user), mount, PID, IPC, network (a loopback that is down), UTS;
@@ -46,14 +46,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from posttrain.errors import UserError
 
-CHILD = Path(__file__).with_name("sandbox_child.py")
+CHILD = Path(__file__).with_name("child.py")
 LAUNCH_FAILED = 125
 #: open files per process of the program (RLIMIT_NOFILE): with the processes' limit, its share of the host's
 #: file table
@@ -82,6 +82,8 @@ class Ran:
     timed_out: bool
     seconds: float
     held: list[str] = field(default_factory=list)
+    #: the names (:data:`REQUIRED`'s keys) of the confinements that held, as the launcher and cgroups reported
+    guarantees: frozenset[str] = frozenset()
 
     @property
     def ok(self) -> bool:
@@ -172,11 +174,16 @@ def _sweep(parent: Path) -> None:
                     os.rmdir(group)
 
 
-def run_cgroups(limits: Limits) -> tuple[list[Path], list[str]]:
-    """The cgroups that hold the run's memory and processes, and what they limit."""
+def run_cgroups(limits: Limits) -> tuple[list[Path], list[str], set[str]]:
+    """The cgroups that hold the run's memory and processes, what they limit (said, and as
+    :data:`REQUIRED`'s names)."""
     if (group := _cgroup_v2(limits)) is not None:
-        return [group], ["memory per run (cgroup v2)", "processes per run (cgroup v2)"]
-    groups, held = [], []
+        return (
+            [group],
+            ["memory per run (cgroup v2)", "processes per run (cgroup v2)"],
+            {"memory_per_run", "processes_per_run"},
+        )
+    groups, held, guarantees = [], [], set()
     memory = _cgroup_v1(
         "memory",
         {"memory.limit_in_bytes": str(limits.memory), "memory.memsw.limit_in_bytes": str(limits.memory)},
@@ -184,11 +191,13 @@ def run_cgroups(limits: Limits) -> tuple[list[Path], list[str]]:
     if memory is not None:
         groups.append(memory)
         held.append("memory per run (cgroup)")
+        guarantees.add("memory_per_run")
     pids = _cgroup_v1("pids", {"pids.max": str(limits.processes)})
     if pids is not None:
         groups.append(pids)
         held.append("processes per run (cgroup)")
-    return groups, held
+        guarantees.add("processes_per_run")
+    return groups, held, guarantees
 
 
 def _remove_cgroup(group: Path) -> None:
@@ -256,8 +265,10 @@ class Launched:
     """A sandboxed program started (:func:`launched`): its process with the parent's ends of its pipes
     (``stdin``, ``stdout``, ``stderr``), and the launcher's report (what held, the program's PID)."""
 
-    def __init__(self, process: subprocess.Popen, report: _Reader, held: list[str]) -> None:
-        self.process, self.report, self.held = process, report, held
+    def __init__(
+        self, process: subprocess.Popen, report: _Reader, held: list[str], guarantees: set[str]
+    ) -> None:
+        self.process, self.report, self.held, self.guarantees = process, report, held, guarantees
         self.pidfd: int | None = None
         self.watcher = threading.Thread(target=self._watch, daemon=True)
         self.watcher.start()
@@ -303,7 +314,7 @@ def launched(
     False`` asks for that directly: the tests of the weaker path)."""
     root = tempfile.mkdtemp(prefix="posttrain-sandbox-", dir=sandbox_tmp())  # the new root's mount point
     os.chmod(root, 0o711)  # the weaker path's user (nobody) walks through it to its directory
-    groups, held = run_cgroups(limits)
+    groups, held, guarantees = run_cgroups(limits)
     if strict and namespaces and not groups:  # never without them, silently: the run asked for them
         shutil.rmtree(root, ignore_errors=True)
         raise SandboxError(
@@ -351,7 +362,7 @@ def launched(
         report = _Reader(os.fdopen(report_r, "rb", buffering=0), 1 << 20)
         report_r = -1
         report.start()
-        run = Launched(process, report, held)
+        run = Launched(process, report, held, guarantees)
         yield run
     finally:
         for fd in (spec_r, spec_w, report_r, report_w):
@@ -369,6 +380,7 @@ def launched(
         raise SandboxError(failed)
     for note in notes:
         run.held += note.get("held", [])
+        run.guarantees.update(note.get("guarantees", []))
 
 
 def run_python(
@@ -406,6 +418,7 @@ def run_python(
         timed_out,
         time.perf_counter() - started,
         run.held,
+        frozenset(run.guarantees),
     )
 
 
@@ -519,13 +532,14 @@ def remove_tree(path: str) -> None:
 
 # ------------------------------------------------------------------------------- what holds here
 
-#: what the sandbox must give before model-written code runs (unless the run accepts less)
+#: what the sandbox must give before model-written code runs (unless the run accepts less), by the names the
+#: launcher (``sandbox.child``) and the cgroups report them under
 REQUIRED = {
     "namespaces": "namespaces: user, mount, PID, IPC, network (no user namespace here)",
-    "own root": "its own read-only root, private /tmp and /dev/shm, a fresh /proc",
-    "no capabilities": "no capabilities, no new privileges",
-    "memory per run": "memory per run (a cgroup: root, or a cgroup v2 tree that delegates memory and pids)",
-    "processes per run": "processes per run (a cgroup, as memory)",
+    "own_root": "its own read-only root, private /tmp and /dev/shm, a fresh /proc",
+    "no_capabilities": "no capabilities, no new privileges",
+    "memory_per_run": "memory per run (a cgroup: root, or a cgroup v2 tree that delegates memory and pids)",
+    "processes_per_run": "processes per run (a cgroup, as memory)",
     "disk": "disk per run (a tmpfs in its own mount namespace)",
 }
 
@@ -543,23 +557,16 @@ class Confinement:
 @functools.cache
 def confinement() -> Confinement:
     """What the sandbox holds on this machine (one run of the launcher), and what it lacks."""
+    guarantees: frozenset[str] = frozenset()
     try:
         ran = run_python("pass", Limits(wall=30), strict=True)
-        held = ran.held
+        held, guarantees = ran.held, ran.guarantees
     except SandboxError as error:
         held = [f"launcher: {error}"]
         with contextlib.suppress(SandboxError):
-            held = run_python("pass", Limits(wall=30), strict=False).held
-    text = " ".join(held)
-    keys = {
-        "namespaces": "namespaces:",
-        "own root": "its own root",
-        "no capabilities": "no capabilities",
-        "memory per run": "memory per run",
-        "processes per run": "processes per run",
-        "disk": "disk:",
-    }
-    missing = tuple(REQUIRED[name] for name, mark in keys.items() if mark not in text)
+            ran = run_python("pass", Limits(wall=30), strict=False)
+            held, guarantees = ran.held, ran.guarantees
+    missing = tuple(line for name, line in REQUIRED.items() if name not in guarantees)
     return Confinement(tuple(held), missing)
 
 
@@ -582,12 +589,12 @@ def enforced() -> str:
 
 def prepare(accept: bool) -> None:
     """Before a run executes model-written code: the sandbox as this machine gives it, or the run stops (one
-    line naming what is missing); with ``accept``, this process and its reward workers run with what holds,
-    and say so."""
+    line naming what is missing); with ``accept`` (``sandbox_accept_weaker``), the run goes on with what holds
+    and says so. The setting reaches the sandbox as an argument: :func:`python_tool`'s and the
+    ``code_tests`` reward's ``strict``."""
     from posttrain.logs import say
 
     found = require(accept)
-    accept_weaker(accept)
     if found.missing:
         say(f"sandbox: running model-written code without {'; '.join(found.missing)} (sandbox_accept_weaker)")
 
@@ -595,32 +602,23 @@ def prepare(accept: bool) -> None:
 # ------------------------------------------------------------------------------------------ the tool
 
 
-def python(code: str) -> str:
-    """Run Python code in a sandbox and return what it prints.
+def python_tool(strict: bool = True) -> Callable[[str], str]:
+    """The built-in ``python`` tool: a model's code run in the sandbox, what it prints returned. ``strict``
+    False (the run's ``sandbox_accept_weaker``): it runs with what holds where the kernel makes no
+    namespaces."""
 
-    Args:
-        code: the Python program to run
-    """
-    ran = run_python(code, strict=not weaker_accepted())
-    text = ran.stdout + (ran.stderr if ran.stderr else "")
-    if ran.timed_out:
-        text += f"\n(stopped: it ran past {Limits().wall:g} s)"
-    elif ran.returncode < 0:
-        text += f"\n(killed by signal {-ran.returncode})"
-    return text.strip() or "(no output)"
+    def python(code: str) -> str:
+        """Run Python code in a sandbox and return what it prints.
 
+        Args:
+            code: the Python program to run
+        """
+        ran = run_python(code, strict=strict)
+        text = ran.stdout + (ran.stderr if ran.stderr else "")
+        if ran.timed_out:
+            text += f"\n(stopped: it ran past {Limits().wall:g} s)"
+        elif ran.returncode < 0:
+            text += f"\n(killed by signal {-ran.returncode})"
+        return text.strip() or "(no output)"
 
-#: set in the training process (and so in its reward workers) when the run accepts a weaker sandbox
-WEAKER = "POSTTRAIN_SANDBOX_ACCEPT_WEAKER"
-
-
-def accept_weaker(value: bool) -> None:
-    """Whether this process and its children run the sandbox with what holds (``sandbox_accept_weaker``)."""
-    if value:
-        os.environ[WEAKER] = "1"
-    else:
-        os.environ.pop(WEAKER, None)
-
-
-def weaker_accepted() -> bool:
-    return os.environ.get(WEAKER) == "1"
+    return python
