@@ -19,9 +19,7 @@ export HF_DATASETS_OFFLINE := 1
 # share a module's set-up in one of them (tests/conftest.py groups them), the others wherever a worker is
 # free. The slowest tests and modules are listed at the end.
 TEST_WORKERS ?= 2
-# PYTEST_ONE: one process (the vLLM tests)
-PYTEST_ONE := -p no:cacheprovider --durations=15
-PYTEST := $(PYTEST_ONE) -n $(TEST_WORKERS) --dist loadgroup
+PYTEST := -p no:cacheprovider --durations=15 -n $(TEST_WORKERS) --dist loadgroup
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -54,9 +52,10 @@ $(VLLM_STAMP): pyproject.toml constraints.txt
 vllm-env: $(VLLM_STAMP)
 
 # The tests marked `vllm`, each engine in a process of its own (an in-process engine changes its process for
-# good), one test at a time: an engine binds its threads to the cores, and its tests wait on it with deadlines
+# good), in TEST_WORKERS workers as `make test`, each worker (and the runs, servers and engines it starts)
+# pinned to cores of its own: an engine binds its OpenMP threads to the cores its process may use
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest $(PYTEST_ONE) -m vllm tests
+	POSTTRAIN_TEST_PIN_WORKERS=1 $(VLLM_VENV)/bin/python -m pytest $(PYTEST) -m vllm tests
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

@@ -72,7 +72,8 @@ def engine_row(tasks: Path, samples: int, batch_size: int) -> dict[str, float | 
     from posttrain.config.load import load_config
     from posttrain.generation.vllm_engine import build_vllm_backend
     from posttrain.inference.harness_training import HarnessEvaluator
-    from posttrain.rollout.feed import EngineGeneration, stop_ids
+    from posttrain.rollout.feed import EngineGeneration
+    from posttrain.rollout.sampler import stop_ids
 
     model = AutoModelForCausalLM.from_pretrained(EXPORT, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(EXPORT)
@@ -90,7 +91,7 @@ def engine_row(tasks: Path, samples: int, batch_size: int) -> dict[str, float | 
     started = time.perf_counter()
     backend = build_vllm_backend(config, model, stop_ids(tokenizer, model), 64, batch_size, dist)
     engine_start = time.perf_counter() - started
-    generation = EngineGeneration(SimpleNamespace(ahead=None, backend=backend))  # type: ignore[arg-type]
+    generation = EngineGeneration(SimpleNamespace(ahead=None), backend)  # type: ignore[arg-type]
 
     def run(limit: int) -> tuple[float, float]:
         harness = HarnessConfig(

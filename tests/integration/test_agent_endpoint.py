@@ -15,7 +15,7 @@ from posttrain.generation.keyed import completion_key
 from posttrain.generation.transformers_backend import TransformersBackend
 from posttrain.generation.types import Sampling
 from posttrain.rollout.agent_endpoint import AgentLoop
-from posttrain.rollout.feed import stop_ids
+from posttrain.rollout.sampler import stop_ids
 from tests.agent_endpoint_helpers import write_agent
 from tests.grpo_helpers import write_prompts
 from tests.integration.helpers import metrics, train

@@ -208,7 +208,8 @@ def test_grpo_prompts_with_images_generate_and_score_on_the_processors_inputs(
     from posttrain.generation.transformers_backend import TransformersBackend, split_completions
     from posttrain.generation.types import Sampling
     from posttrain.models.token_logps import token_logps
-    from posttrain.rollout.feed import stop_ids, training_micro_batches
+    from posttrain.rollout.feed import training_micro_batches
+    from posttrain.rollout.sampler import stop_ids
     from posttrain.vision.collate import attach_images
     from posttrain.vision.prompts import format_image_prompts
 
@@ -288,12 +289,16 @@ def test_grpo_on_image_prompts_trains_with_rewards_that_read_the_images(
 def test_online_runs_that_do_not_read_images_yet_say_so(vlms: dict[str, Path], tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from posttrain.rollout.feed import build_backend
+    from posttrain.generation.types import EngineInputs
+    from posttrain.generation.vllm_engine import colocated_engine
+    from posttrain.generation.vllm_server import server_engine
 
     processor, _ = processor_and_tokenizer(vlms["idefics3"])
-    config = SimpleNamespace(use_vllm=True, vllm_mode="server", model=SimpleNamespace(peft_config=None))
-    with pytest.raises(UserError, match="vllm_mode: server and LoRA pushes do not yet"):
-        build_backend(config, torch.nn.Linear(1, 1), [0], 0, None, 1, None, processor=processor)
+    inputs = EngineInputs(torch.nn.Linear(1, 1), [0], 0, 8, 1, 1, None, lambda: False, processor)
+    with pytest.raises(UserError, match="vllm_mode: server does not yet"):
+        server_engine(SimpleNamespace(use_vllm=True, vllm_mode="server"), inputs)
+    with pytest.raises(UserError, match="and LoRA: the engine takes pushes of the whole weights"):
+        colocated_engine(SimpleNamespace(model=SimpleNamespace(peft_config={"r": 8})), inputs)
     from posttrain.tiny_model import write_tiny_model
 
     data = write_jsonl(tmp_path / "prompts.jsonl", colour_prompts(tmp_path, 4, seed=7))

@@ -36,7 +36,14 @@ from posttrain.generation.types import Completions
 from posttrain.logs import say
 from posttrain.models.document_attention import follow_documents
 from posttrain.models.token_logps import chunk_rows, forward_inputs, tileable_head, unwrap
-from posttrain.rollout.feed import GeneratedBatch, OnlineMethod, OnlineSteps, completion_records, stop_ids
+from posttrain.rollout.feed import (
+    GeneratedBatch,
+    GenerationStats,
+    OnlineMethod,
+    OnlineSteps,
+    completion_records,
+)
+from posttrain.rollout.sampler import stop_ids
 from posttrain.tokenizers.chat_templates import end_of_turn_ids
 from posttrain.tokenizers.padding import input_pad_id
 from posttrain.training.extras import COUNT
@@ -331,7 +338,7 @@ class DistillMethod(OnlineMethod):
             )
         return data_completions(rows, feed.tokenizer, feed.stops, config.max_completion_length)
 
-    def after_generation(self, feed: OnlineSteps, generated: GeneratedBatch) -> dict[str, torch.Tensor]:
+    def after_generation(self, feed: OnlineSteps, generated: GeneratedBatch) -> GenerationStats:
         completions = generated.completions
         mine = torch.tensor(
             [
@@ -341,15 +348,15 @@ class DistillMethod(OnlineMethod):
             dtype=torch.float64,
         )
         everyone = all_gather_rows(mine, self.ctx.dist)
-        feed.metrics.latest = completion_records(everyone[:, 0], everyone[:, 1])
-        feed.metrics.latest["on_policy"] = float(self.on_policy)
-        return {}
+        records = completion_records(everyone[:, 0], everyone[:, 1])
+        return GenerationStats(records={**records, "on_policy": float(self.on_policy)})
 
     def finish_batches(
         self, feed: OnlineSteps, generated: GeneratedBatch, micro_batches: list[dict[str, Any]]
-    ) -> None:
+    ) -> dict[str, Any]:
         for batch in micro_batches:
             batch["num_loss_units"] = int(batch["completion_mask"].sum())
+        return {}
 
 
 class DistillLoss:

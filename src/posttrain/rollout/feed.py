@@ -17,105 +17,34 @@ of this rank, which resumable checkpoints save, so a run killed between two upda
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from posttrain.context import RunContext
-from posttrain.data.prompts import ORIGIN_KEY, decode_row, prompt_of
-from posttrain.data.sampler import shard_order
+from posttrain.data.prompts import ORIGIN_KEY, prompt_of
 from posttrain.data.samples import IGNORE_INDEX, JOINED, joined_rows, pad_rows, target_labels, target_rows
 from posttrain.dist import all_reduce_sum
 from posttrain.errors import UserError
 from posttrain.generation.engine import EngineCopy
-from posttrain.generation.keyed import completion_key
-from posttrain.generation.transformers_backend import generation_eos
 from posttrain.generation.types import (
     Completions,
-    EngineInputs,
     GenerationBackend,
     GenerationStopped,
     Sampling,
 )
 from posttrain.models.document_attention import joins_rows
-from posttrain.models.sampling_policy import policy_of
 from posttrain.models.token_logps import unwrap
-from posttrain.rollout.ahead import STATE_KEY, Ahead, SavedAhead
+from posttrain.rollout.ahead import STATE_KEY, SavedAhead
+from posttrain.rollout.sampler import RolloutSampler
 from posttrain.rollout.sequence_split import sequence_split
-from posttrain.tokenizers.chat_templates import end_of_turn_ids
-from posttrain.tokenizers.padding import input_pad_id
+from posttrain.rollout.slots import PromptSlots
 from posttrain.tracking.metrics import MetricsFile
 from posttrain.vision.collate import attach_images, prompt_images
-from posttrain.vision.processor import processor_of
-
-
-def sampling_of(config: Any, tokenizer: Any = None) -> Sampling:
-    """The sampling an online method's config asks for (TRL's names: ``max_completion_length``,
-    ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``min_p``), with the model's input-only
-    tokens never drawn (``sampling_policy.policy_of``)."""
-    policy = policy_of(config, tokenizer)
-    return Sampling(
-        config.max_completion_length,
-        config.temperature,
-        policy.top_p,
-        policy.top_k,
-        policy.repetition_penalty,
-        policy.min_p,
-        policy.banned,
-    )
-
-
-def stop_ids(tokenizer: Any, module: torch.nn.Module | None = None) -> list[int]:
-    """Where a completion ends: the chat template's end-of-turn tokens, the tokenizer's EOS and (given the
-    model) its generation config's EOS ids, as TRL stops."""
-    found = end_of_turn_ids(tokenizer) | ({tokenizer.eos_token_id} - {None})
-    return sorted(found | (generation_eos(module) if module is not None else set()))
-
-
-def longest_prompt(data: Any) -> int:
-    """The longest prompt in tokens, training and evaluation prompts alike (the engine's context)."""
-    lengths = [int(view.lengths("input_ids").max()) for view in (data.train, data.eval) if len(view)]
-    return max(lengths, default=1)
-
-
-def most_images(data: Any) -> int:
-    """The most images one prompt holds, training and evaluation prompts alike (0: none, a text model's)."""
-    from posttrain.vision.images import IMAGES_COLUMN, decode
-
-    most = 0
-    for view in (data.train, data.eval):
-        if len(view) and IMAGES_COLUMN in view.store.columns:
-            stored = (view.store.get(IMAGES_COLUMN, int(i)) for i in np.unique(view.samples))
-            most = max([most, *(len(decode(refs)) for refs in stored)])
-    return most
-
-
-def build_backend(
-    config: Any,
-    module: torch.nn.Module,
-    stops: list[int],
-    pad_id: int,
-    data: Any,
-    rows: int,
-    dist: Any,
-    stopping: Callable[[], bool] = lambda: False,
-    processor: Any = None,
-) -> GenerationBackend:
-    """The run's generation engine, by its name in ``registry.GENERATION_ENGINES`` (``generation_engine``;
-    by default transformers' ``generate`` on the training weights, or with ``use_vllm`` vLLM in this process
-    or the run's server). ``processor``: a vision-language model's (the prompts hold images)."""
-    from posttrain.registry import GENERATION_ENGINES
-
-    inputs = EngineInputs(
-        module, stops, pad_id, longest_prompt(data), most_images(data), rows, dist, stopping, processor
-    )
-    return GENERATION_ENGINES.get(config.engine_name).obj(config, inputs)  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -144,8 +73,15 @@ class BatchGivenUp(Exception):
 #: a per-completion value of ``after_generation``: 1 in the loss, 0 left out (its tokens' mask is 0)
 IN_LOSS = "in_loss"
 
-#: the refill orders' part of their key (dynamic sampling), apart from every completion's
-REFILL = 0x5EF111
+
+@dataclass
+class GenerationStats:
+    """What a method makes of a generated batch (``OnlineMethod.after_generation``; torchtune's ``GRPOStats``
+    shape): per-completion values for the loss (``[this rank's completions]`` tensors, sliced into the
+    micro-batches under their names) and the batch's records (the same on every rank: gather first)."""
+
+    values: dict[str, torch.Tensor] = field(default_factory=dict)
+    records: dict[str, Any] = field(default_factory=dict)
 
 
 class OnlineMethod:
@@ -170,16 +106,17 @@ class OnlineMethod:
         the policy samples them."""
         return None
 
-    def after_generation(self, feed: OnlineSteps, generated: GeneratedBatch) -> dict[str, torch.Tensor]:
-        """The rollout's per-completion training values (``[completions]`` tensors, e.g. grpo's advantages),
-        after setting ``feed.metrics.latest`` to the generation's records; every rank calls it at once (it may
-        gather across ranks)."""
+    def after_generation(self, feed: OnlineSteps, generated: GeneratedBatch) -> GenerationStats:
+        """The batch's per-completion training values (e.g. grpo's advantages) and its records; every rank
+        calls it at once (it may gather across ranks)."""
         raise NotImplementedError
 
     def finish_batches(
         self, feed: OnlineSteps, generated: GeneratedBatch, micro_batches: list[dict[str, Any]]
-    ) -> None:
-        """Add what the method's loss needs to the micro-batches (log-probabilities of other models...)."""
+    ) -> dict[str, Any]:
+        """Add what the method's loss needs to the micro-batches (log-probabilities of other models...); the
+        records that come of it (the same on every rank), added to the batch's."""
+        return {}
 
     def log_fields(self, feed: OnlineSteps, generated: GeneratedBatch, index: int) -> dict[str, Any]:
         """The method's fields of completion ``index``'s line in ``completions.jsonl``."""
@@ -250,83 +187,34 @@ class OnlineSteps:
         state_key: str = "online",
     ) -> None:
         config, plan = ctx.config, batches.plan
-        self.ctx, self.engine, self.config, self.tokenizer, self.method = (
-            ctx,
-            engine,
-            config,
-            tokenizer,
-            method,
-        )
-        self.prompts = plan.data.train
+        self.ctx, self.engine, self.config = ctx, engine, config
+        self.tokenizer, self.method = tokenizer, method
         self.step_plan, self.total_steps = plan.step_plan, plan.total_steps
-        sizes = plan.sizes
         self.group, self.updates, self.state_key = group, updates, state_key
-        self.per_batch = sizes.global_batch_size // group  # prompts
-        self.micro = sizes.micro_batch_size
-        # completions this rank generates: its replica's share, split over a sequence-parallel group
-        self.mine = (
-            sizes.micro_batch_size * sizes.gradient_accumulation_steps // config.sequence_parallel_size
-        )
-        self.sampling = sampling_of(config, tokenizer)
-        self.pad_id = input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy)
-        self.stops = stop_ids(tokenizer, engine.module)
-        self.processor = processor_of(tokenizer)  # a vision-language model's: prompts with images
+        self.micro = plan.sizes.micro_batch_size
+        self.slots = PromptSlots.of_run(ctx, plan, group, updates)
+        self.mine = self.slots.mine  # completions this rank generates of a batch
+        sampler = self.sampler = RolloutSampler(ctx, engine.module, tokenizer, plan.data, self.mine)
+        self.sampling, self.stops, self.pad_id = sampler.sampling, sampler.stops, sampler.pad_id
         self.split = sequence_split(config, ctx.dist.rank, self.pad_id)  # rows over sequence-parallel ranks
         self.joins = joins_rows(config.padding_free, unwrap(engine.module), self.split is not None)
-        self.backend = build_backend(
-            config,
-            engine.module,
-            self.stops,
-            self.pad_id,
-            plan.data,
-            self.mine,
-            ctx.dist,
-            ctx.stopping.is_set,
-            self.processor,
-        )
-        from posttrain.rollout.agent import multi_turn
-
-        self.turns = multi_turn(config, tokenizer, self.stops)  # multi-turn rollouts: tools, rollout_func
         self.counters: dict[str, float] = {}  # the loop state's (steps() takes them from it)
-        self.orders: dict[int, np.ndarray] = {}  # an epoch's prompt order
-        self.orders_lock = threading.Lock()
-        self.refill_order: tuple[tuple[int, int], np.ndarray] = ((-1, -1), np.zeros(0, dtype=np.int64))
-        self.trainer_state = self._trainer_state(None, 0, 0, 1)  # before the first generation
-        self.metrics = RolloutMetrics(method, self.backend)
+        self.trainer_state = trainer_state(ctx, self.total_steps, 0, 0, 0, 1)  # before the first generation
+        self.metrics = RolloutMetrics(method, sampler.backend)
         self.extras = [self.metrics]
-        self.log = CompletionsLog(
-            MetricsFile(ctx.output_dir / "completions.jsonl", config.log_completions and ctx.dist.is_main),
-            tokenizer,
-        )
+        self.log = CompletionsLog.of_run(ctx, tokenizer)
         self.metrics.closing += [self.close, method.close]
-        per_epoch = [len(plan) // updates for plan in self.step_plan]
-        self.offsets = [sum(per_epoch[:e]) for e in range(len(per_epoch) + 1)]  # global batch index
-        self.ahead: Ahead | None = None
         if config.generates_ahead:  # max_staleness, weight_sync_steps: rollout/ahead.py
-            total = min(self.offsets[-1], -(-self.total_steps // updates))
-            module, backend = engine.module, self.backend
-            if not isinstance(backend, EngineCopy):
-                raise UserError(
-                    f"max_staleness / weight_sync_steps generate ahead of training from an engine's own copy of "
-                    f"the weights; the {backend.name} engine generates on the training weights: use vLLM "
-                    "(use_vllm: true) or set max_staleness: 0"
-                )
-            self.ahead = Ahead(
-                self._generate_ahead,
-                backend,
-                lambda: backend.push(module),
-                config.max_staleness,
-                config.weight_sync_steps,
-                total,
-                ctx.dist.world_size,
-                background=config.vllm_mode == "server",  # an engine in this process generates when asked
-            )
+            total = min(self.slots.offsets[-1], -(-self.total_steps // updates))
+            sampler.start_ahead(config, engine.module, self._generate_ahead, total, ctx.dist.world_size)
+        self.ahead = sampler.ahead
 
     @property
     def generation(self) -> EngineGeneration | None:
         """The run's engine for greedy generations beside the steps (the harness tasks), None where generation
         runs on the training weights (the evaluators use the training model then)."""
-        return EngineGeneration(self, self.backend) if isinstance(self.backend, EngineCopy) else None
+        backend = self.sampler.backend
+        return EngineGeneration(self, backend) if isinstance(backend, EngineCopy) else None
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -337,12 +225,12 @@ class OnlineSteps:
         self.counters = state.counters  # run-long totals, saved with resumable checkpoints
         if self.ahead is not None and not isinstance(state.rank_state.get(STATE_KEY), SavedAhead):
             # a resumed run's, as its checkpoint saved them; every batch before the next one to generate trained
-            following = self.global_batch(epoch, first) + (1 if done else 0)
+            following = self.slots.global_batch(epoch, first) + (1 if done else 0)
             self.ahead.restore(state.rank_state.get(STATE_KEY), following, resumed=state.step > 0)
             # a checkpoint saves the batches in flight (at a stop, not those whose servers are gone)
             state.rank_state[STATE_KEY] = self.ahead.saved(lambda: bool(state.stop_reason))
         for batch in range(first, batches):
-            self.trainer_state = self._trainer_state(state, epoch, batch, batches)
+            self.trainer_state = trainer_state(self.ctx, self.total_steps, state.step, epoch, batch, batches)
             micro_batches = self._resumed(state, done) if done else self._generate(epoch, batch)
             if micro_batches is None:  # a stop came while its servers were gone: saved after the last step
                 state.stop_reason = (
@@ -377,71 +265,13 @@ class OnlineSteps:
         self.metrics.latest = dict(saved["metrics"])
         return saved["micro_batches"]
 
-    def _trainer_state(self, state: Any, epoch: int, batch: int, batches: int) -> Any:
-        """What TRL hands user functions as ``trainer_state``: transformers' ``TrainerState`` at this
-        generation (the optimizer steps done, the run's total, the epoch as a fraction)."""
-        from transformers import TrainerState
-
-        config, dist = self.config, self.ctx.dist
-        return TrainerState(
-            epoch=epoch + batch / max(batches, 1),
-            global_step=state.step if state is not None else 0,
-            max_steps=self.total_steps,
-            num_train_epochs=config.epochs,
-            logging_steps=config.loss_log_interval,
-            train_batch_size=config.micro_batch_size,
-            is_local_process_zero=dist.local_rank == 0,
-            is_world_process_zero=dist.is_main,
-        )
-
     # ----------------------------------------------------------------------------------------- a rollout
 
-    def global_batch(self, epoch: int, batch: int) -> int:
-        """A generated batch's index over the whole run."""
-        return self.offsets[epoch] + batch
-
-    def _slots(
-        self, epoch: int, batch: int, round_: int = 0
-    ) -> tuple[int, range, list[dict[str, Any]], list[list[int]], list[int]]:
-        """This rank's share of a batch: its first slot, its slots, each slot's row, prompt ids and key.
-        ``round_`` > 0: a refill round of the batch (``refill_positions``), its prompts numbered on from the
-        batch's (prompt ``round_ * P + p``), so each completion has a key of its own."""
-        group = self.group
-        first = self.ctx.dist.rank * self.mine
-        slots = range(first, first + self.mine)
-        if round_:
-            positions = self.refill_positions(epoch, batch, round_)
-        else:
-            positions = self._order(epoch)[batch * self.per_batch : (batch + 1) * self.per_batch]
-        items = {s // group: self.prompts[int(positions[s // group])] for s in slots}
-        rows = {p: decode_row(item) for p, item in items.items()}
-        prompt_ids = [np.asarray(items[s // group]["input_ids"]).tolist() for s in slots]
-        numbered = round_ * self.per_batch
-        keys = [
-            completion_key(self.config.seed, epoch, batch, numbered + s // group, s % group) for s in slots
-        ]
-        return first, slots, [rows[s // group] for s in slots], prompt_ids, keys
-
-    def refill_positions(self, epoch: int, batch: int, round_: int) -> np.ndarray:
-        """The prompts of refill round ``round_`` (1, 2, ...) of a batch (dynamic sampling): the next P of the
-        batch's refill order, a permutation of the epoch's other prompts drawn from (``data.seed``, epoch,
-        batch) alone; so a refill never changes which prompts later batches get, and is the same for any
-        process count or timing (wrapping round when the data has fewer prompts)."""
-        key = (epoch, batch)
-        if self.refill_order[0] != key:
-            own = self._order(epoch)[batch * self.per_batch : (batch + 1) * self.per_batch]
-            rest = np.setdiff1d(np.arange(len(self.prompts)), own)
-            rest = rest if len(rest) else np.arange(len(self.prompts))
-            draw = np.random.default_rng(completion_key(self.config.data.seed, epoch, batch, REFILL))
-            self.refill_order = (key, rest[draw.permutation(len(rest))])
-        order = self.refill_order[1]
-        return order[(np.arange(self.per_batch) + (round_ - 1) * self.per_batch) % len(order)]
-
     def refill(self, epoch: int, batch: int, round_: int) -> GeneratedBatch:
-        """Refill round ``round_`` of a batch (dynamic sampling): P more prompts (``refill_positions``), G
+        """Refill round ``round_`` of a batch (dynamic sampling): P more prompts (``PromptSlots.refill_positions``), G
         completions each from the current weights (after the batches generated ahead are waited for), laid
         out over the processes as the batch is. Every process calls it at once."""
-        first, slots, rows, prompt_ids, keys = self._slots(epoch, batch, round_)
+        first, slots, rows, prompt_ids, keys = self.slots.take(epoch, batch, round_)
         started, stopped = time.perf_counter(), False
         completions = Completions([], [])
         try:
@@ -450,28 +280,20 @@ class OnlineSteps:
             )
         except GenerationStopped:
             stopped = True
-        if self._given_up(stopped):
+        if given_up(stopped, self.ctx):
             raise BatchGivenUp
         self.metrics.generation_time += time.perf_counter() - started
-        index = self.global_batch(epoch, batch)
+        index = self.slots.global_batch(epoch, batch)
         prompt_ids = completions.prompt_ids or prompt_ids
         return GeneratedBatch(epoch, batch, first, slots, rows, prompt_ids, completions, index, 0)
-
-    def _order(self, epoch: int) -> np.ndarray:
-        """The epoch's prompt order (the two latest kept: a batch generated ahead may be the next epoch's)."""
-        with self.orders_lock:
-            if epoch not in self.orders:
-                self.orders[epoch] = shard_order(len(self.prompts), 1, 0, self.config.data.seed, epoch)
-                for old in sorted(self.orders)[:-2]:
-                    del self.orders[old]
-            return self.orders[epoch]
 
     def _generate(self, epoch: int, batch: int) -> list[dict[str, Any]] | None:
         """This rank's completions of the batch, the method's values for them, and the micro-batches (None:
         the generation gave up at a stop, on some process)."""
-        first, slots, slot_rows, prompt_ids, keys = self._slots(epoch, batch)
+        first, slots, slot_rows, prompt_ids, keys = self.slots.take(epoch, batch)
         started = time.perf_counter()
-        index, version, ahead = self.global_batch(epoch, batch), self.global_batch(epoch, batch), None
+        index = version = self.slots.global_batch(epoch, batch)
+        ahead: Completions | None = None
         completions: Completions | None = None
         stopped = False
         try:
@@ -485,7 +307,7 @@ class OnlineSteps:
                 )
         except GenerationStopped:
             stopped = True
-        if self._given_up(stopped) or completions is None:
+        if given_up(stopped, self.ctx) or completions is None:
             return None
         prompt_ids = completions.prompt_ids or prompt_ids
         self.metrics.generation_time = time.perf_counter() - started
@@ -494,42 +316,34 @@ class OnlineSteps:
         )
         started, generating = time.perf_counter(), self.metrics.generation_time
         try:
-            values = self.method.after_generation(self, generated)
+            stats = self.method.after_generation(self, generated)
         except BatchGivenUp:  # a refill round (dynamic sampling) gave up at a stop
             return None
         refilling = self.metrics.generation_time - generating  # dynamic sampling's rounds
         self.metrics.scoring_time = time.perf_counter() - started - refilling
         completions = generated.completions  # dynamic sampling may have refilled the batch
-        if self.turns is not None:
+        self.metrics.latest = dict(stats.records)
+        if self.sampler.turns is not None:
             self.metrics.latest.update(tool_records(completions, self.ctx.dist))
-            self.metrics.latest.update(turn_records(self.turns.records(), self.ctx.dist))
+            self.metrics.latest.update(turn_records(self.sampler.turns.records(), self.ctx.dist))
         if self.ahead is not None:
             self.metrics.latest.update(self.ahead.records(index, version))
         micro_batches = self.micro_batches(
-            generated.prompt_ids, completions, values, prompt_images(generated.rows)
+            generated.prompt_ids, completions, stats.values, prompt_images(generated.rows)
         )
-        self.method.finish_batches(self, generated, micro_batches)
+        self.metrics.latest.update(self.method.finish_batches(self, generated, micro_batches))
         self._log(generated)
         return micro_batches
-
-    def _given_up(self, here: bool) -> bool:
-        """Whether a process's generation of this batch gave up at a stop (its servers gone): every process
-        agrees before any of them trains or saves (one number summed, on server runs of several processes)."""
-        if self.ctx.dist.world_size > 1 and self.config.use_vllm and self.config.vllm_mode == "server":
-            return all_reduce_sum([float(here)], self.ctx.dist)[0] > 0
-        return here
 
     def _generate_ahead(self, index: int, backend: GenerationBackend) -> Completions:
         """Batch ``index``'s completions for this rank, generated ahead (on the background thread) from what the
         engine holds; the trainer state user functions see is the one of the weights it comes from."""
         assert self.ahead is not None
-        epoch = max(e for e in range(len(self.offsets) - 1) if self.offsets[e] <= index)
-        batch = index - self.offsets[epoch]
-        _, _, rows, prompt_ids, keys = self._slots(epoch, batch)
-        batches = self.offsets[epoch + 1] - self.offsets[epoch]
-        state = self._trainer_state(None, epoch, batch, batches)
+        epoch, batch, batches = self.slots.place(index)
+        _, _, rows, prompt_ids, keys = self.slots.take(epoch, batch)
+        state = trainer_state(self.ctx, self.total_steps, 0, epoch, batch, batches)
         state.global_step = self.ahead.version(index) * self.updates
-        return self.complete(
+        return self.sampler.complete(
             self.engine.module, rows, prompt_ids, self.sampling, keys, self.logprobs(), backend, state
         )
 
@@ -541,34 +355,11 @@ class OnlineSteps:
         sampling: Sampling,
         keys: list[int] | None,
         logprobs: bool = False,
-        backend: GenerationBackend | None = None,
-        trainer_state: Any = None,
     ) -> Completions:
-        """Completions of the rows' prompts: multi-turn (tools, environments, a ``rollout_func``:
-        ``rollout.agent``), or one turn each; ``keys`` None: greedy (evaluation). ``backend`` None: the run's,
-        from the current weights (an evaluation first waits for the batches in flight)."""
-        if backend is None:
-            backend = self.backend
-            if self.ahead is not None:  # the engine is given the current weights
-                self.ahead.settle()
-                self.ahead.forget_weights()
-        pictures = prompt_images(rows)
-        if self.turns is not None:
-            if any(pictures):
-                raise UserError(
-                    "prompts with images in a multi-turn run (tools, environments, rollout_func): not supported yet"
-                )
-            return self.turns.generate(
-                backend,
-                module,
-                rows,
-                prompt_ids,
-                sampling,
-                keys,
-                logprobs,
-                trainer_state=self.trainer_state if trainer_state is None else trainer_state,
-            )
-        return backend.generate(module, prompt_ids, sampling, keys, logprobs, pictures)
+        """Completions of the rows' prompts from the current weights (``RolloutSampler.complete``)."""
+        return self.sampler.complete(
+            module, rows, prompt_ids, sampling, keys, logprobs, None, self.trainer_state
+        )
 
     def logprobs(self) -> bool:
         """Whether the engine returns its sampled tokens' log-probabilities (a method that corrects for the
@@ -591,12 +382,12 @@ class OnlineSteps:
         )
         if self.split is not None:
             batches = [self.split.cut(batch) for batch in batches]
-        return attach_images(batches, images or [], self.processor)
+        return attach_images(batches, images or [], self.sampler.processor)
 
     def _log(self, generated: GeneratedBatch) -> None:
         """Rank 0's completions of every ``completions_log_interval``-th generated batch of the run, each with
         the policy version it was sampled from (the batches trained before its weights)."""
-        generation = self.global_batch(generated.epoch, generated.batch)
+        generation = self.slots.global_batch(generated.epoch, generated.batch)
         if self.config.log_completions and not generation % self.config.completions_log_interval:
             fields = [
                 {**self.method.log_fields(self, generated, i), "policy_version": generated.version}
@@ -605,12 +396,34 @@ class OnlineSteps:
             self.log.write(generation, generated, fields)
 
     def close(self) -> None:
-        if self.ahead is not None:
-            self.ahead.close()
-        self.backend.close()
-        if self.turns is not None:
-            self.turns.close()
+        self.sampler.close()
         self.log.close()
+
+
+def trainer_state(ctx: RunContext, total_steps: int, step: int, epoch: int, batch: int, batches: int) -> Any:
+    """What TRL hands user functions as ``trainer_state``: transformers' ``TrainerState`` at a generation
+    (the optimizer steps done, the run's total, the epoch as a fraction)."""
+    from transformers import TrainerState
+
+    config, dist = ctx.config, ctx.dist
+    return TrainerState(
+        epoch=epoch + batch / max(batches, 1),
+        global_step=step,
+        max_steps=total_steps,
+        num_train_epochs=config.epochs,
+        logging_steps=config.loss_log_interval,
+        train_batch_size=config.micro_batch_size,
+        is_local_process_zero=dist.local_rank == 0,
+        is_world_process_zero=dist.is_main,
+    )
+
+
+def given_up(here: bool, ctx: RunContext) -> bool:
+    """Whether a process's generation of a batch gave up at a stop (its servers gone): every process agrees
+    before any of them trains or saves (one number summed, on server runs of several processes)."""
+    if ctx.dist.world_size > 1 and ctx.config.use_vllm and ctx.config.vllm_mode == "server":
+        return all_reduce_sum([float(here)], ctx.dist)[0] > 0
+    return here
 
 
 def model_labels(completions: Completions, index: int) -> list[int]:
@@ -730,6 +543,12 @@ class CompletionsLog:
     """``completions.jsonl``: one JSON line per completion of a logged batch: the prompt (as the data holds
     it, and as the model saw it: the chat template, the tools' schemas, an environment's observation), the
     completion, its messages in an agent run, the method's fields and the row it came from."""
+
+    @classmethod
+    def of_run(cls, ctx: RunContext, tokenizer: Any) -> CompletionsLog:
+        """The run's ``completions.jsonl`` (rank 0 writes it, with ``log_completions``)."""
+        written = ctx.config.log_completions and ctx.dist.is_main
+        return cls(MetricsFile(ctx.output_dir / "completions.jsonl", written), tokenizer)
 
     def __init__(self, file: MetricsFile, tokenizer: Any) -> None:
         self.file, self.tokenizer = file, tokenizer

@@ -4,7 +4,7 @@
 A group whose completions all have the same total reward gives GRPO no signal (every advantage is 0), and with
 ``dynamic_filtering_range`` a group whose mean reward is outside the range is dropped too (``kept_groups``).
 Its place in the batch is filled by a group of a refill round: round r (1, 2, ...) is P more prompts from the
-batch's refill order (``OnlineSteps.refill_positions``: a permutation of the epoch's other prompts keyed by
+batch's refill order (``PromptSlots.refill_positions``: a permutation of the epoch's other prompts keyed by
 ``data.seed``, the epoch and the batch), G completions each, every completion drawn from its own key, from
 the weights of the moment (the batches generated ahead waited for first). Rounds go on until every place holds
 a kept group or ``max_num_gen_batches`` rounds (the first included) are spent (``places``); a place still
@@ -116,7 +116,7 @@ class DynamicSampling:
         masked = sum(not in_loss for _, _, in_loss in chosen)
         if masked and not self.short_said:
             say(
-                f"dynamic_sampling: generated batch {feed.global_batch(generated.epoch, generated.batch)} still "
+                f"dynamic_sampling: generated batch {feed.slots.global_batch(generated.epoch, generated.batch)} still "
                 f"had {masked} of its {len(chosen)} groups without signal after max_num_gen_batches="
                 f"{self.rounds} rounds; they stay in the batch out of the loss (counted each step in "
                 "dynamic_sampling/masked_groups; said once). Raise max_num_gen_batches, or widen "

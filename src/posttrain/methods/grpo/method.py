@@ -29,7 +29,14 @@ from posttrain.models.reference import Reference
 from posttrain.models.sampling_policy import policy_of
 from posttrain.models.token_logps import token_logps
 from posttrain.rewards.scorer import Scorer, Scores
-from posttrain.rollout.feed import IN_LOSS, GeneratedBatch, OnlineMethod, OnlineSteps, completion_records
+from posttrain.rollout.feed import (
+    IN_LOSS,
+    GeneratedBatch,
+    GenerationStats,
+    OnlineMethod,
+    OnlineSteps,
+    completion_records,
+)
 
 STATE_KEY = "grpo"
 
@@ -64,7 +71,7 @@ class GRPOMethod(OnlineMethod):
     def describe(self) -> str:
         return f"grpo: rewards {self.scorer.describe()}"
 
-    def after_generation(self, feed: OnlineSteps, generated: GeneratedBatch) -> dict[str, torch.Tensor]:
+    def after_generation(self, feed: OnlineSteps, generated: GeneratedBatch) -> GenerationStats:
         """Rewards of this rank's completions, gathered with every rank's into the batch's advantages and
         records (the same on every rank); this rank's advantages and loss units for the micro-batches."""
         dist, group = self.ctx.dist, feed.group
@@ -88,10 +95,9 @@ class GRPOMethod(OnlineMethod):
         latest["num_tokens"] = seen
         if self.dynamic is not None:
             latest.update(filled.records)
-        feed.metrics.latest = latest
         own = slice(generated.first, generated.first + len(generated.slots))
         self.totals, self.advantage = totals[own], advantage[own]
-        return {"advantages": self.advantage.float(), **out}
+        return GenerationStats({"advantages": self.advantage.float(), **out}, latest)
 
     def _score(self, feed: OnlineSteps, generated: GeneratedBatch) -> tuple[Scores, torch.Tensor]:
         """This rank's rewards of a generated batch, and every rank's rewards, prompt and completion lengths
@@ -106,18 +112,19 @@ class GRPOMethod(OnlineMethod):
 
     def finish_batches(
         self, feed: OnlineSteps, generated: GeneratedBatch, micro_batches: list[dict[str, Any]]
-    ) -> None:
+    ) -> dict[str, Any]:
         for batch in micro_batches:
             batch["num_loss_units"] = loss_units(self.params, batch["completion_mask"], batch["num_samples"])
         statistics = self._add_log_probabilities(micro_batches)
-        if statistics is not None:
-            records = sampling_records(all_gather_rows(statistics[None], self.ctx.dist))
-            feed.metrics.latest.update(records)
-            # generated ahead (staleness > 0): off-policy, the mismatch is not the engine's alone
-            line = engine_mismatch(records, self.config.model.dtype) if not generated.staleness else ""
-            if line and not self.mismatch_said:
-                say(line)
-                self.mismatch_said = True
+        if statistics is None:
+            return {}
+        records = sampling_records(all_gather_rows(statistics[None], self.ctx.dist))
+        # generated ahead (staleness > 0): off-policy, the mismatch is not the engine's alone
+        line = engine_mismatch(records, self.config.model.dtype) if not generated.staleness else ""
+        if line and not self.mismatch_said:
+            say(line)
+            self.mismatch_said = True
+        return records
 
     def log_fields(self, feed: OnlineSteps, generated: GeneratedBatch, index: int) -> dict[str, Any]:
         """The completion's total reward, its advantage, and the scorer's fields (each function's value, the
