@@ -1,6 +1,6 @@
 """A pool of ``posttrain vllm-serve`` servers on this machine's CPU (vLLM's CPU build), measured in one run:
 
-1. The weight push of one update against model size, split as the run does it (``VLLMServerBackend.push``):
+1. The weight push of one update against model size, split as the run does it (``VLLMServerEngine.push``):
    gather (the training weights as host tensors, ``named_weights``), write (one safetensors file under
    ``/dev/shm``) and load (the server's reload through posttrain's worker method and its prefix-cache reset),
    to one server and to two; the median of ``--pushes`` pushes after a first one.
@@ -70,7 +70,7 @@ def pushes(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from posttrain.generation.vllm_server import VLLMServerBackend
+    from posttrain.generation.vllm_server import VLLMServerEngine
 
     model = SimpleNamespace(
         name_or_path=str(model_dir), peft_config=lora, peft_pretrained=None, quantization_config=None
@@ -91,7 +91,7 @@ def pushes(
         from posttrain.config.peft import peft_config_from_dict
 
         module = get_peft_model(module, peft_config_from_dict(lora))
-    backend = VLLMServerBackend(config, module, [], SimpleNamespace(is_main=True, rank=0, world_size=1), 64)
+    backend = VLLMServerEngine(config, module, [], SimpleNamespace(is_main=True, rank=0, world_size=1), 64)
     parts: dict[str, list[float]] = {}
     for index in range(count + 1):
         with torch.no_grad():  # new weights each time, as after an update

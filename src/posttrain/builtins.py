@@ -181,7 +181,7 @@ COMPONENTS = (
     (
         GENERATION_ENGINES,
         "transformers",
-        "posttrain.generation.transformers_backend:transformers_engine",
+        "posttrain.generation.transformers_engine:transformers_engine",
         OnlineTrainerConfig,
     ),
     (GENERATION_ENGINES, "vllm", "posttrain.generation.vllm_engine:colocated_engine", OnlineTrainerConfig),

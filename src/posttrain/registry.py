@@ -115,7 +115,7 @@ class StepExtraFactory(Protocol):
 class GenerationEngineFactory(Protocol):
     """An online run's generation engine from the run's config and ``generation.types.EngineInputs`` (the
     training module, stop ids, the prompts' sizes, the process group...): a ``generation.types.
-    GenerationBackend``. Picked by ``generation_engine`` (default: from ``use_vllm`` and ``vllm_mode``)."""
+    GenerationEngine``. Picked by ``generation_engine`` (default: from ``use_vllm`` and ``vllm_mode``)."""
 
     def __call__(self, config: Any, inputs: Any) -> Any: ...
 
@@ -315,7 +315,7 @@ class LossFunction(Protocol):
 class LossBuilder(Protocol):
     """``TrainerSpec.loss``: ``(validated run config, tokenizer, the run's step feed) -> the loss function``.
     The feed is what ``TrainerSpec.steps`` built: an online method's loss evaluates through it (its
-    generation backend, its scorer or teacher); an offline method's ignores it."""
+    generation engine, its scorer or teacher); an offline method's ignores it."""
 
     def __call__(
         self, config: TrainerConfig, tokenizer: PreTrainedTokenizerBase, steps: StepFeed

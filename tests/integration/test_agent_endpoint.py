@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from posttrain.generation.keyed import completion_key
-from posttrain.generation.transformers_backend import TransformersBackend
+from posttrain.generation.transformers_engine import TransformersEngine
 from posttrain.generation.types import Sampling
 from posttrain.rollout.agent_endpoint import AgentLoop
 from posttrain.rollout.sampler import stop_ids
@@ -51,7 +51,7 @@ def test_trajectories_are_the_engines_tokens_with_what_the_agent_added_out_of_th
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     stops = stop_ids(tiny_tokenizer, model)
-    backend = TransformersBackend(stops, tiny_tokenizer.pad_token_id or 0)
+    backend = TransformersEngine(stops, tiny_tokenizer.pad_token_id or 0)
     files = write_agent(tmp_path)
     loop = AgentLoop(Limits(files["agent_function"]), tiny_tokenizer, stops)
     rows = _rows(["reverse 123", "reverse 4567", "wander 89", "crash 1"])
@@ -102,7 +102,7 @@ def test_budgets_end_a_runaway_episode(tiny_model_dir: Path, tiny_tokenizer, tmp
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     stops = stop_ids(tiny_tokenizer, model)
-    backend = TransformersBackend(stops, tiny_tokenizer.pad_token_id or 0)
+    backend = TransformersEngine(stops, tiny_tokenizer.pad_token_id or 0)
     files = write_agent(tmp_path)
     loop = AgentLoop(Limits(files["agent_function"], agent_max_calls=1), tiny_tokenizer, stops)
     try:
@@ -190,7 +190,7 @@ def test_malformed_calls_are_answered_with_an_error_and_end_nothing(
     loop = AgentLoop(Limits(f"{tmp_path / 'probe.py'}:probe"), tiny_tokenizer, stops)
     try:
         out = loop.generate(
-            TransformersBackend(stops, 0), model, _rows(["reverse 12"]), [[1]], Sampling(8, 1.0), [7]
+            TransformersEngine(stops, 0), model, _rows(["reverse 12"]), [[1]], Sampling(8, 1.0), [7]
         )
     finally:
         loop.close()

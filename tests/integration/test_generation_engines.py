@@ -1,4 +1,4 @@
-"""The engine contract (``generation.types.GenerationBackend``, ``generation.engine.EngineCopy``): an engine
+"""The engine contract (``generation.types.GenerationEngine``, ``generation.engine.EngineCopy``): an engine
 of the user's own is one file, registered in ``registry.GENERATION_ENGINES`` by the run's ``code:`` module
 and picked by ``generation_engine``; grpo runs on it with no other change. The one here keeps its own copy of
 the weights (as vLLM or SGLang would) and samples with transformers' keyed draw from it: given the training
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from posttrain.config.online import OnlineTrainerConfig
 from posttrain.generation.engine import EngineCopy
-from posttrain.generation.transformers_backend import TransformersBackend
+from posttrain.generation.transformers_engine import TransformersEngine
 from posttrain.models.token_logps import unwrap
 from posttrain.registry import GENERATION_ENGINES
 
@@ -36,7 +36,7 @@ class CopyEngine(EngineCopy):
 
     def __init__(self, inputs):
         self.copy = copy.deepcopy(unwrap(inputs.module)).eval()
-        self.sampler = TransformersBackend(inputs.stops, inputs.pad_id)
+        self.sampler = TransformersEngine(inputs.stops, inputs.pad_id)
 
     def push(self, module):
         self.copy.load_state_dict(unwrap(module).state_dict())

@@ -205,7 +205,7 @@ def test_grpo_prompts_with_images_generate_and_score_on_the_processors_inputs(
     from transformers import AutoModelForImageTextToText
 
     from posttrain.config.prompts import PromptsDataConfig
-    from posttrain.generation.transformers_backend import TransformersBackend, split_completions
+    from posttrain.generation.transformers_engine import TransformersEngine, split_completions
     from posttrain.generation.types import Sampling
     from posttrain.models.token_logps import token_logps
     from posttrain.rollout.feed import training_micro_batches
@@ -236,7 +236,7 @@ def test_grpo_prompts_with_images_generate_and_score_on_the_processors_inputs(
     model = AutoModelForImageTextToText.from_pretrained(vlms[arch], dtype=torch.float32).eval()
     stops = stop_ids(tokenizer, model)
     pad = tokenizer.pad_token_id
-    backend = TransformersBackend(stops, pad, processor)
+    backend = TransformersEngine(stops, pad, processor)
     completions = backend.generate(model, prompts, Sampling(max_new_tokens=6), None, images=pictures)
     for inputs, ids in zip(own, completions.ids, strict=True):
         with torch.no_grad():

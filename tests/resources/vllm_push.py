@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.config import load_config
-from posttrain.generation.transformers_backend import TransformersBackend
+from posttrain.generation.transformers_engine import TransformersEngine
 from posttrain.generation.types import Sampling
 from posttrain.generation.vllm_engine import build_vllm_backend
 from posttrain.tiny_model import write_tiny_model
@@ -51,7 +51,7 @@ def main(root: Path, reset: bool, device: str, tied: bool) -> None:
     backend = build_vllm_backend(config, module, [2], 48, len(prompts), dist)
     if not reset:
         backend.llm.reset_prefix_cache = lambda *args, **kwargs: True
-    reference = TransformersBackend([2], 0)
+    reference = TransformersEngine([2], 0)
     out = {
         "before": backend.generate(module, prompts, sampling, None).ids,
         "expected_before": reference.generate(module, prompts, sampling, None).ids,

@@ -310,12 +310,12 @@ def test_the_models_generation_defaults_never_apply_and_its_eos_stops() -> None:
     from transformers import GenerationConfig
 
     from posttrain.generation.keyed import completion_key
-    from posttrain.generation.transformers_backend import TransformersBackend
+    from posttrain.generation.transformers_engine import TransformersEngine
     from posttrain.generation.types import Sampling
     from posttrain.tiny_model import build_model
 
     model = build_model(256, hidden_size=32, heads=2, seed=5).eval()
-    backend = TransformersBackend([255], pad_id=0)
+    backend = TransformersEngine([255], pad_id=0)
     prompts = [[5, 6, 7, 8], [9, 10]]
     sampling = Sampling(max_new_tokens=12, temperature=1.0)
     keys = [completion_key(0, 0, 0, p, 0) for p in range(2)]

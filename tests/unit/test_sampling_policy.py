@@ -146,14 +146,14 @@ def test_the_tiled_head_gives_the_plain_values_and_gradients(setting: dict[str, 
 def test_transformers_generate_draws_only_from_the_kept_set(setting: dict[str, object]) -> None:
     """transformers' backend samples with the same processor: every sampled token's log-probability under the
     replayed policy is finite and its probability under the sampler is what the trainer computes."""
-    from posttrain.generation.transformers_backend import TransformersBackend
+    from posttrain.generation.transformers_engine import TransformersEngine
     from posttrain.generation.types import Sampling
 
     model = setting["model"]
     assert isinstance(model, torch.nn.Module)
     sampling = Sampling(8, TEMPERATURE, top_p=0.6, top_k=4, repetition_penalty=1.4, min_p=0.05)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]]
-    backend = TransformersBackend(stop_ids=[1], pad_id=0)
+    backend = TransformersEngine(stop_ids=[1], pad_id=0)
     out = backend.generate(model.float(), prompts, sampling, keys=[11, 12, 13])
     model.double()
     for prompt, completion in zip(prompts, out.ids, strict=True):
@@ -178,14 +178,14 @@ def test_transformers_generate_draws_only_from_the_kept_set(setting: dict[str, o
 def test_banned_tokens_are_never_drawn_greedy_or_sampled(setting: dict[str, object]) -> None:
     """A vision-language model's image token is never generated (it would stand for an image that is not
     there): the greedy choice moves to the next token, sampling never draws it."""
-    from posttrain.generation.transformers_backend import TransformersBackend
+    from posttrain.generation.transformers_engine import TransformersEngine
     from posttrain.generation.types import Sampling
 
     model = setting["model"]
     assert isinstance(model, torch.nn.Module)
     model.float()
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17]]
-    backend = TransformersBackend(stop_ids=[1], pad_id=0)
+    backend = TransformersEngine(stop_ids=[1], pad_id=0)
     greedy = backend.generate(model, prompts, Sampling(6), keys=None).ids
     banned = tuple(sorted({row[0] for row in greedy} | {row[1] for row in greedy}))
     moved = backend.generate(model, prompts, Sampling(6, banned=banned), keys=None).ids

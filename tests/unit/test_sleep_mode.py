@@ -66,7 +66,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_sleep_mode_keeps_the_pushed_weights_for_every_sample_until_the_next_push(stand_in: None) -> None:
     from posttrain.generation import vllm_engine
     from posttrain.generation.types import Sampling
-    from posttrain.generation.vllm_engine import EngineSettings, VLLMBackend
+    from posttrain.generation.vllm_engine import EngineSettings, VLLMEngine
     from posttrain.rollout.ahead import Pinned
 
     seen: list[str] = []
@@ -79,7 +79,7 @@ def test_sleep_mode_keeps_the_pushed_weights_for_every_sample_until_the_next_pus
     try:
         module = torch.nn.Linear(4, 4)
         settings = EngineSettings({"model": "m", "enable_sleep_mode": True}, said="stand-in")
-        backend = VLLMBackend(settings, module, [2])
+        backend = VLLMEngine(settings, module, [2])
         pushed = backend.llm.device_weights if not backend.llm.asleep else backend.llm.host_weights
         assert pushed and pushed.startswith("pushed")
         sampling = Sampling(4, 1.0)

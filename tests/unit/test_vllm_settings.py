@@ -343,7 +343,7 @@ def test_a_server_that_dies_during_a_push_and_stays_away_stops_the_run_in_one_li
     one (a real push of a real model's weights to a socket that drops it)."""
     from types import SimpleNamespace
 
-    from posttrain.generation.vllm_server import VLLMServerBackend
+    from posttrain.generation.vllm_server import VLLMServerEngine
     from posttrain.tiny_model import build_model
 
     server = _Misbehaving({"/collective_rpc": "reset"})
@@ -357,7 +357,7 @@ def test_a_server_that_dies_during_a_push_and_stays_away_stops_the_run_in_one_li
     )
     dist = SimpleNamespace(is_main=True, rank=0, world_size=1)
     try:
-        backend = VLLMServerBackend(config, build_model(256), [2], dist, needed=64)
+        backend = VLLMServerEngine(config, build_model(256), [2], dist, needed=64)
         with pytest.raises(UserError) as caught:
             backend.push(build_model(256))
         line = str(caught.value)

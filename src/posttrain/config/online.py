@@ -106,7 +106,7 @@ class OnlineTrainerConfig(TrainerConfig):
     generation_engine: str | None = None
     """The engine that samples the completions, by its name in ``registry.GENERATION_ENGINES``: another engine
     than the built-in ones, registered by the run's ``code:`` module (its factory takes the config and
-    ``generation.types.EngineInputs`` and returns a ``generation.types.GenerationBackend``). Null: from
+    ``generation.types.EngineInputs`` and returns a ``generation.types.GenerationEngine``). Null: from
     ``use_vllm`` and ``vllm_mode`` (``transformers``, ``vllm``, ``vllm-server``)."""
 
     vllm_mode: Literal["colocate", "server"] = "colocate"

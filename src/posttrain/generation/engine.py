@@ -1,7 +1,7 @@
 """``EngineCopy``: the base of every engine that generates from its own copy of the weights (vLLM colocated in
 this process, a server or a pool of them; another engine the same way), pushed after each update. What
 generation ahead of training and the harness's tasks during training need of an engine beyond the contract
-(``generation.types.GenerationBackend``): :meth:`EngineCopy.sample` without the training module, and
+(``generation.types.GenerationEngine``): :meth:`EngineCopy.sample` without the training module, and
 :meth:`EngineCopy.alive`."""
 
 from __future__ import annotations

@@ -81,9 +81,9 @@ class EngineInputs:
     processor: Any = None  # a vision-language model's processor
 
 
-class GenerationBackend(Protocol):
+class GenerationEngine(Protocol):
     """Where an online run's completions come from (the feed and the multi-turn rollouts depend on this
-    alone): transformers' ``generate`` on the training weights (``TransformersBackend``), or an engine with
+    alone): transformers' ``generate`` on the training weights (``TransformersEngine``), or an engine with
     its own copy of the weights (``engine.EngineCopy``: vLLM in this process, or a server). The registry
     ``GENERATION_ENGINES`` names them (``generation_engine``); a new engine is a module with its factory and
     one entry there."""

@@ -242,7 +242,7 @@ def completions_of(outputs: Sequence[Any], stop_ids: Sequence[int], logprobs: bo
     return Completions(ids, truncated, logps if logprobs else None)
 
 
-class VLLMBackend(EngineCopy):
+class VLLMEngine(EngineCopy):
     """vLLM colocated in this process (see the module docstring)."""
 
     name = "vllm"
@@ -470,7 +470,7 @@ def build_vllm_backend(
     dist: Any,
     processor: Any = None,
     images_per_prompt: int = 0,
-) -> VLLMBackend:
+) -> VLLMEngine:
     """The colocated engine of this process, or one line saying why it cannot run here. ``processor``: a
     vision-language model's, its prompts holding at most ``images_per_prompt`` images."""
     from posttrain.models.token_logps import unwrap
@@ -497,10 +497,10 @@ def build_vllm_backend(
         env = {"RANK": str(dist.rank), "LOCAL_RANK": str(dist.local_rank), "WORLD_SIZE": str(dist.world_size)}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         settings.env.update({k: v for k, v in env.items() if k not in os.environ})
-    return VLLMBackend(settings, module, stop_ids, processor)
+    return VLLMEngine(settings, module, stop_ids, processor)
 
 
-def colocated_engine(config: Any, inputs: EngineInputs) -> VLLMBackend:
+def colocated_engine(config: Any, inputs: EngineInputs) -> VLLMEngine:
     """``registry.GENERATION_ENGINES``' ``vllm``: the colocated engine (``use_vllm`` with ``vllm_mode:
     colocate``)."""
     if inputs.processor is not None and config.model.peft_config is not None:

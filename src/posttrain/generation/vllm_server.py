@@ -244,7 +244,7 @@ def completions_from(choices: Sequence[dict[str, Any]], stops: Sequence[int], lo
     return Completions(ids, truncated, logps if logprobs else None)
 
 
-class VLLMServerBackend(EngineCopy):
+class VLLMServerEngine(EngineCopy):
     """Generation on the run's vLLM servers (see the module docstring and ``server_pool``'s)."""
 
     name = "vllm-server"
@@ -453,16 +453,16 @@ def build_server_backend(
     longest: int,
     dist: Any,
     stopping: Callable[[], bool] = lambda: False,
-) -> VLLMServerBackend:
+) -> VLLMServerEngine:
     """The run's server backend (rank 0 checks the server; vLLM need not be installed where training runs)."""
     from posttrain.models.dimensions import read_dimensions
     from posttrain.models.token_logps import unwrap
 
     needed = model_context(config, read_dimensions(unwrap(module).config), longest)
-    return VLLMServerBackend(config, module, stops, dist, needed, stopping)
+    return VLLMServerEngine(config, module, stops, dist, needed, stopping)
 
 
-def server_engine(config: Any, inputs: EngineInputs) -> VLLMServerBackend:
+def server_engine(config: Any, inputs: EngineInputs) -> VLLMServerEngine:
     """``registry.GENERATION_ENGINES``' ``vllm-server`` (``use_vllm`` with ``vllm_mode: server``)."""
     if inputs.processor is not None:
         raise UserError(

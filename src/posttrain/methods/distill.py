@@ -31,7 +31,7 @@ from posttrain.config.distill import DistillTrainerConfig
 from posttrain.dist import all_gather_rows
 from posttrain.errors import UserError
 from posttrain.generation.keyed import completion_key, keyed_uniform
-from posttrain.generation.transformers_backend import TransformersBackend
+from posttrain.generation.transformers_engine import TransformersEngine
 from posttrain.generation.types import Completions
 from posttrain.logs import say
 from posttrain.models.document_attention import follow_documents
@@ -188,7 +188,7 @@ class Teacher:
         self.model = unwrap(self.runner)
         self.head = _head(self.model, "teacher")
         stops = stop_ids(tokenizer, self.model)
-        self.backend = TransformersBackend(
+        self.backend = TransformersEngine(
             stops, input_pad_id(tokenizer, config.tokenizer.missing_pad_token_strategy), processor
         )
 

@@ -1,6 +1,6 @@
 """Multi-turn rollouts: the model calls tools, reads their results and goes on (TRL's ``tools`` and
-``environment_factory``), or a hand-written rollout (``rollout_func``). Both generation backends, every online
-method: the feed asks ``Agent.generate`` where it would ask the backend.
+``environment_factory``), or a hand-written rollout (``rollout_func``). Both generation engines, every online
+method: the feed asks ``Agent.generate`` where it would ask the generation engine.
 
 A rollout: each prompt is rendered with its tools' schemas by the model's chat template (an environment's
 ``reset(**row)`` observation appended to the last user message first); the model generates a turn; the tool
@@ -36,7 +36,7 @@ from posttrain.data.prompts import prompt_ids as rendered_prompt
 from posttrain.data.samples import keep_prompt_tokens, render_ids
 from posttrain.errors import UserError
 from posttrain.generation.keyed import completion_key
-from posttrain.generation.types import Completions, GenerationBackend, Sampling
+from posttrain.generation.types import Completions, GenerationEngine, Sampling
 from posttrain.logs import say
 from posttrain.rewards.calls import user_frame
 from posttrain.rollout.tools import ToolCall, ToolRunner, load_tool, parse_calls, tool_format
@@ -129,7 +129,7 @@ class Agent:
 
     def generate(
         self,
-        backend: GenerationBackend,
+        backend: GenerationEngine,
         module: Any,
         rows: list[dict[str, Any]],
         prompt_ids: list[list[int]],
@@ -169,7 +169,7 @@ class Agent:
 
     def _turn(
         self,
-        backend: GenerationBackend,
+        backend: GenerationEngine,
         module: Any,
         paths: list[Trajectory],
         active: list[int],
@@ -349,7 +349,7 @@ class HandWritten:
 
     def generate(
         self,
-        backend: GenerationBackend,
+        backend: GenerationEngine,
         module: Any,
         rows: list[dict[str, Any]],
         prompt_ids: list[list[int]],
@@ -409,7 +409,7 @@ class RolloutTrainer:
 
     def __init__(
         self,
-        backend: GenerationBackend,
+        backend: GenerationEngine,
         module: Any,
         sampling: Sampling,
         keys: list[int] | None,
@@ -447,7 +447,7 @@ class MultiTurn(Protocol):
 
     def generate(
         self,
-        backend: GenerationBackend,
+        backend: GenerationEngine,
         module: Any,
         rows: list[dict[str, Any]],
         prompt_ids: list[list[int]],
@@ -464,7 +464,7 @@ class MultiTurn(Protocol):
 
 def multi_turn(config: Any, tokenizer: Any, stops: list[int]) -> MultiTurn | None:
     """The run's multi-turn rollouts: an ``Agent`` (tools, environments), a ``rollout_func``, an agent that
-    owns its loop (``agent_function``: ``rollout.agent_endpoint``), or None (the backend's single-turn
+    owns its loop (``agent_function``: ``rollout.agent_endpoint``), or None (the generation engine's single-turn
     completions). A run that executes model-written code first checks the sandbox."""
     if getattr(config, "runs_model_code", False):
         from posttrain.sandbox.confine import prepare

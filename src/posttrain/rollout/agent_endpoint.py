@@ -1,5 +1,5 @@
 """Agents that own their loop (``agent_function``): an OpenAI-compatible endpoint in front of the run's
-generation backend, and the trajectories built from what the engine saw and sampled.
+generation engine, and the trajectories built from what the engine saw and sampled.
 
 For a batch, each completion slot is an episode: the user's function is called on a thread of its own with
 ``base_url`` (``http://127.0.0.1:PORT/rollouts/ID/v1``: any OpenAI client, ``/chat/completions`` and
@@ -36,7 +36,7 @@ from posttrain.data.prompts import ORIGIN_KEY, prompt_of
 from posttrain.data.samples import render_ids
 from posttrain.errors import UserError
 from posttrain.generation.keyed import completion_key
-from posttrain.generation.types import Completions, GenerationBackend, Sampling
+from posttrain.generation.types import Completions, GenerationEngine, Sampling
 from posttrain.logs import say
 
 ROUTE = re.compile(r"^/rollouts/([0-9a-f]+)/v1/(chat/completions|completions|models)/?$")
@@ -211,7 +211,7 @@ class Endpoint:
             assert request.answer is not None
             return request.answer
 
-    def serve(self, backend: GenerationBackend, module: Any, logprobs: bool) -> None:
+    def serve(self, backend: GenerationEngine, module: Any, logprobs: bool) -> None:
         """Sample the episodes' calls until every episode has returned or ended (the generation thread): each
         batch is the next call of every episode still running, taken once each has one in (or its time is
         up), so its make-up does not depend on timing; one ``generate`` per requested length."""
@@ -308,7 +308,7 @@ class Endpoint:
         cut = ends[-1] + (0 if last.truncated else 1)  # an answer cut short gets the end of turn added
         return full[cut:]
 
-    def _sample(self, backend: GenerationBackend, module: Any, logprobs: bool, batch: list[Request]) -> None:
+    def _sample(self, backend: GenerationEngine, module: Any, logprobs: bool, batch: list[Request]) -> None:
         """One ``generate`` for calls asking the same length, each from its own key; their answers out."""
         assert self.sampling is not None
         episodes = [self.episodes[r.rollout] for r in batch]
@@ -385,7 +385,7 @@ class AgentLoop:
 
     def generate(
         self,
-        backend: GenerationBackend,
+        backend: GenerationEngine,
         module: Any,
         rows: list[dict[str, Any]],
         prompt_ids: list[list[int]],
@@ -509,7 +509,7 @@ class AgentLoop:
             self.endpoint.close()
 
 
-def refuse_collective_generation(backend: GenerationBackend, module: Any) -> None:
+def refuse_collective_generation(backend: GenerationEngine, module: Any) -> None:
     """transformers' ``generate`` under ZeRO-3 gathers the weights for every call, a collective that episodes
     on several processes cannot keep in step: refused in one line."""
     import torch.distributed as torch_dist

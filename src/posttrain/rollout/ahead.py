@@ -55,7 +55,7 @@ def weights_version(batch: int, staleness: int, every: int) -> int:
 
 
 class Pinned:
-    """A generation backend's view for the background thread: it samples from the weights the engine holds and
+    """A generation engine's view for the background thread: it samples from the weights the engine holds and
     never pushes (the training thread pushes, between batches)."""
 
     stale = False  # the training thread pushes, between batches

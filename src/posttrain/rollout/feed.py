@@ -1,6 +1,6 @@
 """The step feed every online method shares: batches of prompts become sampled completions, which the method
 turns into training micro-batches (``OnlineMethod``); what is generic lives here: the prompt order, each
-rank's completion slots, the generation backend (transformers or vLLM) and its weight pushes, the keyed draws,
+rank's completion slots, the generation engine (transformers or vLLM) and its weight pushes, the keyed draws,
 the generation's step metrics, the trainer state handed to user functions, the resume of a batch between its
 updates and the completions log.
 
@@ -33,7 +33,7 @@ from posttrain.errors import UserError
 from posttrain.generation.engine import EngineCopy
 from posttrain.generation.types import (
     Completions,
-    GenerationBackend,
+    GenerationEngine,
     GenerationStopped,
     Sampling,
 )
@@ -132,16 +132,16 @@ class OnlineMethod:
 
 class RolloutMetrics:
     """A step extra carrying each generation's records into the step records (the method makes them the same
-    on every rank), the generation's time and share of the step; it marks the backend's copy of the weights
+    on every rank), the generation's time and share of the step; it marks the generation engine's copy of the weights
     stale after every update."""
 
-    def __init__(self, method: OnlineMethod, backend: GenerationBackend) -> None:
+    def __init__(self, method: OnlineMethod, backend: GenerationEngine) -> None:
         self.method, self.backend = method, backend
         self.latest: dict[str, Any] = {}
         self.generation_time = 0.0
         self.scoring_time = 0.0  # the method's work on the completions (rewards, a teacher's scores...)
         self.yielded_at = time.perf_counter()
-        self.closing: list[Any] = []  # the step feed's own closing (its log, its generation backend)
+        self.closing: list[Any] = []  # the step feed's own closing (its log, its generation engine)
 
     def recording(self) -> Any:
         return nullcontext()
@@ -335,7 +335,7 @@ class OnlineSteps:
         self._log(generated)
         return micro_batches
 
-    def _generate_ahead(self, index: int, backend: GenerationBackend) -> Completions:
+    def _generate_ahead(self, index: int, backend: GenerationEngine) -> Completions:
         """Batch ``index``'s completions for this rank, generated ahead (on the background thread) from what the
         engine holds; the trainer state user functions see is the one of the weights it comes from."""
         assert self.ahead is not None

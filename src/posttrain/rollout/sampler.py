@@ -14,8 +14,8 @@ import torch
 from posttrain.context import RunContext
 from posttrain.errors import UserError
 from posttrain.generation.engine import EngineCopy
-from posttrain.generation.transformers_backend import generation_eos
-from posttrain.generation.types import Completions, EngineInputs, GenerationBackend, Sampling
+from posttrain.generation.transformers_engine import generation_eos
+from posttrain.generation.types import Completions, EngineInputs, GenerationEngine, Sampling
 from posttrain.models.sampling_policy import policy_of
 from posttrain.rollout.ahead import Ahead
 from posttrain.tokenizers.chat_templates import end_of_turn_ids
@@ -75,7 +75,7 @@ def build_backend(
     dist: Any,
     stopping: Callable[[], bool] = lambda: False,
     processor: Any = None,
-) -> GenerationBackend:
+) -> GenerationEngine:
     """The run's generation engine, by its name in ``registry.GENERATION_ENGINES`` (``generation_engine``;
     by default transformers' ``generate`` on the training weights, or with ``use_vllm`` vLLM in this process
     or the run's server). ``processor``: a vision-language model's (the prompts hold images)."""
@@ -144,7 +144,7 @@ class RolloutSampler:
         sampling: Sampling,
         keys: list[int] | None,
         logprobs: bool = False,
-        backend: GenerationBackend | None = None,
+        backend: GenerationEngine | None = None,
         trainer_state: Any = None,
     ) -> Completions:
         """Completions of the rows' prompts: multi-turn (tools, environments, a ``rollout_func``:

@@ -107,7 +107,7 @@ def generating(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
         module.train(training)
 
 
-class TransformersBackend:
+class TransformersEngine:
     """``generate`` with the KV cache on the training weights in place (PEFT adapters included)."""
 
     name = "transformers"
@@ -174,7 +174,7 @@ class TransformersBackend:
         pass
 
 
-def transformers_engine(config: Any, inputs: EngineInputs) -> TransformersBackend:
+def transformers_engine(config: Any, inputs: EngineInputs) -> TransformersEngine:
     """``registry.GENERATION_ENGINES``' ``transformers`` (``use_vllm: false``): generation on the training
     weights in place."""
-    return TransformersBackend(inputs.stops, inputs.pad_id, inputs.processor)
+    return TransformersEngine(inputs.stops, inputs.pad_id, inputs.processor)
