@@ -16,11 +16,26 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="posttrain", description="Fine-tune and post-train LLMs from one YAML file."
     )
+    parser.add_argument("--version", action="version", version=f"posttrain {version()}")
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # set by launchers
     sub = parser.add_subparsers(dest="command", required=True)
     for entry in all_commands().values():
         command_parser(entry, sub)
     return parser
+
+
+def version() -> str:
+    """posttrain's version, and the torch it runs on (what a bug report needs first)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    from posttrain import __version__
+
+    try:
+        torch = installed("torch")
+    except PackageNotFoundError:
+        torch = "not installed"
+    return f"{__version__} (torch {torch}, Python {sys.version.split()[0]})"
 
 
 def _quiet_environment() -> None:

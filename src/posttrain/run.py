@@ -38,7 +38,7 @@ from posttrain.registry import (
 from posttrain.stages.data import plan_data
 from posttrain.stages.model import LoadedModel, load_model, step_extras
 from posttrain.tokenizers.padding import input_pad_id
-from posttrain.tracking.setup import build_meter, export_dirs, open_outputs
+from posttrain.tracking.setup import build_meter, export_dirs, open_outputs, set_aside_earlier_records
 from posttrain.training.engine import Engine
 from posttrain.training.loop import LoopInputs, LoopState, final_evaluation, train_loop
 from posttrain.training.profiling import observers as profiling_observers
@@ -175,6 +175,7 @@ def loop_inputs(
             ctx, engine, plan.data, batches.collator
         )  # before resuming: sees the initial weights
     state, resumed_from = _resume(checkpoints, engine)
+    set_aside_earlier_records(ctx, resumed=resumed_from is not None)  # before the step feed opens its log
     steps = load_component(spec.steps)(ctx, engine, batches, tokenizer)
     # checked before output; an online run's engine with weights of its own generates the harness's tasks
     evaluators = evaluators_for(config, engine.module, tokenizer, ctx.dist, steps.generation)

@@ -202,6 +202,61 @@ def allowed_keys(key: str, allowed: list[str] | set[str] | frozenset[str]) -> st
     return f"({shown}{len(names)} keys in all: `posttrain schema --markdown` or docs/reference.md)"
 
 
+#: other trainers' top-level keys (TRL / transformers' ``TrainingArguments``, Axolotl, LLaMA-Factory) and
+#: posttrain's key for the same setting: an unknown top-level key among them is pointed there
+OTHER_TRAINERS_KEYS = {
+    "learning_rate": "optimizer.lr",
+    "lr": "optimizer.lr",
+    "weight_decay": "optimizer.weight_decay",
+    "adam_beta1": "optimizer.betas",
+    "adam_beta2": "optimizer.betas",
+    "adam_epsilon": "optimizer.eps",
+    "optim": "optimizer.type",
+    "lr_scheduler_type": "scheduler.name",
+    "lr_scheduler": "scheduler.name",
+    "warmup_ratio": "scheduler.warmup_ratio",
+    "warmup_steps": "scheduler.warmup_ratio (a share of the steps)",
+    "num_train_epochs": "epochs",
+    "num_epochs": "epochs",
+    "max_steps": "train_iters",
+    "per_device_train_batch_size": "micro_batch_size",
+    "per_device_eval_batch_size": "micro_batch_size",
+    "sequence_len": "data.max_length",
+    "max_seq_length": "data.max_length",
+    "max_length": "data.max_length",
+    "cutoff_len": "data.max_length",
+    "sample_packing": "data.packing",
+    "packing": "data.packing",
+    "dataset_name": "data.sources",
+    "dataset": "data.sources",
+    "datasets": "data.sources",
+    "val_set_size": "data.train_eval_split",
+    "base_model": "model.name_or_path",
+    "model_name_or_path": "model.name_or_path",
+    "bf16": "model.dtype: bfloat16",
+    "fp16": "model.dtype: float16",
+    "torch_dtype": "model.dtype",
+    "gradient_checkpointing": "model.disable_activation_checkpoint (checkpointing is on by default)",
+    "adapter": "model.peft_config",
+    "lora_r": "model.peft_config.r",
+    "lora_alpha": "model.peft_config.lora_alpha",
+    "lora_dropout": "model.peft_config.lora_dropout",
+    "lora_target_modules": "model.peft_config.target_modules",
+    "output_dir": "logger.output_dir and checkpoint[].output_dir",
+    "logging_steps": "loss_log_interval",
+    "eval_steps": "eval_interval",
+    "save_steps": "checkpoint[].save_every_n_steps",
+    "resume_from_checkpoint": "checkpoint[].auto_resume",
+    "report_to": "metrics / wandb / tensorboard",
+}
+
+
+def other_trainers_hint(key: str) -> str:
+    """``; posttrain's key for it is X`` for another trainer's top-level name, or nothing."""
+    where = OTHER_TRAINERS_KEYS.get(str(key))
+    return f"; TRL's, Axolotl's or LLaMA-Factory's name: posttrain's is {where}" if where else ""
+
+
 def did_you_mean(key: str, allowed: list[str] | set[str] | frozenset[str]) -> str:
     """``; did you mean 'x'?`` for the closest allowed key, or nothing."""
     close = difflib.get_close_matches(str(key), sorted(allowed), n=1, cutoff=0.6)

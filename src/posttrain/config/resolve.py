@@ -12,7 +12,14 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from posttrain.config.base import allowed_keys, did_you_mean, field_names, model_at, plain_loc
+from posttrain.config.base import (
+    allowed_keys,
+    did_you_mean,
+    field_names,
+    model_at,
+    other_trainers_hint,
+    plain_loc,
+)
 from posttrain.config.data import LOCAL_SUFFIXES
 from posttrain.config.errors import ConfigError, ConfigIssue, format_path
 from posttrain.config.trainer import TrainerConfig
@@ -57,8 +64,12 @@ class _Validator:
             if kind == "extra_forbidden":
                 owner = model_at(cls, err_loc[:-1])
                 allowed = sorted(field_names(owner)) if owner else []
-                hint = did_you_mean(str(err_loc[-1]), allowed)
-                self.add(full, f"unknown key{hint} {allowed_keys(str(err_loc[-1]), allowed)}")
+                key = str(err_loc[-1])
+                other = other_trainers_hint(key) if len(full) == 1 else ""
+                if other:  # another trainer's name: where posttrain keeps it, not a close spelling
+                    self.add(full, f"unknown key{other}")
+                else:
+                    self.add(full, f"unknown key{did_you_mean(key, allowed)} {allowed_keys(key, allowed)}")
             elif kind == "missing":
                 self.add(full, "required key is missing")
             else:

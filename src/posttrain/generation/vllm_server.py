@@ -147,12 +147,17 @@ def server_settings(config: Any, device_type: str, cores: Sequence[int] | None =
             "vllm-serve starts the server of a grpo run with use_vllm: true and vllm_mode: server; this config "
             "has neither (set them, or train with the colocated engine)"
         )
-    model = AutoConfig.from_pretrained(
-        config.model.name_or_path, trust_remote_code=config.model.trust_remote_code
+    from posttrain.utils.hub import load_or_explain
+
+    name = config.model.name_or_path  # a missing model is the one line train says
+    model = load_or_explain(
+        "model.name_or_path",
+        name,
+        lambda: AutoConfig.from_pretrained(name, trust_remote_code=config.model.trust_remote_code),
     )
     dims = read_dimensions(model)
-    name = canonical_dtype(config.model.dtype)
-    dtype = getattr(torch, name) if name != "auto" else getattr(model, "torch_dtype", None) or torch.bfloat16
+    dtype_name = canonical_dtype(config.model.dtype)
+    dtype = getattr(torch, dtype_name) if dtype_name != "auto" else getattr(model, "torch_dtype", None) or torch.bfloat16
     rows = config.micro_batch_size * config.gradient_accumulation_steps
     server = config.model_copy(update={"vllm_enable_sleep_mode": False})
     settings = engine_settings(

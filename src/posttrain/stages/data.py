@@ -49,6 +49,15 @@ def _steps(config: TrainerConfig, samples: int, sizes: BatchSizes) -> tuple[list
     plan = _updates(step_plan(micro, epochs, sizes, rampup), updates)
     available = sum(len(steps) for steps in plan[:epochs])
     wanted = config.train_iters
+    if wanted and wanted < available and "epochs" in config.model_fields_set:
+        get_logger().warning(
+            "epochs=%d is not honoured: train_iters=%d ends the run after %d of their %d steps; leave "
+            "train_iters out (or 0) to train the epochs",
+            epochs,
+            wanted,
+            wanted,
+            available,
+        )
     if not wanted or wanted <= available or available == 0:
         return plan, wanted or available, epochs
     if "epochs" in config.model_fields_set:

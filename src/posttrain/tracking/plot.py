@@ -16,14 +16,23 @@ from posttrain.utils.fs import atomic_write
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise UserError(f"{path}: no such metrics file")
-    records = []
+    """The file's records as one run: where the steps go back (a resumed run continues from its checkpoint's
+    step, after the killed run had written later ones), the continuation's records replace the earlier
+    ones from that step on, so no curve joins two runs."""
+    records: list[dict[str, Any]] = []
+    latest = -1
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             raise UserError(f"{path} line {number}: not JSON (is this a metrics file?)") from None
+        step = record.get("iter") if isinstance(record, dict) else None
+        if isinstance(step, int) and step < latest:
+            records = [r for r in records if not (isinstance(r.get("iter"), int) and r["iter"] >= step)]
+        latest = step if isinstance(step, int) else latest
+        records.append(record)
     return records
 
 

@@ -34,6 +34,37 @@ def trackers_for(ctx: RunContext) -> list[Tracker]:
     return found
 
 
+#: the record files a run appends to in its output folder (besides the metrics file the config names)
+RUN_RECORDS = ("completions.jsonl",)
+
+
+def set_aside_earlier_records(ctx: RunContext, resumed: bool) -> None:
+    """A new run (not ``resumed``) in a folder that holds an earlier run's records: rank 0 moves them into
+    ``<logger.output_dir>/earlier-runs/<UTC time>/`` (a rename: nothing is lost) and says so, so the run's
+    files hold its own records only; a resumed run continues its files."""
+    if resumed or not ctx.dist.is_main:
+        return
+    import datetime
+
+    metrics = Path(ctx.config.train_log_metrics_path)
+    found = [
+        p
+        for p in (metrics, *(ctx.output_dir / name for name in RUN_RECORDS))
+        if p.is_file() and p.stat().st_size
+    ]
+    if not found:
+        return
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    aside = ctx.output_dir / "earlier-runs" / stamp
+    aside.mkdir(parents=True, exist_ok=True)
+    for path in found:
+        path.rename(aside / path.name)
+    say(
+        f"{ctx.output_dir} held an earlier run's records ({', '.join(p.name for p in found)}): moved to {aside}; "
+        "this run writes its own (checkpoint auto_resume continues a run instead)"
+    )
+
+
 def open_outputs(
     ctx: RunContext, tracker_ids: dict[str, str], total_steps: int, done_steps: int
 ) -> RunOutputs:
