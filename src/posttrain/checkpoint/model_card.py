@@ -20,9 +20,34 @@ def base_model_place(name_or_path: str) -> str:
     return str(path.resolve()) if path.exists() else name_or_path
 
 
+def hub_name(name_or_path: str) -> str | None:
+    """The Hub's name of a base model, for the card's ``base_model``: a hub name as it is, a local copy in the
+    Hugging Face cache (``models--org--name/snapshots/...``) as ``org/name``; None for a model of one's own on
+    disk (the Hub takes only its own names there)."""
+    on_disk = name_or_path.startswith(("/", ".", "~")) or Path(name_or_path).expanduser().exists()
+    if not on_disk:
+        return name_or_path
+    cached = next((part for part in Path(name_or_path).parts if part.startswith("models--")), None)
+    return cached.removeprefix("models--").replace("--", "/") if cached else None
+
+
+def front_matter(base: str, library: str, tags: str) -> list[str]:
+    """The card's YAML front matter (the Hub's keys); ``base_model`` only under a name the Hub knows."""
+    known = hub_name(base)
+    return [
+        "---",
+        *([f"base_model: {known}"] if known else []),
+        f"library_name: {library}",
+        f"tags: [{tags}]",
+        "---",
+    ]
+
+
 def model_card(config: Any, state: Any, *, adapter: bool, merged: bool = False) -> str:
-    """The card of an export made after ``state.step`` optimizer steps of the run ``config``."""
-    base = base_model_place(config.model.name_or_path)
+    """The card of an export made after ``state.step`` optimizer steps of the run ``config``. The base model is
+    named as the config names it (a local path as written, relative where it was: never this machine's
+    absolute path)."""
+    base = config.model.name_or_path
     evals = [record for record in state.history if "eval_loss" in record]
     library = "peft" if adapter else "transformers"
     what = (
@@ -31,11 +56,7 @@ def model_card(config: Any, state: Any, *, adapter: bool, merged: bool = False) 
         else f"`{base}` fine-tuned" + (" (adapter merged into the weights)" if merged else "")
     )
     lines = [
-        "---",
-        f"base_model: {base}",
-        f"library_name: {library}",
-        f"tags: [posttrain, {config.type}]",
-        "---",
+        *front_matter(base, library, f"posttrain, {config.type}"),
         "",
         f"# {what}",
         "",
@@ -83,11 +104,7 @@ def merged_card(base: str, adapter: Path) -> str:
     """The card of ``posttrain merge``'s output: ``base`` with the adapter at ``adapter`` merged in."""
     return "\n".join(
         [
-            "---",
-            f"base_model: {base}",
-            "library_name: transformers",
-            "tags: [posttrain, merged]",
-            "---",
+            *front_matter(base, "transformers", "posttrain, merged"),
             "",
             f"# `{base}` with the adapter `{adapter.resolve()}` merged into its weights",
             "",
