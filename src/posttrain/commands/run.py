@@ -43,6 +43,9 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     --hostfile, --include, --exclude, --master_addr).""",
 )
 def cmd_train(args: argparse.Namespace) -> int:
+    from posttrain.training.stops import stop_during_set_up
+
+    stop_during_set_up()  # a signal before the first step ends the command with one line
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: must be >= 1 (the number of processes on this machine)")
     config = load(args.config, args.overrides, warn=False)  # validate once before starting any process

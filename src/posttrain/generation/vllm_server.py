@@ -157,7 +157,11 @@ def server_settings(config: Any, device_type: str, cores: Sequence[int] | None =
     )
     dims = read_dimensions(model)
     dtype_name = canonical_dtype(config.model.dtype)
-    dtype = getattr(torch, dtype_name) if dtype_name != "auto" else getattr(model, "torch_dtype", None) or torch.bfloat16
+    dtype = (
+        getattr(torch, dtype_name)
+        if dtype_name != "auto"
+        else getattr(model, "torch_dtype", None) or torch.bfloat16
+    )
     rows = config.micro_batch_size * config.gradient_accumulation_steps
     server = config.model_copy(update={"vllm_enable_sleep_mode": False})
     settings = engine_settings(

@@ -37,6 +37,26 @@ def ignore_stop_signals(worker: int = 0) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def stop_during_set_up() -> None:
+    """From ``train``'s start until the loop's own handlers take over (:meth:`StopSignals.install`): a SIGTERM
+    or SIGINT ends the command at once with one line (nothing is trained yet, and nothing half-written stays:
+    every output is written aside and renamed) instead of killing it without a word."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        print(
+            f"stopped by {name} during set-up, before the first step: nothing trained, nothing saved",
+            flush=True,
+        )
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            signal.signal(sig, stop)
+        except ValueError:  # not the main thread (an in-process test run): the default handlers stay
+            return
+
+
 class StopSignals:
     def __init__(
         self, exit_duration_in_mins: float | None = None, event: threading.Event | None = None
