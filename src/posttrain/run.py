@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from posttrain.config.mode_keys import inert_warnings
+from posttrain.config.mode_keys import config_warnings
 from posttrain.config.provenance import write_resolved_config
 from posttrain.config.trainer import TrainerConfig
 from posttrain.context import RunContext
@@ -94,7 +94,7 @@ def set_up(config: TrainerConfig, dist: DistInfo) -> Setup:
         write_resolved_config(resolved, ctx.output_dir, dist.world_size)
     barrier(dist)
     setup_logging(resolved.logger, dist.rank)
-    for warning in inert_warnings(resolved):
+    for warning in config_warnings(resolved):
         get_logger().warning(warning)
     seed_everything(resolved.seed)
     return Setup(ctx, config, sizes, lr, TRAINERS.get(resolved.type).obj)

@@ -59,3 +59,33 @@ def test_a_resumed_runs_records_replace_the_killed_runs_later_ones(tmp_path: Pat
     records = read_metrics(path)
     assert [r["iter"] for r in records] == [0, 1, 2, 3, 4, 5, 6, 7]
     assert [r.get("loss") for r in records[1:4]] == [9.0, 8.0, 7.0] and records[4]["loss"] == 16.0
+
+
+def test_schedule_names_are_read_without_importing_transformers() -> None:
+    from transformers import SchedulerType
+
+    from posttrain.config.scheduler import _hf_scheduler_names
+
+    assert _hf_scheduler_names() == tuple(member.value for member in SchedulerType)
+
+
+def test_servers_on_other_machines_without_a_shared_weights_folder_are_warned_about(
+    tiny_model_dir: Path, chat_file: Path
+) -> None:
+    def advice(**changes: object) -> list[str]:
+        config = {
+            "type": "grpo",
+            "model": {"name_or_path": str(tiny_model_dir)},
+            "data": {"sources": [str(chat_file)]},
+            "rewards": [{"type": "exact_match"}],
+            "micro_batch_size": 8,
+            "use_vllm": True,
+            "vllm_mode": "server",
+            **changes,
+        }
+        return load_config(data=config).advice()
+
+    [line] = advice(vllm_server_base_url=["http://127.0.0.1:8000", "http://10.1.2.3:8000"])
+    assert "the servers at http://10.1.2.3:8000 read the pushed weights from this machine's /dev/shm" in line
+    assert advice(vllm_server_base_url="http://127.0.0.1:8000") == []
+    assert advice(vllm_server_base_url="http://10.1.2.3:8000", vllm_server_weights_dir="/shared/w") == []

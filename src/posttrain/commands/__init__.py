@@ -73,10 +73,10 @@ def load(config: Path, overrides: list[str], warn: bool = True):  # -> TrainerCo
     """Load and validate; print a warning for every written key whose mode is off (``train`` leaves that to
     the run's rank 0, so that it is printed once however the run is launched)."""
     from posttrain.config import load_config
-    from posttrain.config.mode_keys import inert_warnings
+    from posttrain.config.mode_keys import config_warnings
 
     loaded = load_config(config, overrides)
     if warn:
-        for warning in inert_warnings(loaded):
+        for warning in config_warnings(loaded):
             print(f"warning: {warning}", file=sys.stderr)
     return loaded

@@ -51,3 +51,10 @@ def inert_settings(config: Any) -> Iterator[tuple[str, str]]:
 
 def inert_warnings(config: Any) -> list[str]:
     return [f"{path} has no effect: it is used only with {needs}" for path, needs in inert_settings(config)]
+
+
+def config_warnings(config: Any) -> list[str]:
+    """Everything validation says without refusing: the written keys whose mode is off, then the config's
+    own advice (``advice()``: a setting that works here and not where the run is going)."""
+    advice = getattr(config, "advice", None)
+    return [*inert_warnings(config), *(advice() if advice is not None else [])]

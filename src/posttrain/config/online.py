@@ -382,6 +382,26 @@ class OnlineTrainerConfig(TrainerConfig):
         """Whether a batch may be generated from weights older than the current ones."""
         return self.max_staleness > 0 or self.weight_sync_steps > 1
 
+    def advice(self) -> list[str]:
+        """What works on one machine and not across machines: servers elsewhere reading the pushed weights from
+        this machine's ``/dev/shm`` (``vllm_server_weights_dir`` unset)."""
+        if not (self.use_vllm and self.vllm_mode == "server") or self.vllm_server_weights_dir:
+            return []
+        from urllib.parse import urlparse
+
+        here = {"127.0.0.1", "localhost", "::1", "0.0.0.0", ""}
+        urls = server_urls(self.vllm_server_base_url) or [
+            f"http://{self.vllm_server_host}:{self.vllm_server_port}"
+        ]
+        elsewhere = [url for url in urls if (urlparse(url).hostname or "") not in here]
+        if not elsewhere:
+            return []
+        return [
+            f"vllm_server_weights_dir is unset: the servers at {', '.join(elsewhere)} read the pushed weights from "
+            "this machine's /dev/shm, which a server on another machine cannot (CPU servers; GPU servers get them "
+            "over NCCL); set it to a folder every machine shares"
+        ]
+
     @property
     def engine_name(self) -> str:
         """The run's generation engine in ``registry.GENERATION_ENGINES``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
@@ -38,7 +39,22 @@ KNOWN_SCHEDULES = (
 
 
 def _hf_scheduler_names() -> tuple[str, ...]:
-    from transformers import SchedulerType  # an enum: importing it does no I/O
+    """transformers' schedule names (its ``SchedulerType``), read from its source: importing the enum imports
+    torch, seconds before a typo could be said."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    source = Path(spec.origin).with_name("trainer_utils.py") if spec and spec.origin else None
+    if source is not None and source.is_file():
+        for node in ast.parse(source.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef) and node.name == "SchedulerType":
+                return tuple(
+                    item.value.value
+                    for item in node.body
+                    if isinstance(item, ast.Assign) and isinstance(item.value, ast.Constant)
+                )
+    from transformers import SchedulerType  # laid out otherwise: the enum itself
 
     return tuple(member.value for member in SchedulerType)
 
