@@ -26,7 +26,8 @@ GRPO = {
 SCONTROL = f"""#!/bin/bash
 printf '%s\\n' {" ".join(NODES)}
 """
-#: runs `bash -c CMD` once per node of --nodelist, with the node's SLURM_NODEID in the job
+#: runs `bash -c CMD` once per node of --nodelist, with the node's SLURM_NODEID in the job, on a PATH without
+#: the stand-ins' folder (a node whose login PATH lacks posttrain: the script names it by its path)
 SRUN = f"""#!/bin/bash
 nodes=({" ".join(NODES)})
 while [[ $1 == --* ]]; do
@@ -35,11 +36,17 @@ done
 IFS=, read -ra chosen <<< "$list"
 for node in "${{chosen[@]}}"; do
   for i in "${{!nodes[@]}}"; do [[ ${{nodes[$i]}} == "$node" ]] && id=$i; done
-  SLURMD_NODENAME=$node SLURM_NODEID=$id "$@"
+  PATH=/usr/bin:/bin SLURMD_NODENAME=$node SLURM_NODEID=$id "$@"
 done
 """
-POSTTRAIN = """#!/usr/bin/env python3
-import json, os, sys
+POSTTRAIN = """#!/usr/bin/python3
+import json, os, sys, time
+if sys.argv[1] == "train":  # the servers are started first, in the background: wait until they are
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and sum(
+        "vllm-serve" in line for line in open(os.environ["CALLS"]) if os.path.exists(os.environ["CALLS"])
+    ) < int(os.environ.get("SERVERS", "0")):
+        time.sleep(0.05)
 with open(os.environ["CALLS"], "a") as out:
     out.write(json.dumps({"node": os.environ["SLURMD_NODENAME"], "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
                           "args": sys.argv[1:]}) + "\\n")
@@ -60,6 +67,7 @@ def test_the_sbatch_example_splits_the_allocation_into_trainers_and_a_pool(tmp_p
         "SLURM_JOB_NODELIST": "gpu[1-4]",
         "SLURM_GPUS_ON_NODE": "2",
         "TRAIN_NODES": "2",
+        "SERVERS": "4",
     }
     done = subprocess.run(
         ["bash", str(SCRIPT), "grpo.yaml"], env=env, capture_output=True, text=True, timeout=60
@@ -113,3 +121,21 @@ def test_the_sbatch_example_refuses_an_allocation_with_no_generator_node(tmp_pat
         ["bash", str(SCRIPT), "grpo.yaml"], env={**env, "TRAIN_NODES": "4"}, capture_output=True, text=True
     )
     assert done.returncode == 2 and "4 node(s) for 4 trainer node(s): ask for more nodes" in done.stderr
+
+
+def test_the_sbatch_example_needs_posttrain_and_a_gpu_count(tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    slurm_only = tmp_path / "slurm"
+    slurm_only.mkdir()
+    for folder, names in ((bin_dir, ("scontrol", "posttrain")), (slurm_only, ("scontrol",))):
+        for name in names:
+            (folder / name).write_text({"scontrol": SCONTROL, "posttrain": POSTTRAIN}[name])
+            (folder / name).chmod(0o755)
+    base = {"SLURM_JOB_NODELIST": "gpu[1-4]", "TRAIN_NODES": "1"}
+    env = {**base, "PATH": f"{bin_dir}:/usr/bin:/bin"}  # no SLURM_GPUS_ON_NODE, no nvidia-smi here
+    done = subprocess.run(["bash", str(SCRIPT), "grpo.yaml"], env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and "no GPU count: submit with --gpus-per-node N" in done.stderr
+    env = {**base, "PATH": f"{slurm_only}:/usr/bin:/bin", "SLURM_GPUS_ON_NODE": "8"}
+    done = subprocess.run(["/bin/bash", str(SCRIPT), "grpo.yaml"], env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and "no posttrain on PATH: activate its environment" in done.stderr
