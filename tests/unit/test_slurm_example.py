@@ -42,10 +42,13 @@ done
 POSTTRAIN = """#!/usr/bin/python3
 import json, os, sys, time
 if sys.argv[1] == "train":  # the servers are started first, in the background: wait until they are
+    def started():
+        if not os.path.exists(os.environ["CALLS"]):
+            return 0
+        with open(os.environ["CALLS"]) as calls:
+            return sum("vllm-serve" in line for line in calls)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and sum(
-        "vllm-serve" in line for line in open(os.environ["CALLS"]) if os.path.exists(os.environ["CALLS"])
-    ) < int(os.environ.get("SERVERS", "0")):
+    while time.monotonic() < deadline and started() < int(os.environ.get("SERVERS", "0")):
         time.sleep(0.05)
 with open(os.environ["CALLS"], "a") as out:
     out.write(json.dumps({"node": os.environ["SLURMD_NODENAME"], "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"),
