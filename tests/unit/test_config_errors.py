@@ -516,7 +516,7 @@ def test_an_unknown_top_level_key_names_the_closest_not_all_sixty(tmp_path: Path
         # a key of another trainer shares only "model" with the allowed ones: no unrelated key is named
         ("teacher_model_name_or_path", ["model"], ["check_memory", "train_log_metrics_path", "scheduler"]),
         ("micro_batch", ["micro_batch_size"], ["check_memory", "seed"]),
-        ("eval_steps", ["eval_interval", "eval_iters", "eval_on_start"], ["kill_switch_path"]),
+        ("eval_every", ["eval_interval", "eval_iters", "eval_on_start"], ["kill_switch_path"]),
         ("exit_iterations", ["exit_iteration", "exit_iteration_this_run", "min_iterations"], ["seed"]),
     ],
 )

@@ -45,7 +45,11 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from posttrain.training.stops import stop_during_set_up
 
-    stop_during_set_up()  # a signal before the first step ends the command with one line
+    with stop_during_set_up():  # a signal before the first step ends the command with one line
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise UserError(f"--nproc {args.nproc}: must be >= 1 (the number of processes on this machine)")
     config = load(args.config, args.overrides, warn=False)  # validate once before starting any process

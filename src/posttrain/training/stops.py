@@ -7,10 +7,12 @@ all-reduce, so every rank stops after the same step. The run then saves what it 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -37,12 +39,19 @@ def ignore_stop_signals(worker: int = 0) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def stop_during_set_up() -> None:
-    """From ``train``'s start until the loop's own handlers take over (:meth:`StopSignals.install`): a SIGTERM
-    or SIGINT ends the command at once with one line (nothing is trained yet, and nothing half-written stays:
-    every output is written aside and renamed) instead of killing it without a word."""
+@contextlib.contextmanager
+def stop_during_set_up() -> Iterator[None]:
+    """Around ``train``, until the loop's own handlers take over (:meth:`StopSignals.install`): a SIGTERM or
+    SIGINT ends the command at once with one line (nothing is trained yet, and nothing half-written stays:
+    every output is written aside and renamed) instead of killing it without a word. The handlers before are
+    back after the block; a process forked meanwhile (a data worker) keeps the default action."""
+    owner = os.getpid()
 
     def stop(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != owner:  # a forked child: the signal's default action, as before the fork
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         name = signal.Signals(signum).name
         print(
             f"stopped by {name} during set-up, before the first step: nothing trained, nothing saved",
@@ -50,11 +59,17 @@ def stop_during_set_up() -> None:
         )
         raise SystemExit(128 + signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            signal.signal(sig, stop)
-        except ValueError:  # not the main thread (an in-process test run): the default handlers stay
-            return
+    previous: dict[int, Any] = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, stop)
+    except ValueError:  # not the main thread (an in-process test run): the handlers stay as they are
+        pass
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class StopSignals:
