@@ -84,7 +84,8 @@ def build_backend(
     inputs = EngineInputs(
         module, stops, pad_id, longest_prompt(data), most_images(data), rows, dist, stopping, processor
     )
-    return GENERATION_ENGINES.get(config.engine_name).obj(config, inputs)  # type: ignore[no-any-return]
+    engine: GenerationEngine = GENERATION_ENGINES.get(config.engine_name).obj(config, inputs)
+    return engine
 
 
 class RolloutSampler:
