@@ -34,6 +34,21 @@ class _Quiet(http.server.ThreadingHTTPServer):
         pass
 
 
+class _JsonHandler(http.server.BaseHTTPRequestHandler):
+    """A quiet handler that answers JSON."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _json(self, answer: Any) -> None:
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
 class FakeServer:
     """Answers like ``posttrain vllm-serve``: its weights are the tag of the last reload; ``stall`` seconds
     spent in every reload; :meth:`stop` closes its port, :meth:`start` opens it again (weights gone)."""
@@ -52,10 +67,7 @@ class FakeServer:
     def start(self) -> None:
         outer = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
+        class Handler(_JsonHandler):
             def do_GET(self) -> None:
                 names = ["m", *sorted(outer.adapters)]
                 self._json({"data": [{"id": name, "root": "m", "max_model_len": 4096} for name in names]})
@@ -104,14 +116,6 @@ class FakeServer:
                     weights = zlib.crc32((outer.tag or "files").encode()) % 1000
                     return self._json({"choices": [{"token_ids": [body["seed"] % 1000, weights]}]})
                 self._json({})
-
-            def _json(self, answer: Any) -> None:
-                data = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
 
         self.server = _Quiet(("127.0.0.1", self.port), Handler)
         self.port = self.server.server_address[1]
@@ -482,10 +486,7 @@ class StubServer:
     def start(self) -> None:
         outer = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
+        class Handler(_JsonHandler):
             def do_GET(self) -> None:
                 if self.path == "/health":
                     return self._json({})
@@ -503,13 +504,6 @@ class StubServer:
                     outer.served += 1
                     return self._json({"draw": [body["seed"], zlib.crc32(str(outer.tag).encode()) % 1000]})
                 self.send_error(404)
-
-            def _json(self, answer: Any) -> None:
-                data = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
 
         self.server = _Quiet(("127.0.0.1", self.port), Handler)
         self.port = self.server.server_address[1]
