@@ -294,7 +294,7 @@ def test_online_runs_that_do_not_read_images_yet_say_so(vlms: dict[str, Path], t
     from posttrain.generation.vllm_server import server_engine
 
     processor, _ = processor_and_tokenizer(vlms["idefics3"])
-    inputs = EngineInputs(torch.nn.Linear(1, 1), [0], 0, 8, 1, 1, None, lambda: False, processor)
+    inputs = EngineInputs(torch.nn.Linear(1, 1), [0], 0, None, 1, None, lambda: False, processor)
     with pytest.raises(UserError, match="vllm_mode: server does not yet"):
         server_engine(SimpleNamespace(use_vllm=True, vllm_mode="server"), inputs)
     with pytest.raises(UserError, match="and LoRA: the engine takes pushes of the whole weights"):

@@ -73,12 +73,30 @@ class EngineInputs:
     module: torch.nn.Module  # the training module (transformers generates on it; an engine copies it)
     stops: list[int]  # the ids a completion ends at
     pad_id: int
-    longest_prompt: int  # tokens of the longest prompt of the data (an engine's context)
-    most_images: int  # a vision-language model's most images in one prompt (0: none)
+    data: Any  # the run's prompts (``plan.DataPlan``: its train and eval views)
     rows: int  # completions this process generates at once
     dist: Any  # this process's place (``dist.DistInfo``)
     stopping: Callable[[], bool]  # the run was asked to stop (a wait for a server gives up)
     processor: Any = None  # a vision-language model's processor
+
+    def longest_prompt(self) -> int:
+        """The longest prompt in tokens, training and evaluation prompts alike (an engine's context)."""
+        views = (self.data.train, self.data.eval)
+        return max((int(view.lengths("input_ids").max()) for view in views if len(view)), default=1)
+
+    def most_images(self) -> int:
+        """The most images one prompt holds, training and evaluation prompts alike (0: none, a text
+        model's); read only by an engine that asks (it looks at every prompt's images)."""
+        import numpy as np
+
+        from posttrain.vision.images import IMAGES_COLUMN, decode
+
+        most = 0
+        for view in (self.data.train, self.data.eval):
+            if len(view) and IMAGES_COLUMN in view.store.columns:
+                stored = (view.store.get(IMAGES_COLUMN, int(i)) for i in np.unique(view.samples))
+                most = max([most, *(len(decode(refs)) for refs in stored)])
+        return most
 
 
 class GenerationEngine(Protocol):

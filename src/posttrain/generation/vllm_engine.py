@@ -512,11 +512,11 @@ def colocated_engine(config: Any, inputs: EngineInputs) -> VLLMEngine:
         config,
         inputs.module,
         inputs.stops,
-        inputs.longest_prompt,
+        inputs.longest_prompt(),
         inputs.rows,
         inputs.dist,
         inputs.processor,
-        inputs.most_images,
+        inputs.most_images() if inputs.processor is not None else 0,
     )
 
 

@@ -480,5 +480,5 @@ def server_engine(config: Any, inputs: EngineInputs) -> VLLMServerEngine:
             "(transformers' generate on the training weights)"
         )
     return build_server_backend(
-        config, inputs.module, inputs.stops, inputs.longest_prompt, inputs.dist, inputs.stopping
+        config, inputs.module, inputs.stops, inputs.longest_prompt(), inputs.dist, inputs.stopping
     )

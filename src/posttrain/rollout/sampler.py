@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from posttrain.context import RunContext
@@ -47,24 +46,6 @@ def stop_ids(tokenizer: Any, module: torch.nn.Module | None = None) -> list[int]
     return sorted(found | (generation_eos(module) if module is not None else set()))
 
 
-def longest_prompt(data: Any) -> int:
-    """The longest prompt in tokens, training and evaluation prompts alike (the engine's context)."""
-    lengths = [int(view.lengths("input_ids").max()) for view in (data.train, data.eval) if len(view)]
-    return max(lengths, default=1)
-
-
-def most_images(data: Any) -> int:
-    """The most images one prompt holds, training and evaluation prompts alike (0: none, a text model's)."""
-    from posttrain.vision.images import IMAGES_COLUMN, decode
-
-    most = 0
-    for view in (data.train, data.eval):
-        if len(view) and IMAGES_COLUMN in view.store.columns:
-            stored = (view.store.get(IMAGES_COLUMN, int(i)) for i in np.unique(view.samples))
-            most = max([most, *(len(decode(refs)) for refs in stored)])
-    return most
-
-
 def build_backend(
     config: Any,
     module: torch.nn.Module,
@@ -81,9 +62,7 @@ def build_backend(
     or the run's server). ``processor``: a vision-language model's (the prompts hold images)."""
     from posttrain.registry import GENERATION_ENGINES
 
-    inputs = EngineInputs(
-        module, stops, pad_id, longest_prompt(data), most_images(data), rows, dist, stopping, processor
-    )
+    inputs = EngineInputs(module, stops, pad_id, data, rows, dist, stopping, processor)
     engine: GenerationEngine = GENERATION_ENGINES.get(config.engine_name).obj(config, inputs)
     return engine
 
