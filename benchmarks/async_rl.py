@@ -141,7 +141,8 @@ def main() -> None:
     parser.add_argument("--lags", default="1,2", help="the max_staleness values against the synchronous run")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    from posttrain.generation.vllm_engine import free_port, require_vllm, usable_cores
+    from posttrain.dist import free_port
+    from posttrain.generation.vllm_engine import require_vllm, usable_cores
     from posttrain.testing.served import vllm_server
 
     require_vllm()

@@ -145,7 +145,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    from posttrain.generation.vllm_engine import free_port, usable_cores
+    from posttrain.dist import free_port
+    from posttrain.generation.vllm_engine import usable_cores
     from posttrain.testing.served import vllm_server
     from posttrain.tiny_model import write_tiny_model
 
@@ -187,7 +188,7 @@ def lora_pushes(work: Path, model: Path, count: int, cores: list[int]) -> dict[s
     """A LoRA model's push to one server: the adapter alone against the merged weights."""
     import yaml
 
-    from posttrain.generation.vllm_engine import free_port
+    from posttrain.dist import free_port
     from posttrain.testing.served import vllm_server
 
     lora = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}

@@ -43,7 +43,8 @@ def held_out(records: list[dict]) -> list[tuple[int, float]]:
 def lagged_runs(lags: list[int]) -> dict[int, list[tuple[int, float]]]:
     """GRPO once per ``max_staleness``, generating on one ``posttrain vllm-serve`` server (each run pushes its
     own weights first); the held-out accuracies of each."""
-    from posttrain.generation.vllm_engine import free_port, usable_cores
+    from posttrain.dist import free_port
+    from posttrain.generation.vllm_engine import usable_cores
     from posttrain.testing.served import vllm_server
 
     os.chdir(ROOT)  # the config's paths are the repository's

@@ -21,6 +21,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    # each worker (and what it starts) hands out ports of its own, below the system's ephemeral ones: a port a
+    # test chose for a server still starting is never one the other worker's engines or servers take
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    if 20000 + 1500 * (worker + 1) <= 32768:  # Linux's ephemeral ports start at 32768
+        os.environ.setdefault("POSTTRAIN_PORT_RANGE", f"{20000 + 1500 * worker}-{21499 + 1500 * worker}")
     # make test-vllm: each worker, and the runs and engines it starts, on cores of its own (an engine binds its
     # OpenMP threads to the cores its process may use; two engines spinning on the same cores would crawl)
     if os.environ.get("POSTTRAIN_TEST_PIN_WORKERS") == "1" and hasattr(os, "sched_setaffinity"):

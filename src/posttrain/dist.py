@@ -30,7 +30,31 @@ class DistInfo:
         return self.rank == 0
 
 
+#: ports to hand out, ``LO-HI``, instead of the system's: processes that run side by side (test workers) each
+#: take a range of their own outside the system's ephemeral ports, so that a port chosen for a server that
+#: is still starting is never one another process (or another engine's own sockets) takes meanwhile
+PORT_RANGE = "POSTTRAIN_PORT_RANGE"
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
+    """A TCP port nothing listens on now: the system's choice, or under ``POSTTRAIN_PORT_RANGE`` one of that
+    range this process has not handed out before (from a place in it that depends on the process)."""
+    span = os.environ.get(PORT_RANGE, "")
+    if span:
+        low, high = (int(end) for end in span.split("-"))
+        width = high - low + 1
+        for step in range(width):
+            port = low + (os.getpid() * 7919 + step) % width
+            if port in _handed_out:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from posttrain.generation.vllm_engine import free_port
+from posttrain.dist import free_port
 from posttrain.testing.served import vllm_server
 from tests.agent_endpoint_helpers import write_agent
 from tests.grpo_helpers import DIGITS, engine_grpo_config

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from posttrain.generation.vllm_engine import free_port
+from posttrain.dist import free_port
 from posttrain.testing.env import child_env
 from posttrain.testing.served import vllm_server
 from tests.agent_helpers import agent_config, teach_tool_calls, tool_prompts

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from posttrain.generation.vllm_engine import free_port
+from posttrain.dist import free_port
 from posttrain.testing.env import child_env
 from posttrain.testing.served import vllm_server
 from tests.grpo_helpers import DIGITS, engine_grpo_config

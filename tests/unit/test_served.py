@@ -70,3 +70,20 @@ def test_the_server_ends_with_the_process_that_started_it(tmp_path: Path, how: s
         assert not _alive(server), f"the server outlived its starter ({how.name})"
     finally:
         starter.kill()
+
+
+def test_ports_come_from_the_processs_range_once_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``POSTTRAIN_PORT_RANGE`` (each test worker its own) a port is handed out once, from the range,
+    and never one something listens on."""
+    import socket
+
+    from posttrain import dist
+
+    monkeypatch.setenv(dist.PORT_RANGE, "31000-31009")
+    monkeypatch.setattr(dist, "_handed_out", set())
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 31000 + (os.getpid() * 7919) % 10))  # the first the process would pick
+        taken.listen()
+        ports = [free_port() for _ in range(5)]
+        assert taken.getsockname()[1] not in ports
+    assert len(set(ports)) == 5 and all(31000 <= p <= 31009 for p in ports)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from posttrain.dist import kept_random_state
+from posttrain.dist import free_port, kept_random_state
 from posttrain.errors import UserError
 from posttrain.generation.engine import EngineCopy
 from posttrain.generation.types import Completions, EngineInputs, Sampling
@@ -525,12 +525,3 @@ def usable_cores() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
