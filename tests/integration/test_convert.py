@@ -4,6 +4,7 @@ configs that validate and train the tiny model (one run per system and method)."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +221,59 @@ def megatron_bridge(model: Path, tmp: Path, method: str) -> dict:
     return config
 
 
+PUBLISHED = Path(__file__).resolve().parents[1] / "resources" / "other_trainers"
+
+
+def _published(name: str, model: Path, tmp: Path, **changes: Any) -> dict:
+    """A published example config with the model (and whatever ``changes`` names) pointed at local files."""
+    config = yaml.safe_load((PUBLISHED / name).read_text())
+    key = "base_model" if name.startswith("axolotl/") else "model_name_or_path"
+    return config | {key: str(model), "output_dir": str(tmp / "out")} | changes
+
+
+def axolotl(model: Path, tmp: Path, method: str) -> dict:
+    """Axolotl's own ``lora-1b.yml`` (alpaca rows, LoRA, packing, warmup steps, evals and saves per epoch)."""
+    rows = [
+        {"instruction": m["messages"][-2]["content"], "input": "", "output": m["messages"][-1]["content"]}
+        for m in chat_rows(40)
+    ]
+    path = write_jsonl(tmp / "alpaca.jsonl", rows)
+    return _published(
+        "axolotl/lora-1b.yml",
+        model,
+        tmp,
+        datasets=[{"path": str(path), "type": "alpaca"}],
+        dataset_prepared_path=str(tmp / "prepared"),  # the file's is relative to the working directory
+    )
+
+
+def llama_factory(model: Path, tmp: Path, method: str) -> dict:
+    """LLaMA-Factory's own ``llama3_lora_dpo.yaml``, its ``dpo_en_demo`` found through the published
+    ``dataset_info.json`` in the dataset directory, with ranked ShareGPT rows."""
+    data = tmp / "data"
+    data.mkdir()
+    (data / "dataset_info.json").write_text((PUBLISHED / "llama-factory/data/dataset_info.json").read_text())
+    rows = [
+        {
+            "conversations": [{"from": "human", "value": r["prompt"]}],
+            "chosen": {"from": "gpt", "value": r["chosen"]},
+            "rejected": {"from": "gpt", "value": r["rejected"]},
+        }
+        for r in preference_rows(40)
+    ]
+    (data / "dpo_en_demo.json").write_text(json.dumps(rows))
+    return _published(
+        "llama-factory/llama3_lora_dpo.yaml", model, tmp, dataset_dir=str(data), template="chatml"
+    )
+
+
+def trl(model: Path, tmp: Path, method: str) -> dict:
+    """The alignment handbook's zephyr DPO recipe (a TRL DPOConfig), its mixture pointed at a local file."""
+    path = write_jsonl(tmp / "pairs.jsonl", preference_rows(40))
+    mixture = {"datasets": [{"id": str(path), "weight": 1.0}], "test_split_size": 0.1, "seed": 0}
+    return _published("trl/handbook_zephyr_dpo_config_full.yaml", model, tmp, dataset_mixture=mixture)
+
+
 CASES = [
     ("silogen", silogen, "sft", "sft"),
     ("silogen", silogen, "dpo", "dpo"),
@@ -228,6 +282,9 @@ CASES = [
     ("erniekit", erniekit, "PT", "causal"),
     ("megatron-bridge", megatron_bridge, "pretrain", "causal"),
     ("megatron-bridge", megatron_bridge, "finetune", "sft"),
+    ("axolotl", axolotl, "lora-1b", "sft"),
+    ("llama-factory", llama_factory, "llama3_lora_dpo", "dpo"),
+    ("trl", trl, "zephyr-dpo", "dpo"),
 ]
 
 

@@ -11,6 +11,7 @@ import yaml
 from posttrain.cli import main
 from posttrain.config.base import nested_model
 from posttrain.config.deepspeed_block import TOP_LEVEL_KEYS
+from posttrain.convert import SYSTEM_NAMES
 from posttrain.convert.base import NOT_NEEDED, SAME, UNKNOWN, UNSUPPORTED, convert
 from posttrain.convert.run import SYSTEMS, detect, docs_page
 from posttrain.registry import SLOT_REGISTRIES, TRAINERS
@@ -46,6 +47,10 @@ def test_every_plain_row_names_a_posttrain_key(name: str) -> None:
                 assert rest.split(".")[0] in TOP_LEVEL_KEYS, (rule.source, rule.target)
             else:
                 assert rule.target in keys, (rule.source, rule.target)
+
+
+def test_the_command_line_names_every_system() -> None:
+    assert tuple(SYSTEMS) == SYSTEM_NAMES
 
 
 @pytest.mark.parametrize("name", sorted(SYSTEMS))
@@ -133,7 +138,7 @@ def test_cli_convert_writes_the_config_and_refuses_what_it_cannot_read(tmp_path:
     assert written["optimizer"]["weight_decay"] == 0.0  # ERNIEKit's default, stated
     (tmp_path / "other.yaml").write_text("foo: 1\n")
     assert main(["convert", str(tmp_path / "other.yaml")]) == 2
-    assert "--from silogen|erniekit|megatron-bridge" in capsys.readouterr().err
+    assert "--from silogen|erniekit|megatron-bridge|trl|axolotl|llama-factory" in capsys.readouterr().err
 
 
 def test_megatron_checkpoint_load_is_checked_whatever_the_key_order() -> None:

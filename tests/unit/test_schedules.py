@@ -240,3 +240,22 @@ def test_a_one_step_run_trains_at_the_peak_and_idle_steps_are_said(tmp_path, cap
         "scheduler megatron (linear): 4 steps, from step 5 of the run's 8 train at learning rate 0, and nothing "
         "moves on them; check the schedule against train_iters (plot-lr draws it)"
     }
+
+
+def test_warmup_steps_replaces_the_ratio(tmp_path) -> None:
+    """``scheduler.warmup_steps`` (TrainingArguments' and Axolotl's name) warms up over that many updates, the
+    first at ``peak / warmup_steps``; set beside a non-zero ``warmup_ratio`` it is refused."""
+    from posttrain.config.errors import ConfigError
+    from posttrain.optim.schedulers import build_huggingface_scheduler
+
+    config = _config(tmp_path, scheduler={"name": "linear", "warmup_steps": 4})
+    optimizer = torch.optim.AdamW(torch.nn.Linear(1, 1).parameters(), lr=1.0)
+    scheduler = build_huggingface_scheduler(config.scheduler, optimizer, 20, None)  # type: ignore[arg-type]
+    seen = []
+    for _ in range(6):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 15 / 16])  # then transformers' decay
+    with pytest.raises(ConfigError, match="warmup_steps or warmup_ratio, not both"):
+        _config(tmp_path, scheduler={"name": "linear", "warmup_steps": 4, "warmup_ratio": 0.2})

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.commands import command
+from posttrain.convert import SYSTEM_NAMES
 from posttrain.errors import UserError
 from posttrain.tiny_model import ARCHITECTURES
 from posttrain.vision.tiny import VISION_ARCHITECTURES
@@ -119,7 +120,7 @@ def _convert_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--from",
         dest="system",
-        choices=("silogen", "erniekit", "megatron-bridge"),
+        choices=SYSTEM_NAMES,
         help="detected when left out",
     )
     parser.add_argument("-o", "--out", type=Path, help="write the posttrain config here (default: print it)")
@@ -133,12 +134,12 @@ def _convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 @command(
     "convert",
-    "convert a SiloGen, ERNIEKit or Megatron-Bridge config to a posttrain config, one line per key",
+    "convert a TRL, Axolotl, LLaMA-Factory, SiloGen, ERNIEKit or Megatron-Bridge config, one line per key",
     _convert_arguments,
     """Convert another system's config (the system is detected from its keys when --from is left out) into a
     commented posttrain config, printing one line per source key: where it went, how it was approximated, or
     why it is not supported (tensor parallelism, FP8...); nothing is dropped without a line. Key tables:
-    docs/from-silogen.md, docs/from-erniekit.md, docs/from-megatron-bridge.md.""",
+    docs/from-<system>.md (trl, axolotl, llama-factory, silogen, erniekit, megatron-bridge).""",
 )
 def cmd_convert(args: argparse.Namespace) -> int:
     from posttrain.convert import run as convert

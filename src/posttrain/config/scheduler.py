@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -67,6 +68,10 @@ class HFSchedulerConfig(SchedulerConfig):
     warmup_ratio: HumanFloat = Field(default=0.1, ge=0.0, le=1.0)
     """Fraction of the total optimizer steps spent warming up linearly from 0 to the peak LR."""
 
+    warmup_steps: HumanInt | None = Field(default=None, ge=0)
+    """Optimizer steps of warmup, in place of ``warmup_ratio`` (TrainingArguments' and Axolotl's
+    ``warmup_steps``). Null: ``warmup_ratio`` decides."""
+
     scheduler_kwargs: dict[str, Any] = {}
     """Extra keyword arguments for the scheduler (e.g. ``num_cycles``, ``power``, ``min_lr_rate``,
     ``num_decay_steps``), passed through to ``transformers.get_scheduler``."""
@@ -88,11 +93,27 @@ class HFSchedulerConfig(SchedulerConfig):
                 f"{self.name!r} needs a metric each step and is not supported yet (the LR follows the plan)",
             )
             return
+        if (
+            "warmup_ratio" in self.model_fields_set
+            and self.warmup_ratio > 0
+            and self.warmup_steps is not None
+        ):
+            yield Problem(
+                "warmup_steps",
+                f"{self.warmup_steps}: set warmup_steps or warmup_ratio, not both (warmup_steps wins in "
+                "TrainingArguments; here the choice is written once)",
+            )
         if self.name == "constant" and "warmup_ratio" in self.model_fields_set and self.warmup_ratio > 0:
             yield Problem(
                 "warmup_ratio",
                 f"{self.warmup_ratio}: the constant schedule has no warmup; use name: constant_with_warmup "
                 "or warmup_ratio: 0",
+            )
+        if self.name == "constant" and self.warmup_steps:
+            yield Problem(
+                "warmup_steps",
+                f"{self.warmup_steps}: the constant schedule has no warmup; use name: constant_with_warmup "
+                "or warmup_steps: 0",
             )
         accepted = _scheduler_arguments(self.name) if self.scheduler_kwargs else set()
         for key in sorted(set(self.scheduler_kwargs) - accepted):
@@ -105,6 +126,14 @@ class HFSchedulerConfig(SchedulerConfig):
 
 #: arguments posttrain fills in itself
 _FILLED = {"optimizer", "num_warmup_steps", "num_training_steps", "last_epoch", "kwargs"}
+
+
+def warmup_steps(config: HFSchedulerConfig, total_steps: int) -> int:
+    """The warmup's length in optimizer steps: ``warmup_steps`` when set, else ``warmup_ratio`` of the run
+    (rounded up)."""
+    if config.warmup_steps is not None:
+        return min(config.warmup_steps, total_steps)
+    return math.ceil(config.warmup_ratio * total_steps)
 
 
 def _scheduler_arguments(name: str) -> set[str]:

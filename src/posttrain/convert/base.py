@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 #: how a source key was carried over
@@ -294,8 +295,14 @@ def _show(value: Any) -> str:
     return text if len(text) <= 50 else text[:47] + "..."
 
 
-def convert(system: System, data: dict[str, Any], keep_attention: bool = False) -> Conversion:
+def convert(
+    system: System, data: dict[str, Any], keep_attention: bool = False, source: Path | None = None
+) -> Conversion:
+    """``source``: the file ``data`` was read from (paths it names, a DeepSpeed JSON or a dataset index,
+    are looked for beside it)."""
     conv = Conversion(system.name, keep_attention=keep_attention)
+    if source is not None:
+        conv.scratch["source_path"] = source
     flat = system.flatten(system.unwrap(data, conv))
     for key, value in flat.items():
         rule = system.rule_for(key)

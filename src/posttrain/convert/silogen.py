@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import yaml
 
-from posttrain.config.dpo import LOSS_ALIASES, PREFERENCE_LOSSES
 from posttrain.convert.base import (
     NOT_NEEDED,
     SAME,
@@ -17,16 +15,12 @@ from posttrain.convert.base import (
     System,
     Unsupported,
     accept,
-    adam_beta,
     attention,
-    export_engine,
     placeholder_data,
-    precision_flag,
     remember,
-    resumable_engine,
-    step_limit,
     to,
 )
+from posttrain.convert.hf_args import epochs, finish_training_arguments, resume_from, training_arguments
 
 _DISTRIBUTED = {
     "auto-deepspeed-stage1": 1,
@@ -35,8 +29,6 @@ _DISTRIBUTED = {
     "auto-single-process": 0,
 }
 _MIX = {"CONCATENATION": "concatenate", "PRECOMPUTE_WEIGHTED_MIX": "weighted"}
-_DEEPSPEED = "checkpoint (deepspeed engine)"
-_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw")
 
 
 def _unwrap(data: dict[str, Any], conv: Conversion) -> dict[str, Any]:
@@ -109,55 +101,6 @@ def _quant_type(conv: Conversion, key: str, value: Any) -> str:
     return "model.quantization_config"
 
 
-def _resume(conv: Conversion, key: str, value: Any) -> str:
-    if value is False:
-        return "no resume"
-    if value in (True, "auto"):
-        conv.scratch["resume"] = True
-        return "checkpoint (deepspeed engine) auto_resume: true"
-    raise Unsupported(
-        "resuming from a named path: posttrain resumes from its own checkpoint directory (auto_resume)"
-    )
-
-
-def _epochs(conv: Conversion, key: str, value: Any) -> str:
-    if value is None:
-        return "not overridden"
-    if float(value) != int(value):
-        conv.set("epochs", math.ceil(value), key)
-        return (
-            f"epochs: {math.ceil(value)} (fractional epochs are rounded up; set train_iters to stop earlier)"
-        )
-    conv.set("epochs", int(value), key)
-    return "epochs"
-
-
-def _eval_strategy(conv: Conversion, key: str, value: Any) -> str:
-    if value == "no":
-        conv.scratch["no_eval"] = True
-        return "no periodic evaluation (a held-out split is still evaluated once at the end)"
-    if value == "steps":
-        return "eval_interval (eval_steps)"
-    raise Unsupported("posttrain evaluates every eval_interval steps (and at the end); use eval_steps")
-
-
-def _report_to(conv: Conversion, key: str, value: Any) -> str:
-    targets = [value] if isinstance(value, str) else list(value or [])
-    done = []
-    for target in targets:
-        if target == "wandb":
-            conv.set("wandb.enable", True, key)
-            done.append("wandb.enable")
-        elif target == "tensorboard":
-            conv.set("tensorboard.enable", True, key)
-            done.append("tensorboard.enable")
-        elif target == "mlflow":
-            done.append("tracking (see the tracking block)")
-        elif target not in ("none", "all"):
-            raise Unsupported(f"{target}: posttrain reports to wandb, mlflow (tracking) and tensorboard")
-    return ", ".join(done) or "no trackers"
-
-
 def _chat_template(conv: Conversion, key: str, value: Any) -> str:
     conv.set("tokenizer.chat_template", value, key)
     return "tokenizer.chat_template"
@@ -166,16 +109,6 @@ def _chat_template(conv: Conversion, key: str, value: Any) -> str:
 def _merge_adapter(conv: Conversion, key: str, value: Any) -> str:
     conv.scratch["merge"] = bool(value)
     return "checkpoint (huggingface export) save_merged"
-
-
-def _save_strategy(conv: Conversion, key: str, value: Any) -> str:
-    conv.scratch["save_strategy"] = value
-    if value == "best":
-        raise Unsupported(
-            "posttrain keeps no best checkpoint; the export at the end is written, and save_steps saves "
-            "resumable checkpoints only with save_strategy: steps"
-        )
-    return _DEEPSPEED
 
 
 def _basemodel(conv: Conversion, key: str, value: Any) -> str:
@@ -218,27 +151,10 @@ def _finish(conv: Conversion) -> None:
         if "split_seed" in conv.scratch:
             conv.set("data.split_seed", conv.scratch["split_seed"], "data_conf.validation_data.seed")
     has_eval = conv.scratch.get("validation") in ("AUTO_SPLIT", "CONCATENATION")
-    eval_steps = conv.scratch.get("eval_steps")
-    if eval_steps and has_eval and not conv.scratch.get("no_eval"):
-        conv.set("eval_interval", eval_steps, "training_args.eval_steps")
-    elif eval_steps:
-        why = "no validation data" if not has_eval else "eval_strategy is no"
-        conv.line("(eval_interval)", NOT_NEEDED, f"training_args.eval_steps={eval_steps!r} dropped: {why}")
+    name = conv.scratch.get("final_checkpoint_name", "checkpoint-final")
+    finish_training_arguments(conv, has_eval, name, merged=bool(conv.scratch.get("merge")))
     if has_eval and not conv.scratch.get("no_eval") and not conv.has("eval_interval"):
         conv.set("eval_interval", 0, "SiloGen evaluates at the end")
-    if not has_eval:
-        conv.set("eval_at_end", False, "no validation data")
-    out = conv.get("logger.output_dir", "runs/converted")
-    name = conv.scratch.get("final_checkpoint_name", "checkpoint-final")
-    engines = [export_engine(out, name, merged=bool(conv.scratch.get("merge")))]
-    if conv.scratch.get("resume") or conv.scratch.get("save_steps"):
-        every = conv.scratch.get("save_steps") if conv.scratch.get("save_strategy", "steps") == "steps" else 0
-        engines.append(
-            resumable_engine(
-                out, every, conv.scratch.get("save_total_limit"), bool(conv.scratch.get("resume"))
-            )
-        )
-    conv.set("checkpoint", engines, "run_conf / training_args save settings")
     if not conv.scratch.get("quantized") and conv.has("model.quantization_config"):
         conv.config["model"].pop("quantization_config")  # bits-and-bytes keys of a no-quantization dump
         conv.line(
@@ -250,15 +166,6 @@ def _attention(conv: Conversion, key: str, value: Any) -> str:
     if value is None:
         return "transformers' choice (posttrain: sdpa)"
     return attention(conv, key, value)
-
-
-def _trl_loss_type(conv: Conversion, key: str, value: Any) -> str:
-    names = [value] if isinstance(value, str) else list(value)
-    unknown = [n for n in names if n not in PREFERENCE_LOSSES and n not in LOSS_ALIASES]
-    if unknown:
-        raise Unsupported(f"{', '.join(unknown)} not built in; posttrain has {', '.join(PREFERENCE_LOSSES)}")
-    conv.set("loss_type", value, key)
-    return "loss_type"
 
 
 def _quant_key(conv: Conversion, key: str, value: Any) -> str:
@@ -305,136 +212,7 @@ RULES = (
         ),
     ),
     Rule("data_conf.missing_pad_token_strategy", "tokenizer.missing_pad_token_strategy", SAME),
-    Rule("training_args.learning_rate", "optimizer.lr", SAME),
-    Rule("training_args.weight_decay", "optimizer.weight_decay", SAME),
-    Rule("training_args.adam_beta1", "optimizer.betas", SAME, apply=adam_beta(0)),
-    Rule("training_args.adam_beta2", "optimizer.betas", SAME, apply=adam_beta(1)),
-    Rule("training_args.adam_epsilon", "optimizer.eps", SAME),
-    Rule(
-        "training_args.optim",
-        "optimizer.type",
-        SAME,
-        apply=accept(
-            _OPTIMIZERS, "posttrain's optimizers are adamw, cpu_adam and fused_adam", "optimizer.type: adamw"
-        ),
-    ),
-    Rule("training_args.lr_scheduler_type", "scheduler.name", SAME),
-    Rule("training_args.lr_scheduler_kwargs", "scheduler.scheduler_kwargs", SAME, whole=True),
-    Rule("training_args.warmup_ratio", "scheduler.warmup_ratio", SAME),
-    Rule(
-        "training_args.warmup_steps",
-        "",
-        UNSUPPORTED,
-        "the huggingface scheduler takes warmup_ratio (set it from your step count)",
-        only_if=lambda v: not v,
-    ),
-    Rule("training_args.num_train_epochs", "epochs", SAME, apply=_epochs),
-    Rule("training_args.max_steps", "train_iters", SAME, apply=step_limit("no step limit (epochs decide)")),
-    Rule("training_args.per_device_train_batch_size", "micro_batch_size", SAME),
-    Rule("training_args.gradient_accumulation_steps", "gradient_accumulation_steps", SAME),
-    Rule("training_args.per_device_eval_batch_size", "", NOT_NEEDED, "evaluation uses micro_batch_size"),
-    Rule("training_args.max_grad_norm", "deepspeed.gradient_clipping", SAME),
-    Rule("training_args.seed", "seed", SAME),
-    Rule("training_args.data_seed", "data.seed", SAME),
-    Rule("training_args.bf16", "model.dtype", SAME, apply=precision_flag),
-    Rule("training_args.fp16", "model.dtype", SAME, apply=precision_flag),
-    Rule("training_args.tf32", "", NOT_NEEDED, "a GPU matmul setting; PyTorch's default applies"),
-    Rule(
-        "training_args.gradient_checkpointing",
-        "model.disable_activation_checkpoint",
-        SAME,
-        value=lambda v: not v,
-    ),
-    Rule(
-        "training_args.gradient_checkpointing_kwargs",
-        "",
-        NOT_NEEDED,
-        "posttrain checkpoints without re-entrance",
-        whole=True,
-    ),
-    Rule(
-        "training_args.logging_steps",
-        "loss_log_interval",
-        SAME,
-        "the metrics file gets every step; below 1, a share of the run's steps",
-    ),
-    Rule("training_args.logging_first_step", "", NOT_NEEDED, "every optimizer step is logged"),
-    Rule(
-        "training_args.logging_strategy",
-        "loss_log_interval",
-        SAME,
-        apply=accept(("steps",), "posttrain logs every loss_log_interval steps", "loss_log_interval (steps)"),
-    ),
-    Rule("training_args.logging_dir", "tensorboard.log_dir", SAME),
-    Rule("training_args.eval_strategy", "eval_interval", SAME, apply=_eval_strategy),
-    Rule("training_args.evaluation_strategy", "eval_interval", SAME, apply=_eval_strategy),
-    Rule("training_args.eval_steps", "eval_interval", SAME, apply=remember("eval_steps", "eval_interval")),
-    Rule("training_args.save_strategy", "checkpoint", SAME, apply=_save_strategy),
-    Rule(
-        "training_args.save_steps",
-        "checkpoint[deepspeed].save_every_n_steps",
-        SAME,
-        apply=remember("save_steps", _DEEPSPEED),
-    ),
-    Rule(
-        "training_args.save_total_limit",
-        "checkpoint[deepspeed].save_total_limit",
-        SAME,
-        apply=remember("save_total_limit", _DEEPSPEED),
-    ),
-    Rule(
-        "training_args.output_dir",
-        "logger.output_dir",
-        SAME,
-        apply=to("logger.output_dir", "and the checkpoint directories under it"),
-    ),
-    Rule("training_args.report_to", "wandb / tensorboard / tracking", SAME, apply=_report_to),
-    Rule("training_args.run_name", "wandb.name", SAME),
-    Rule("training_args.dataloader_num_workers", "data.dl_num_workers", SAME),
-    Rule(
-        "training_args.remove_unused_columns", "", NOT_NEEDED, "posttrain keeps only what the formatter needs"
-    ),
-    Rule("training_args.ddp_*", "", NOT_NEEDED, "DeepSpeed does the data-parallel reduction"),
-    Rule("training_args.overwrite_output_dir", "", NOT_NEEDED, "checkpoints are written atomically"),
-    Rule("training_args.disable_tqdm", "logger.progress_bar", SAME, value=lambda v: not v),
-    Rule("training_args.push_to_hub", "", UNSUPPORTED, "posttrain never uploads", only_if=lambda v: not v),
-    # method: dpo runs TRL's DPOTrainer, whose DPOConfig keys sit in training_args
-    Rule("training_args.beta", "beta", SAME),
-    Rule("training_args.loss_type", "loss_type", SAME, apply=_trl_loss_type),
-    Rule("training_args.loss_weights", "loss_weights", SAME),
-    Rule("training_args.label_smoothing", "label_smoothing", SAME),
-    Rule("training_args.discopop_tau", "discopop_tau", SAME),
-    Rule("training_args.reference_free", "reference_free", SAME),
-    Rule("training_args.rpo_alpha", "sft_loss_ratio", SAME, only_if=lambda v: v is None or v >= 0),
-    Rule("training_args.max_prompt_length", "data.max_prompt_length", SAME, value=lambda v: v or 0),
-    Rule(
-        "training_args.precompute_ref_log_probs",
-        "",
-        NOT_NEEDED,
-        "posttrain always computes the reference log-probs once, before training",
-    ),
-    Rule(
-        "training_args.f_divergence_type",
-        "",
-        UNSUPPORTED,
-        "posttrain's losses use the reverse KL (DPO's own)",
-        only_if=lambda v: v in ("reverse_kl", None),
-    ),
-    Rule(
-        "training_args.use_weighting",
-        "",
-        UNSUPPORTED,
-        "WPO weighting is not built in",
-        only_if=lambda v: not v,
-    ),
-    Rule("training_args.ld_alpha", "", UNSUPPORTED, "LD-DPO is not built in", only_if=lambda v: v is None),
-    Rule(
-        "training_args.sync_ref_model",
-        "",
-        UNSUPPORTED,
-        "the reference model is never updated",
-        only_if=lambda v: not v,
-    ),
+    *training_arguments("training_args."),
     Rule("training_args.*", "", UNSUPPORTED, "a TrainingArguments key without a posttrain equivalent"),
     Rule("batchsize_conf.total_train_batch_size", "total_train_batch_size", SAME),
     Rule("batchsize_conf.max_per_device_train_batch_size", "max_per_device_train_batch_size", SAME),
@@ -508,7 +286,7 @@ RULES = (
         "posttrain needs a fast tokenizer (offsets for the label mask)",
         only_if=lambda v: v is True,
     ),
-    Rule("run_conf.resume_from_checkpoint", "checkpoint[deepspeed].auto_resume", SAME, apply=_resume),
+    Rule("run_conf.resume_from_checkpoint", "checkpoint[deepspeed].auto_resume", SAME, apply=resume_from),
     Rule(
         "run_conf.final_checkpoint_name",
         "checkpoint[huggingface].output_dir",
@@ -524,7 +302,7 @@ RULES = (
         "the export directory is checkpoint[huggingface].output_dir",
     ),
     Rule("tracking.*", "tracking.*", SAME, apply=lambda c, k, v: c.set(k, v, k) or k),
-    Rule("overrides.num_train_epochs", "epochs", SAME, apply=_epochs),
+    Rule("overrides.num_train_epochs", "epochs", SAME, apply=epochs),
     Rule("overrides.lr_multiplier", "optimizer.lr_multiplier", SAME),
     Rule("overrides.lr_batch_size_scaling", "optimizer.lr_batch_size_scaling", SAME),
     Rule("finetuningGpus", "--nproc", SAME, apply=_gpus),

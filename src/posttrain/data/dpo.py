@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from posttrain.config.dpo import DPODataConfig
-from posttrain.data.row_formats import erniekit_pair, is_erniekit
+from posttrain.data.row_formats import erniekit_pair, is_erniekit, sharegpt_pair
 from posttrain.data.samples import (
     IGNORE_INDEX,
     RowError,
@@ -134,11 +134,13 @@ def pair_scores(row: dict[str, Any], required: bool) -> list[float]:
 
 
 def pair_row(row: dict[str, Any]) -> dict[str, Any]:
-    """Any pair layout (TRL's, SiloGen's ``*_messages``, ERNIEKit's) as ``prompt``/``chosen``/``rejected``."""
+    """Any pair layout (TRL's, SiloGen's ``*_messages``, ERNIEKit's, LLaMA-Factory's) as ``prompt``/``chosen``/``rejected``."""
     if is_erniekit(row):
         return erniekit_pair(row)
     if "messages" in row and "prompt" not in row:  # ERNIEKit's chatml preference rows
         return {**row, "prompt": row["messages"]}
+    if "conversations" in row and "prompt" not in row:  # LLaMA-Factory's ranked ShareGPT rows
+        return sharegpt_pair(row)
     return row
 
 

@@ -164,6 +164,17 @@ def _sharegpt(row: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
+def sharegpt_pair(row: dict[str, Any]) -> dict[str, Any]:
+    """LLaMA-Factory's ranked ShareGPT rows (``conversations`` up to the last user turn, ``chosen`` and
+    ``rejected`` each one ``{from, value}`` turn) as ``prompt``/``chosen``/``rejected`` messages."""
+    out = {**row, "prompt": _sharegpt(row)}
+    for side in ("chosen", "rejected"):
+        turn = row.get(side)
+        if isinstance(turn, dict):
+            out[side] = _sharegpt({"conversations": [turn]})
+    return out
+
+
 def _alpaca(row: dict[str, Any]) -> list[dict[str, Any]]:
     parts = [row.get(key) for key in ("instruction", "input")]
     if not all(

@@ -8,13 +8,12 @@ learning rate 0 is said in one line."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 
 import torch
 
-from posttrain.config.scheduler import HFSchedulerConfig
+from posttrain.config.scheduler import HFSchedulerConfig, warmup_steps
 from posttrain.context import RunContext
 from posttrain.logs import say
 
@@ -27,7 +26,7 @@ def build_huggingface_scheduler(
     kwargs = dict(config.scheduler_kwargs)
     if config.name == "warmup_stable_decay" and "num_decay_steps" not in kwargs:
         kwargs["num_decay_steps"] = max(1, total_steps // 10)
-    warmup = math.ceil(config.warmup_ratio * total_steps)
+    warmup = warmup_steps(config, total_steps)
     scheduler = get_scheduler(
         config.name,
         optimizer=optimizer,

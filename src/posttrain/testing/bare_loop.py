@@ -15,7 +15,6 @@ accumulation).
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -91,6 +90,8 @@ class MasterWeights:
 def bare_optimizer(model: torch.nn.Module, config: Any, steps: int) -> tuple[Any, Any]:
     from transformers import get_scheduler
 
+    from posttrain.config.scheduler import warmup_steps
+
     opt = config.optimizer
     masters = MasterWeights(model) if config.model.dtype in ("bfloat16", "float16") else None
     params = [masters.index[id(p)] for p in model.parameters()] if masters else list(model.parameters())
@@ -99,7 +100,7 @@ def bare_optimizer(model: torch.nn.Module, config: Any, steps: int) -> tuple[Any
     groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, foreach=True)
     optimizer.masters = masters  # type: ignore[attr-defined]
-    warmup = math.ceil(config.scheduler.warmup_ratio * steps)
+    warmup = warmup_steps(config.scheduler, steps)
     factor = get_scheduler(config.scheduler.name, optimizer, warmup, steps).lr_lambdas[0]
     # posttrain's documented warmup: the first update runs at peak / warmup, not at 0
     return optimizer, torch.optim.lr_scheduler.LambdaLR(
