@@ -14,8 +14,9 @@ never calls the tool (held-out reward near 0); sampled, it sometimes does, right
 environment's reward teaches it to use the calculator. The SFT conversations, the GRPO prompts and the 64
 held-out products are distinct pairs (checked before training).
 
-Run ``.venv/bin/python examples/agent_demo.py [--seed N]`` (about six minutes on a 2-core CPU; it
-runs the SFT demo first when its export is missing). Progress is printed as it goes.
+Run ``.venv/bin/python examples/agent_demo.py [--seed N] [--short] [--fresh]`` (it says how long it takes before
+it starts, and runs the SFT demo first when its export is missing). Progress is printed as it goes; stopped,
+it resumes where it stopped (each stage is kept once done, each run resumes from its last checkpoint).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -35,12 +35,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from posttrain.testing import tool_task  # noqa: E402
+from posttrain.testing.demos import Expected, Stages, arguments, resume_engine, say_expected  # noqa: E402
 from posttrain.testing.heldout import check_disjoint  # noqa: E402
 
 SFT_ROWS, PROMPTS, HELD_OUT = 2000, 512, 64
 CALL_STEPS = 400  # the first SFT: the operands are copied into the call from about step 130
 DIRECT_STEPS, DIRECT_EVERY = 60, 10  # the second: 9 in 10 conversations answer directly
 GRPO_STEPS, EVAL_EVERY = 30, 10
+SHORT = {"calls": 200, "direct": 30, "grpo": 10}  # --short: each run's steps
+EXPECTED = Expected("about 12 min", "about 6 min", "2026-12-02")
 TINY_MODEL = ("--hidden-size", "128", "--layers", "4", "--seed", "0")  # the demo's model (make demo's)
 REVERSING = ROOT / "demo-out" / "run" / "checkpoints" / "final"  # the SFT demo's export
 
@@ -88,7 +91,8 @@ def sft(out: Path, name: str, rows: list[dict], base: str, steps: int, lr: float
                     "type": "huggingface",
                     "output_dir": str(out / name / "export"),
                     "save_end_of_training": True,
-                }
+                },
+                resume_engine(out / name, 20),
             ],
         },
         out,
@@ -97,7 +101,9 @@ def sft(out: Path, name: str, rows: list[dict], base: str, steps: int, lr: float
     return out / name / "export" / "final"
 
 
-def grpo(out: Path, model: Path, prompts: Path, held: Path, name: str, seed: int) -> list[tuple[int, dict]]:
+def grpo(
+    out: Path, model: Path, prompts: Path, held: Path, name: str, seed: int, steps: int
+) -> list[tuple[int, dict]]:
     """GRPO with the calculator environment, its ``get_reward`` the reward; the held-out evaluations by step."""
     run = posttrain(
         {
@@ -118,12 +124,13 @@ def grpo(out: Path, model: Path, prompts: Path, held: Path, name: str, seed: int
             "loss_type": "dapo",
             "micro_batch_size": 32,
             "gradient_accumulation_steps": 4,
-            "train_iters": GRPO_STEPS,
+            "train_iters": steps,
             "eval_interval": EVAL_EVERY,
             "eval_on_start": True,
             "optimizer": {"lr": 3e-4, "weight_decay": 0.0},
             "scheduler": {"name": "constant", "warmup_ratio": 0},
             "logger": {"output_dir": str(out / name)},
+            "checkpoint": [resume_engine(out / name, 5)],
         },
         out,
         name,
@@ -135,12 +142,15 @@ def grpo(out: Path, model: Path, prompts: Path, held: Path, name: str, seed: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0, help="the pairs drawn and the runs' seed")
-    seed = parser.parse_args().seed
+    args = arguments(parser).parse_args()
+    seed = args.seed
+    say_expected(EXPECTED, args.short)
+    steps = SHORT if args.short else {"calls": CALL_STEPS, "direct": DIRECT_STEPS, "grpo": GRPO_STEPS}
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     started = time.time()
-    out = ROOT / "demo-out" / ("agent" if seed == 0 else f"agent-seed{seed}")
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    name = ("agent" if seed == 0 else f"agent-seed{seed}") + ("-short" if args.short else "")
+    stages = Stages(ROOT / "demo-out" / name, args.fresh)
+    out = stages.out
     if not (REVERSING / "config.json").is_file():  # the SFT demo's model (make demo's)
         if not (ROOT / "demo-out" / "tiny-model" / "config.json").is_file():
             subprocess.run(
@@ -168,15 +178,21 @@ def main() -> None:
     tool_task.write_rows(out / "sft-calls.jsonl", calls)
     tool_task.write_rows(out / "sft-direct.jsonl", mixed)
     print(check_disjoint(held, [out / "sft-calls.jsonl", out / "sft-direct.jsonl", prompts]), flush=True)
-    print(f"1/3 SFT on {SFT_ROWS} tool-call conversations, {CALL_STEPS} steps", flush=True)
-    calling = sft(out, "sft-calls", calls, str(REVERSING), CALL_STEPS, 3e-3)
+    print(f"1/3 SFT on {SFT_ROWS} tool-call conversations, {steps['calls']} steps", flush=True)
+    stages.run("sft-calls", lambda: sft(out, "sft-calls", calls, str(REVERSING), steps["calls"], 3e-3))
+    calling = out / "sft-calls" / "export" / "final"
     print(
-        f"2/3 SFT on answering directly ({DIRECT_EVERY - 1} in {DIRECT_EVERY}), {DIRECT_STEPS} steps",
+        f"2/3 SFT on answering directly ({DIRECT_EVERY - 1} in {DIRECT_EVERY}), {steps['direct']} steps",
         flush=True,
     )
-    model = sft(out, "sft-direct", mixed, str(calling), DIRECT_STEPS, 1e-3)
-    print(f"3/3 GRPO with the calculator: {GRPO_STEPS} steps of 16 prompts x 8 completions", flush=True)
-    curve = grpo(out, model, prompts, held, "grpo", seed)
+    stages.run("sft-direct", lambda: sft(out, "sft-direct", mixed, str(calling), steps["direct"], 1e-3))
+    model = out / "sft-direct" / "export" / "final"
+    print(f"3/3 GRPO with the calculator: {steps['grpo']} steps of 16 prompts x 8 completions", flush=True)
+    curve: list[tuple[int, dict]] = []
+    stages.run("grpo", lambda: curve.extend(grpo(out, model, prompts, held, "grpo", seed, steps["grpo"])))
+    if not curve:  # done earlier: its records
+        records = (out / "grpo" / "train-log-metrics.jsonl").read_text().splitlines()
+        curve = [(r["iter"], r) for r in map(json.loads, records) if "eval_reward" in r]
     print(
         f"\nheld-out: the share of the {HELD_OUT} products (never trained on) the agent computes with its calculator"
     )

@@ -4,12 +4,14 @@ by SFT on the demo's chats, by on-policy distillation from the teacher on the sa
 distillation with GKD's mixing (half the batches on the teacher's samples); each is then asked to reverse 200
 held-out numbers (greedy answers, exact match).
 
-Run with ``.venv/bin/python examples/distill_demo.py`` (it runs the SFT demo first when its export is missing).
-Everything is local; a few minutes on a 2-core CPU.
+Run with ``.venv/bin/python examples/distill_demo.py [--short] [--fresh]`` (it runs the SFT demo first when its
+export is missing). Everything is local; it says how long it takes before it starts. Its runs are kept under
+``demo-out/distill-demo`` (``--short``: ``distill-demo-short``); stopped, it resumes where it stopped.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -21,10 +23,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from posttrain.testing.demos import Expected, Stages, arguments, resume_override, say_expected  # noqa: E402
 from posttrain.testing.heldout import check_disjoint  # noqa: E402
 
 OUT = ROOT / "demo-out"
-STEPS = 160
+STEPS, SHORT_STEPS = 160, 60
+EXPECTED = Expected("about 4 min", "about 2 min", "2026-12-02")
 TEACHER = OUT / "run" / "checkpoints" / "final"
 STUDENT = OUT / "tiny-student"
 
@@ -35,10 +39,9 @@ def posttrain(*args: str) -> None:
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
-def accuracy(model: Path, name: str) -> float:
+def accuracy(model: Path, out: Path) -> float:
     """Greedy answers to the held-out prompts, scored by exact match: grpo's evaluation of the model,
     without training (``skip_train``)."""
-    out = OUT / f"distill-demo-eval-{name}"
     shutil.rmtree(out, ignore_errors=True)
     posttrain(
         "train",
@@ -54,8 +57,11 @@ def accuracy(model: Path, name: str) -> float:
 
 
 def main() -> None:
+    args = arguments(argparse.ArgumentParser(description=__doc__.split("\n")[0])).parse_args()
+    say_expected(EXPECTED, args.short)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     started = time.time()
+    steps = SHORT_STEPS if args.short else STEPS
     data = ROOT / "examples" / "data"  # the SFT's chats and distill's prompts, against the held-out prompts
     print(
         check_disjoint(
@@ -73,39 +79,35 @@ def main() -> None:
         posttrain(
             "tiny-model", str(STUDENT), "--hidden-size", "64", "--layers", "2", "--heads", "2", "--seed", "0"
         )
-    for previous in (
-        "student-sft",
-        "student-distill",
-        "student-gkd",
-    ):  # fresh runs: the metrics files are appended to
-        shutil.rmtree(OUT / previous, ignore_errors=True)
-    posttrain(
-        "train",
-        "examples/sft-reverse.yaml",
-        f"model.name_or_path={STUDENT}",
-        f"train_iters={STEPS}",
-        "logger.output_dir=demo-out/student-sft",
-        "checkpoint.0.output_dir=demo-out/student-sft/checkpoints",
-    )
-    posttrain("train", "examples/distill-reverse.yaml", f"train_iters={STEPS}")
-    posttrain(  # GKD's mixing: half the batches on the teacher's own samples (sequence-level KD)
-        "train",
-        "examples/distill-reverse.yaml",
-        f"train_iters={STEPS}",
-        "lmbda=0.5",
-        "seq_kd=true",
-        "logger.output_dir=demo-out/student-gkd",
-        "checkpoint.0.output_dir=demo-out/student-gkd/checkpoints",
-    )
+    stages = Stages(OUT / ("distill-demo-short" if args.short else "distill-demo"), args.fresh)
+    root = stages.out.relative_to(ROOT)
+
+    def where(name: str) -> list[str]:
+        out = f"{root}/{name}"
+        return [
+            f"logger.output_dir={out}",
+            f"checkpoint.0.output_dir={out}/checkpoints",
+            resume_override(out, 20),
+        ]
+
+    sft = ["examples/sft-reverse.yaml", f"model.name_or_path={STUDENT}", f"train_iters={steps}"]
+    stages.run("student-sft", lambda: posttrain("train", *sft, *where("student-sft")))
+    distill = ["examples/distill-reverse.yaml", f"train_iters={steps}"]
+    stages.run("student-distill", lambda: posttrain("train", *distill, *where("student-distill")))
+    # GKD's mixing: half the batches on the teacher's own samples (sequence-level KD)
+    gkd = [*distill, "lmbda=0.5", "seq_kd=true"]
+    stages.run("student-gkd", lambda: posttrain("train", *gkd, *where("student-gkd")))
+    models = {
+        "teacher (SFT demo, hidden 128, 4 layers)": TEACHER,
+        f"student by SFT, {steps} steps": stages.out / "student-sft" / "checkpoints" / "final",
+        f"student by distillation, {steps} steps": stages.out / "student-distill" / "checkpoints" / "final",
+        f"student by distillation with GKD's mixing (lmbda 0.5, seq_kd), {steps} steps": stages.out
+        / "student-gkd"
+        / "checkpoints"
+        / "final",
+    }
     results = {
-        "teacher (SFT demo, hidden 128, 4 layers)": accuracy(TEACHER, "teacher"),
-        f"student by SFT, {STEPS} steps": accuracy(OUT / "student-sft" / "checkpoints" / "final", "sft"),
-        f"student by distillation, {STEPS} steps": accuracy(
-            OUT / "student-distill" / "checkpoints" / "final", "distill"
-        ),
-        f"student by distillation with GKD's mixing (lmbda 0.5, seq_kd), {STEPS} steps": accuracy(
-            OUT / "student-gkd" / "checkpoints" / "final", "gkd"
-        ),
+        name: accuracy(model, stages.out / f"eval-{i}") for i, (name, model) in enumerate(models.items())
     }
     print("\nheld-out exact-match accuracy (greedy answers to 200 numbers never trained on):")
     for name, value in results.items():
