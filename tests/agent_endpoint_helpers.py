@@ -16,7 +16,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from posttrain.sandbox.confine import python_tool
+from posttrain.sandbox.python_tool import python_tool
 
 python = python_tool()  # the sandbox as this machine gives it whole (python_tool(strict=False): with what holds)
 

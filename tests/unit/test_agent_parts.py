@@ -332,7 +332,7 @@ def test_tool_tokens_are_not_trained() -> None:
 
 def test_the_python_tool_runs_code_and_its_schema_is_the_configs() -> None:
     from posttrain.config.agents import BUILTIN_SCHEMAS, schema_of
-    from posttrain.sandbox.confine import python_tool
+    from posttrain.sandbox.python_tool import python_tool
 
     python = python_tool()
 

@@ -13,7 +13,7 @@ from typing import Any
 
 #: the built-in tools by their name in ``tools:`` (``rollout.tools.load_tool``)
 BUILTIN_TOOLS = ("python",)
-#: the built-in tools' JSON schemas (``sandbox.confine.python_tool``'s, checked equal by a test)
+#: the built-in tools' JSON schemas (``sandbox.python_tool.python_tool``'s, checked equal by a test)
 BUILTIN_SCHEMAS: dict[str, dict[str, Any]] = {
     "python": {
         "type": "function",

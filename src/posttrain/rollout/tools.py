@@ -35,7 +35,7 @@ def load_tool(entry: str, accept_weaker_sandbox: bool = False) -> Callable[..., 
     """The function a ``tools:`` entry names (a built-in or ``path/file.py:function``;
     ``accept_weaker_sandbox``: the run's ``sandbox_accept_weaker``, for the built-in ``python``)."""
     if entry == "python":
-        from posttrain.sandbox.confine import python_tool
+        from posttrain.sandbox.python_tool import python_tool
 
         return python_tool(strict=not accept_weaker_sandbox)
     from posttrain.config.user_code import import_named

@@ -46,7 +46,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -590,35 +590,10 @@ def enforced() -> str:
 def prepare(accept: bool) -> None:
     """Before a run executes model-written code: the sandbox as this machine gives it, or the run stops (one
     line naming what is missing); with ``accept`` (``sandbox_accept_weaker``), the run goes on with what holds
-    and says so. The setting reaches the sandbox as an argument: :func:`python_tool`'s and the
-    ``code_tests`` reward's ``strict``."""
+    and says so. The setting reaches the sandbox as an argument: the ``python`` tool's
+    (``sandbox/python_tool.py``) and the ``code_tests`` reward's ``strict``."""
     from posttrain.logs import say
 
     found = require(accept)
     if found.missing:
         say(f"sandbox: running model-written code without {'; '.join(found.missing)} (sandbox_accept_weaker)")
-
-
-# ------------------------------------------------------------------------------------------ the tool
-
-
-def python_tool(strict: bool = True) -> Callable[[str], str]:
-    """The built-in ``python`` tool: a model's code run in the sandbox, what it prints returned. ``strict``
-    False (the run's ``sandbox_accept_weaker``): it runs with what holds where the kernel makes no
-    namespaces."""
-
-    def python(code: str) -> str:
-        """Run Python code in a sandbox and return what it prints.
-
-        Args:
-            code: the Python program to run
-        """
-        ran = run_python(code, strict=strict)
-        text = ran.stdout + (ran.stderr if ran.stderr else "")
-        if ran.timed_out:
-            text += f"\n(stopped: it ran past {Limits().wall:g} s)"
-        elif ran.returncode < 0:
-            text += f"\n(killed by signal {-ran.returncode})"
-        return text.strip() or "(no output)"
-
-    return python
