@@ -34,7 +34,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from posttrain.testing import tool_task  # noqa: E402
+from posttrain.testing import demos, tool_task  # noqa: E402
 from posttrain.testing.demos import Expected, Stages, arguments, resume_engine, say_expected  # noqa: E402
 from posttrain.testing.heldout import check_disjoint  # noqa: E402
 
@@ -53,7 +53,7 @@ def posttrain(config: dict, out: Path, name: str) -> Path:
     path = out / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     print(f"$ posttrain train {path.relative_to(ROOT)}", flush=True)
-    process = subprocess.Popen(
+    process = demos.popen(
         [sys.executable, "-m", "posttrain", "train", str(path)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -153,7 +153,7 @@ def main() -> None:
     out = stages.out
     if not (REVERSING / "config.json").is_file():  # the SFT demo's model (make demo's)
         if not (ROOT / "demo-out" / "tiny-model" / "config.json").is_file():
-            subprocess.run(
+            demos.run(
                 [sys.executable, "-m", "posttrain", "tiny-model", "demo-out/tiny-model", *TINY_MODEL],
                 check=True,
                 cwd=ROOT,
@@ -161,7 +161,7 @@ def main() -> None:
         print(
             "$ posttrain train examples/sft-reverse.yaml  (the SFT demo: the model to start from)", flush=True
         )
-        subprocess.run(
+        demos.run(
             [sys.executable, "-m", "posttrain", "train", "examples/sft-reverse.yaml"],
             check=True,
             cwd=ROOT,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from posttrain.testing import demos  # noqa: E402
 from posttrain.testing.demos import Expected, arguments, say_expected  # noqa: E402
 from posttrain.testing.heldout import check_disjoint  # noqa: E402
 
@@ -35,7 +35,7 @@ SHORT = (  # --short: half the config's 160 steps (its whole schedule, shorter),
 def posttrain(*args: str) -> None:
     command = [sys.executable, "-m", "posttrain", *args]
     print("$ posttrain " + " ".join(args), flush=True)
-    subprocess.run(command, check=True, cwd=ROOT)
+    demos.run(command, check=True, cwd=ROOT)
 
 
 def accuracy(model_dir: Path, rows: list[dict], show: int = 0) -> float:

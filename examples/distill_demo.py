@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from posttrain.testing import demos  # noqa: E402
 from posttrain.testing.demos import Expected, Stages, arguments, resume_override, say_expected  # noqa: E402
 from posttrain.testing.heldout import check_disjoint  # noqa: E402
 
@@ -36,7 +37,7 @@ STUDENT = OUT / "tiny-student"
 def posttrain(*args: str) -> None:
     command = [sys.executable, "-m", "posttrain", *args]
     print("$ posttrain " + " ".join(args), flush=True)
-    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    demos.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
 def accuracy(model: Path, out: Path) -> float:

@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from posttrain.testing import demos  # noqa: E402
 from posttrain.testing.demos import Expected, Stages, arguments, resume_override, say_expected  # noqa: E402
 from posttrain.testing.heldout import check_disjoint  # noqa: E402
 
@@ -37,7 +38,7 @@ def posttrain(*args: str, cores: list[int] | None = None) -> None:
     if cores:
         command = ["taskset", "-c", ",".join(map(str, cores)), *command]
     print("$ posttrain " + " ".join(args), flush=True)
-    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    demos.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
 def held_out(records: list[dict]) -> list[tuple[int, float]]:

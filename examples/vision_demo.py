@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from posttrain.testing import demos  # noqa: E402
 from posttrain.testing.data import write_jsonl  # noqa: E402
 from posttrain.testing.demos import Expected, arguments, say_expected  # noqa: E402
 from posttrain.testing.vision import (  # noqa: E402
@@ -42,7 +42,7 @@ SHORT = ("train_iters=30",)  # --short: half of each run's 60 steps
 
 def posttrain(*args: str) -> None:
     print("$ posttrain " + " ".join(args), flush=True)
-    subprocess.run([sys.executable, "-m", "posttrain", *args], check=True, cwd=ROOT)
+    demos.run([sys.executable, "-m", "posttrain", *args], check=True, cwd=ROOT)
 
 
 def main() -> None:

@@ -43,3 +43,39 @@ def test_the_resume_override_adds_a_resuming_checkpoint_engine(tmp_path: Path) -
     engine = config.checkpoint[1]
     assert engine.type == "deepspeed" and engine.auto_resume and engine.save_every_n_steps == 20
     assert Path(engine.output_dir) == tmp_path / "run" / "resume" and engine.save_total_limit == 1
+
+
+def test_a_demos_child_ends_with_the_demo(tmp_path: Path) -> None:
+    """A demo killed by a ``timeout`` (SIGTERM) leaves no ``posttrain`` run behind: its children get SIGTERM
+    when it dies (on which a training run saves and stops)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    child_code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    demo = tmp_path / "demo.py"
+    demo.write_text(
+        f"import sys\nfrom posttrain.testing import demos\ndemos.run([sys.executable, '-c', {child_code!r}])\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, str(demo)], env={**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    )
+    deadline = time.time() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.time() < deadline and parent.poll() is None
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    parent.send_signal(signal.SIGTERM)
+    parent.wait(timeout=30)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    raise AssertionError("the demo's child outlived it")

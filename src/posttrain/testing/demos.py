@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from posttrain.testing.served import die_with_parent
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,18 @@ class Stages:
         started = time.time()
         stage()
         self._marker(name).write_text(f"{time.time() - started:.0f} s\n")
+
+
+def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for a demo's ``posttrain`` commands: the child ends with the demo however the demo
+    ends (a ``timeout``'s SIGTERM, a kill: its parent-death signal is SIGTERM, on which a training run saves
+    its resumable checkpoint and stops; Ctrl-C reaches both already)."""
+    return subprocess.run(command, preexec_fn=die_with_parent, **kwargs)
+
+
+def popen(command: list[str], **kwargs: Any) -> subprocess.Popen:
+    """:func:`run`'s ``Popen``: for a demo that reads the run's output as it comes."""
+    return subprocess.Popen(command, preexec_fn=die_with_parent, **kwargs)
 
 
 def resume_engine(run_dir: str | Path, every: int) -> dict:

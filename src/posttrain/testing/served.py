@@ -45,7 +45,7 @@ _PRCTL = _libc_prctl()
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before it runs: SIGTERM when the process that started it dies, however it dies."""
     if _PRCTL is not None:
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -87,7 +87,7 @@ def server_process(
             env=env or child_env(),
             text=True,
             start_new_session=True,  # its own group: the server and its engine processes end together
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         try:
             wait_for(f"http://127.0.0.1:{port}", server, seconds)
