@@ -43,7 +43,7 @@ CALL_STEPS = 400  # the first SFT: the operands are copied into the call from ab
 DIRECT_STEPS, DIRECT_EVERY = 60, 10  # the second: 9 in 10 conversations answer directly
 GRPO_STEPS, EVAL_EVERY = 30, 10
 SHORT = {"calls": 200, "direct": 30, "grpo": 10}  # --short: each run's steps
-EXPECTED = Expected("about 12 min", "about 6 min", "2026-12-02")
+EXPECTED = Expected("about 8 min", "about 3.5 min", "2026-12-02")  # plus the SFT demo when missing
 TINY_MODEL = ("--hidden-size", "128", "--layers", "4", "--seed", "0")  # the demo's model (make demo's)
 REVERSING = ROOT / "demo-out" / "run" / "checkpoints" / "final"  # the SFT demo's export
 

@@ -49,6 +49,28 @@ from posttrain.logs import say
 STATE_KEY = "ahead"
 
 
+class OnPolicy:
+    """The feed's batch source without generation ahead: each batch is generated when its step comes, from
+    the weights of that step (its version is its own index). :class:`Ahead` is the other source; the feed
+    calls either the same way."""
+
+    def take_for(self, batch: int, state: Any) -> tuple[Completions | None, int]:
+        """None: the feed generates the batch now."""
+        return None, batch
+
+    def version(self, batch: int) -> int:
+        return batch
+
+    def records(self, batch: int, version: int) -> dict[str, float]:
+        return {}
+
+    def other_weights(self) -> None:
+        """Nothing is in flight, nothing to forget."""
+
+    def close(self) -> None:
+        pass
+
+
 def weights_version(batch: int, staleness: int, every: int) -> int:
     """The trained batches whose weights batch ``batch`` is generated from (see the module docstring)."""
     return max(0, batch - staleness) // every * every
@@ -183,6 +205,18 @@ class Ahead:
             f"{self.every} would have them: {why}. From batch {missed[-1] + 1} on the rule holds again"
         )
 
+    def take_for(self, batch: int, state: Any) -> tuple[Completions | None, int]:
+        """The feed's one call for a step's batch: batch ``batch``'s completions and their weights' version.
+        The run's first call attaches to its loop ``state`` (a resumed run's batches in flight restored from
+        its checkpoint, every batch before ``batch`` trained; the checkpoints then save those in flight); each
+        call hands the engine the batches whose weights are now trained, then waits for this one."""
+        if not isinstance(state.rank_state.get(STATE_KEY), SavedAhead):
+            self.restore(state.rank_state.get(STATE_KEY), batch, resumed=state.step > 0)
+            # a checkpoint saves the batches in flight (at a stop, not those whose servers are gone)
+            state.rank_state[STATE_KEY] = self.saved(lambda: bool(state.stop_reason))
+        self.advance(batch)
+        return self.take(batch)
+
     def take(self, batch: int) -> tuple[Completions, int]:
         """Batch ``batch``'s completions (waiting for them when they are not ready) and the weights' version
         they come from."""
@@ -223,6 +257,12 @@ class Ahead:
     def forget_weights(self) -> None:
         """The engine was given other weights (an evaluation's): the next version is pushed again."""
         self.engine_version = None
+
+    def other_weights(self) -> None:
+        """Before the engine generates from other weights (an evaluation's, the current ones): the batches in
+        flight are waited for, and the next version is pushed again."""
+        self.settle()
+        self.forget_weights()
 
     # ---------------------------------------------------------------------------------- resumable state
 

@@ -39,7 +39,6 @@ from posttrain.generation.types import (
 )
 from posttrain.models.document_attention import joins_rows
 from posttrain.models.token_logps import unwrap
-from posttrain.rollout.ahead import STATE_KEY, SavedAhead
 from posttrain.rollout.sampler import RolloutSampler
 from posttrain.rollout.sequence_split import sequence_split
 from posttrain.rollout.slots import PromptSlots
@@ -207,7 +206,9 @@ class OnlineSteps:
         if config.generates_ahead:  # max_staleness, weight_sync_steps: rollout/ahead.py
             total = min(self.slots.offsets[-1], -(-self.total_steps // updates))
             sampler.start_ahead(config, engine.module, self._generate_ahead, total, ctx.dist.world_size)
-        self.ahead = sampler.ahead
+        self.source = (
+            sampler.source
+        )  # the batches: generated when due (OnPolicy), or ahead (rollout/ahead.py)
 
     @property
     def generation(self) -> EngineGeneration | None:
@@ -223,15 +224,9 @@ class OnlineSteps:
         batches = len(self.step_plan[epoch]) // self.updates
         first, done = divmod(state.epoch_step, self.updates)
         self.counters = state.counters  # run-long totals, saved with resumable checkpoints
-        if self.ahead is not None and not isinstance(state.rank_state.get(STATE_KEY), SavedAhead):
-            # a resumed run's, as its checkpoint saved them; every batch before the next one to generate trained
-            following = self.slots.global_batch(epoch, first) + (1 if done else 0)
-            self.ahead.restore(state.rank_state.get(STATE_KEY), following, resumed=state.step > 0)
-            # a checkpoint saves the batches in flight (at a stop, not those whose servers are gone)
-            state.rank_state[STATE_KEY] = self.ahead.saved(lambda: bool(state.stop_reason))
         for batch in range(first, batches):
             self.trainer_state = trainer_state(self.ctx, self.total_steps, state.step, epoch, batch, batches)
-            micro_batches = self._resumed(state, done) if done else self._generate(epoch, batch)
+            micro_batches = self._resumed(state, done) if done else self._generate(epoch, batch, state)
             if micro_batches is None:  # a stop came while its servers were gone: saved after the last step
                 state.stop_reason = (
                     f"a stop signal came while step {state.step + 1}'s batch was generated and every vLLM server "
@@ -287,7 +282,7 @@ class OnlineSteps:
         prompt_ids = completions.prompt_ids or prompt_ids
         return GeneratedBatch(epoch, batch, first, slots, rows, prompt_ids, completions, index, 0)
 
-    def _generate(self, epoch: int, batch: int) -> list[dict[str, Any]] | None:
+    def _generate(self, epoch: int, batch: int, state: Any) -> list[dict[str, Any]] | None:
         """This rank's completions of the batch, the method's values for them, and the micro-batches (None:
         the generation gave up at a stop, on some process)."""
         first, slots, slot_rows, prompt_ids, keys = self.slots.take(epoch, batch)
@@ -297,9 +292,7 @@ class OnlineSteps:
         completions: Completions | None = None
         stopped = False
         try:
-            if self.ahead is not None:  # generated ahead, from older weights (rollout/ahead.py)
-                self.ahead.advance(index)
-                ahead, version = self.ahead.take(index)
+            ahead, version = self.source.take_for(index, state)  # None: generated now, from these weights
             completions = self.method.completions_for(self, epoch, batch, slot_rows, prompt_ids, keys)
             if completions is None:  # the policy's own samples
                 completions = ahead or self.complete(
@@ -326,8 +319,7 @@ class OnlineSteps:
         if self.sampler.turns is not None:
             self.metrics.latest.update(tool_records(completions, self.ctx.dist))
             self.metrics.latest.update(turn_records(self.sampler.turns.records(), self.ctx.dist))
-        if self.ahead is not None:
-            self.metrics.latest.update(self.ahead.records(index, version))
+        self.metrics.latest.update(self.source.records(index, version))
         micro_batches = self.micro_batches(
             generated.prompt_ids, completions, stats.values, prompt_images(generated.rows)
         )
@@ -338,11 +330,10 @@ class OnlineSteps:
     def _generate_ahead(self, index: int, backend: GenerationEngine) -> Completions:
         """Batch ``index``'s completions for this rank, generated ahead (on the background thread) from what the
         engine holds; the trainer state user functions see is the one of the weights it comes from."""
-        assert self.ahead is not None
         epoch, batch, batches = self.slots.place(index)
         _, _, rows, prompt_ids, keys = self.slots.take(epoch, batch)
         state = trainer_state(self.ctx, self.total_steps, 0, epoch, batch, batches)
-        state.global_step = self.ahead.version(index) * self.updates
+        state.global_step = self.source.version(index) * self.updates
         return self.sampler.complete(
             self.engine.module, rows, prompt_ids, self.sampling, keys, self.logprobs(), backend, state
         )
@@ -588,9 +579,7 @@ class EngineGeneration:
         self.feed, self.backend = feed, backend
 
     def prepare(self, module: torch.nn.Module) -> None:
-        if self.feed.ahead is not None:
-            self.feed.ahead.settle()
-            self.feed.ahead.forget_weights()
+        self.feed.source.other_weights()
         if self.backend.stale:
             self.backend.push(module)
 

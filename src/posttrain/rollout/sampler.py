@@ -16,7 +16,7 @@ from posttrain.generation.engine import EngineCopy
 from posttrain.generation.transformers_engine import generation_eos
 from posttrain.generation.types import Completions, EngineInputs, GenerationEngine, Sampling
 from posttrain.models.sampling_policy import policy_of
-from posttrain.rollout.ahead import Ahead
+from posttrain.rollout.ahead import Ahead, OnPolicy
 from posttrain.tokenizers.chat_templates import end_of_turn_ids
 from posttrain.tokenizers.padding import input_pad_id
 from posttrain.vision.collate import prompt_images
@@ -86,7 +86,7 @@ class RolloutSampler:
         from posttrain.rollout.agent import multi_turn
 
         self.turns = multi_turn(config, tokenizer, self.stops)  # multi-turn rollouts: tools, rollout_func
-        self.ahead: Ahead | None = None
+        self.source: Ahead | OnPolicy = OnPolicy()  # the batches' source: generated when due, or ahead
 
     def start_ahead(
         self,
@@ -105,7 +105,7 @@ class RolloutSampler:
                 f"weights; the {backend.name} engine generates on the training weights: use vLLM "
                 "(use_vllm: true) or set max_staleness: 0"
             )
-        self.ahead = Ahead(
+        self.source = Ahead(
             generate,
             backend,
             lambda: backend.push(module),
@@ -133,9 +133,7 @@ class RolloutSampler:
         what user functions see of the run."""
         if backend is None:
             backend = self.backend
-            if self.ahead is not None:  # the engine is given the current weights
-                self.ahead.settle()
-                self.ahead.forget_weights()
+            self.source.other_weights()  # the engine is given the current weights
         pictures = prompt_images(rows)
         if self.turns is not None:
             if any(pictures):
@@ -155,8 +153,7 @@ class RolloutSampler:
         return backend.generate(module, prompt_ids, sampling, keys, logprobs, pictures)
 
     def close(self) -> None:
-        if self.ahead is not None:
-            self.ahead.close()
+        self.source.close()
         self.backend.close()
         if self.turns is not None:
             self.turns.close()
