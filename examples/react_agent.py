@@ -9,7 +9,7 @@ from typing import Any
 
 from openai import OpenAI
 
-from posttrain.sandbox.confine import python_tool
+from posttrain.sandbox.python_tool import python_tool
 
 #: the sandbox as this machine gives it whole (``python_tool(strict=False)``: with what holds)
 python = python_tool()
