@@ -24,6 +24,7 @@ from posttrain.convert.hf_args import (
     epochs,
     finish_adapter,
     finish_training_arguments,
+    held_out_share,
     lora_rules,
     optimizer_name,
     resume_from,
@@ -92,16 +93,6 @@ def _datasets(conv: Conversion, key: str, value: Any) -> str:
         conv.scratch["has_eval"] = True
     extra = f"; {'; '.join(notes)}" if notes else ""
     return f"data.{side} ({len(sources)}; alpaca, messages and preference rows load as they are){extra}"
-
-
-def _val_set_size(conv: Conversion, key: str, value: Any) -> str:
-    if not value:
-        return "no held-out split"
-    if float(value) >= 1:
-        raise Unsupported("a count of rows: posttrain holds out a share (data.train_eval_split)")
-    conv.set("data.train_eval_split", [round(1 - float(value), 6), float(value)], key)
-    conv.scratch["has_eval"] = True
-    return "data.train_eval_split"
 
 
 def _adapter(conv: Conversion, key: str, value: Any) -> str:
@@ -241,7 +232,7 @@ RULES = (
     ),
     Rule("dataset_processes", "data.num_proc", SAME),
     Rule("shuffle_merged_datasets", "", NOT_NEEDED, "posttrain shuffles with data.seed"),
-    Rule("val_set_size", "data.train_eval_split", SAME, apply=_val_set_size),
+    Rule("val_set_size", "data.train_eval_split", SAME, apply=held_out_share),
     Rule("adapter", "model.peft_config", SAME, apply=_adapter),
     Rule(
         "lora_model_dir",

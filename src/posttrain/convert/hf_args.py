@@ -163,6 +163,25 @@ def near(conv: Conversion, name: str) -> Path | None:
     return next((p for p in _near(conv, name) if p.exists()), None)
 
 
+def held_out_share(conv: Conversion, key: str, value: Any) -> str:
+    """A held-out share of the rows (Axolotl's ``val_set_size``, LLaMA-Factory's ``val_size``) as
+    ``data.train_eval_split``; a count of rows is refused (posttrain splits by share)."""
+    if not value:
+        return "no held-out split"
+    if float(value) >= 1:
+        raise Unsupported("a count of rows: posttrain holds out a share (data.train_eval_split)")
+    conv.set("data.train_eval_split", [round(1 - float(value), 6), float(value)], key)
+    conv.scratch["has_eval"] = True
+    return "data.train_eval_split"
+
+
+#: TrainingArguments' defaults that differ from posttrain's, written into a converted config
+TRAINING_ARGUMENTS_DEFAULTS = (
+    ("optimizer.weight_decay", 0.0, "TrainingArguments' default weight_decay"),
+    ("scheduler.warmup_ratio", 0.0, "TrainingArguments has no warmup by default"),
+)
+
+
 def hub_upload(conv: Conversion, key: str, value: Any) -> str:
     if value:
         raise NotNeeded("posttrain never uploads; push the export folder with `huggingface-cli upload`")

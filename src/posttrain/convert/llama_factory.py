@@ -22,9 +22,11 @@ from posttrain.convert.base import (
     vision_freezes,
 )
 from posttrain.convert.hf_args import (
+    TRAINING_ARGUMENTS_DEFAULTS,
     chat_template,
     finish_adapter,
     finish_training_arguments,
+    held_out_share,
     near,
     peft_key,
     quant_key,
@@ -166,16 +168,6 @@ def _datasets(conv: Conversion, key: str, value: Any) -> str:
     return f"data.{side} ({len(sources)} from {found or 'the names'})"
 
 
-def _val_size(conv: Conversion, key: str, value: Any) -> str:
-    if not value:
-        return "no held-out split"
-    if float(value) >= 1:
-        raise Unsupported("a count of rows: posttrain holds out a share (data.train_eval_split)")
-    conv.set("data.train_eval_split", [round(1 - float(value), 6), float(value)], key)
-    conv.scratch["has_eval"] = True
-    return "data.train_eval_split"
-
-
 def _unwrap(data: dict[str, Any], conv: Conversion) -> dict[str, Any]:
     conv.scratch["dataset_dir"] = data.get("dataset_dir") or "data"  # read before the dataset names
     return data
@@ -284,7 +276,7 @@ RULES = (
     Rule("preprocessing_num_workers", "data.num_proc", SAME),
     Rule("tokenized_path", "data.cache_dir", SAME),
     Rule("streaming", "", UNSUPPORTED, "rows are read and cached once", only_if=lambda v: not v),
-    Rule("val_size", "data.train_eval_split", SAME, apply=_val_size),
+    Rule("val_size", "data.train_eval_split", SAME, apply=held_out_share),
     Rule("packing", "data.pack_samples", SAME),
     Rule("neat_packing", "data.pack_samples", SAME, "posttrain's packing attends per document always"),
     Rule("train_on_prompt", "data.mask_inputs", SAME, value=lambda v: not v),
@@ -320,8 +312,7 @@ LLAMA_FACTORY = System(
     rules=RULES,
     defaults=(
         ("epochs", 3, "TrainingArguments' default num_train_epochs"),
-        ("optimizer.weight_decay", 0.0, "TrainingArguments' default weight_decay"),
-        ("scheduler.warmup_ratio", 0.0, "TrainingArguments has no warmup by default"),
+        *TRAINING_ARGUMENTS_DEFAULTS,
         ("data.max_length", 2048, "LLaMA-Factory's default cutoff_len"),
         ("data.mask_inputs", True, "LLaMA-Factory trains on the answers (train_on_prompt: false)", ("sft",)),
         ("beta", 0.1, "LLaMA-Factory's default pref_beta", ("dpo", "kto")),

@@ -20,7 +20,13 @@ from posttrain.convert.base import (
     remember,
     to,
 )
-from posttrain.convert.hf_args import epochs, finish_training_arguments, resume_from, training_arguments
+from posttrain.convert.hf_args import (
+    TRAINING_ARGUMENTS_DEFAULTS,
+    epochs,
+    finish_training_arguments,
+    resume_from,
+    training_arguments,
+)
 
 _DISTRIBUTED = {
     "auto-deepspeed-stage1": 1,
@@ -336,8 +342,7 @@ SILOGEN = System(
         ),
         ("tokenizer.chat_template", "mistral-with-system", "SiloGen's default chat_template_name"),
         ("optimizer.lr", 5e-5, "TrainingArguments' default learning_rate"),
-        ("optimizer.weight_decay", 0.0, "TrainingArguments' default weight_decay"),
-        ("scheduler.warmup_ratio", 0.0, "TrainingArguments has no warmup by default"),
+        *TRAINING_ARGUMENTS_DEFAULTS,
         ("epochs", 3, "TrainingArguments' default num_train_epochs"),
         ("model.dtype", "auto", "SiloGen's default torch_dtype: auto"),
     ),

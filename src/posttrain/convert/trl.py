@@ -25,6 +25,7 @@ from posttrain.convert.base import (
     to,
 )
 from posttrain.convert.hf_args import (
+    TRAINING_ARGUMENTS_DEFAULTS,
     chat_template,
     finish_adapter,
     finish_training_arguments,
@@ -313,8 +314,7 @@ TRL = System(
     defaults=(
         ("optimizer.lr", 2e-5, "SFTConfig's default learning_rate", ("sft",)),
         ("optimizer.lr", 1e-6, "DPOConfig's and GRPOConfig's default learning_rate", ("dpo", "grpo")),
-        ("optimizer.weight_decay", 0.0, "TrainingArguments' default weight_decay"),
-        ("scheduler.warmup_ratio", 0.0, "TrainingArguments has no warmup by default"),
+        *TRAINING_ARGUMENTS_DEFAULTS,
         ("epochs", 3, "TrainingArguments' default num_train_epochs"),
         ("data.max_length", 1024, "SFTConfig's and DPOConfig's default max_length", ("sft", "dpo", "kto")),
         ("micro_batch_size", 8, "TrainingArguments' default per_device_train_batch_size"),
