@@ -17,7 +17,6 @@ from posttrain.convert.base import (
     Unsupported,
     attention,
     placeholder_data,
-    to,
 )
 from posttrain.convert.hf_args import (
     chat_template,
@@ -320,7 +319,6 @@ RULES = (
     *(Rule(f"trl.{name}", name, SAME) for name in GRPO_SAME),
     Rule("trl.*", "", UNSUPPORTED, "a TRL setting with no posttrain equivalent"),
     *training_arguments(),
-    Rule("output_dir", "logger.output_dir", SAME, apply=to("logger.output_dir")),
     Rule(
         "dataset_exact_deduplication", "", UNSUPPORTED, "rows are not deduplicated", only_if=lambda v: not v
     ),
