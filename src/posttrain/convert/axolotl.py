@@ -17,6 +17,8 @@ from posttrain.convert.base import (
     Unsupported,
     attention,
     placeholder_data,
+    precision_flag,
+    when_set,
 )
 from posttrain.convert.hf_args import (
     chat_template,
@@ -29,7 +31,7 @@ from posttrain.convert.hf_args import (
     resume_from,
     training_arguments,
 )
-from posttrain.convert.trl import GRPO_SAME
+from posttrain.convert.trl import grpo_rules, rewards_to_write
 
 #: Axolotl's ``rl`` values and posttrain's trainer (and DPO-family loss) for each
 RL = {
@@ -109,22 +111,15 @@ def _adapter(conv: Conversion, key: str, value: Any) -> str:
     return "model.peft_config"
 
 
-def _target_linear(conv: Conversion, key: str, value: Any) -> str:
-    if not value:
-        return "not set"
-    conv.set("model.peft_config.target_modules", "all-linear", key)
-    return "model.peft_config.target_modules: all-linear"
-
-
 def _bf16(conv: Conversion, key: str, value: Any) -> str:
+    """``bf16: auto`` (where the device has it) as bfloat16; ``true``/``false`` as any ``bf16``/``fp16``
+    switch."""
     if value == "auto":
         conv.set("model.dtype", "bfloat16", key)
         return (
             "model.dtype: bfloat16 (auto: where the device has it; posttrain falls back on a CPU without it)"
         )
-    if value:
-        conv.set("model.dtype", "float16" if key == "fp16" else "bfloat16", key)
-    return "model.dtype"
+    return precision_flag(conv, key, value)
 
 
 def _flash(conv: Conversion, key: str, value: Any) -> str:
@@ -196,8 +191,7 @@ def _finish(conv: Conversion) -> None:
         rank_default=8,
     )
     finish_training_arguments(conv, has_eval, epochs_default=1)
-    if conv.get("type") == "grpo" and not conv.has("rewards"):
-        conv.line("(rewards)", UNSUPPORTED, "trl.reward_funcs: write them under rewards: (type: function)")
+    rewards_to_write(conv)
     if conv.get("type") == "sft" and not conv.has("data.mask_inputs"):
         conv.set("data.mask_inputs", True, "Axolotl's train_on_inputs: false")
 
@@ -225,9 +219,7 @@ RULES = (
         "dataset_prepared_path",
         "data.cache_dir",
         SAME,
-        apply=lambda c, k, v: (
-            (c.set("data.cache_dir", v, k) or "data.cache_dir") if v else "posttrain's cache"
-        ),
+        apply=when_set("data.cache_dir", "posttrain's cache"),
     ),
     Rule("dataset_processes", "data.num_proc", SAME),
     Rule("shuffle_merged_datasets", "", NOT_NEEDED, "posttrain shuffles with data.seed"),
@@ -237,20 +229,19 @@ RULES = (
         "lora_model_dir",
         "model.peft_pretrained",
         SAME,
-        apply=lambda c, k, v: (
-            (c.set("model.peft_pretrained", v, k) or "model.peft_pretrained") if v else "a new adapter"
-        ),
+        apply=when_set("model.peft_pretrained", "a new adapter"),
     ),
-    Rule("lora_target_linear", "model.peft_config.target_modules", SAME, apply=_target_linear),
+    Rule(
+        "lora_target_linear",
+        "model.peft_config.target_modules",
+        SAME,
+        apply=when_set("model.peft_config.target_modules", "not set", "all-linear"),
+    ),
     Rule(
         "lora_fan_in_fan_out",
         "model.peft_config.fan_in_fan_out",
         SAME,
-        apply=lambda c, k, v: (
-            (c.set("model.peft_config.fan_in_fan_out", v, k) or "model.peft_config.fan_in_fan_out")
-            if v
-            else "off"
-        ),
+        apply=when_set("model.peft_config.fan_in_fan_out", "off"),
     ),
     *lora_rules(),
     Rule("sequence_len", "data.max_length", SAME),
@@ -309,14 +300,7 @@ RULES = (
     Rule("hub_model_id", "", NOT_NEEDED, "posttrain never uploads"),
     Rule("early_stopping_patience", "", UNSUPPORTED, "no early stopping", only_if=lambda v: not v),
     Rule("trl.beta", "beta", SAME),
-    Rule(
-        "trl.reward_funcs",
-        "rewards",
-        UNSUPPORTED,
-        "names Python functions; write them under rewards: (type: function, function: module:name)",
-    ),
-    Rule("trl.reward_weights", "rewards[].weight", UNSUPPORTED, "a weight per reward: rewards[].weight"),
-    *(Rule(f"trl.{name}", name, SAME) for name in GRPO_SAME),
+    *grpo_rules("trl."),
     Rule("trl.*", "", UNSUPPORTED, "a TRL setting with no posttrain equivalent"),
     *training_arguments(),
     Rule(

@@ -174,6 +174,37 @@ def to(path: str, detail: str = "") -> Apply:
     return apply
 
 
+#: :func:`when_set` writes the source's own value
+THE_VALUE = object()
+
+
+def when_set(path: str, otherwise: str, write: Any = THE_VALUE) -> Apply:
+    """A switch or an optional path: when the value is set (truthy), write it (or ``write``) to ``path``;
+    otherwise write nothing and say ``otherwise``."""
+
+    def apply(conv: Conversion, key: str, value: Any) -> str:
+        if not value:
+            return otherwise
+        written = value if write is THE_VALUE else write
+        conv.set(path, written, key)
+        if write is THE_VALUE:
+            return path
+        return f"{path}: {str(written).lower() if isinstance(written, bool) else written}"
+
+    return apply
+
+
+def model_dtype(conv: Conversion, key: str, value: Any) -> str:
+    """A dtype named as transformers does (``bfloat16``, ``torch.bfloat16``, ``auto``) as ``model.dtype``."""
+    conv.set("model.dtype", str(value).removeprefix("torch."), key)
+    return "model.dtype"
+
+
+def process_count(conv: Conversion, key: str, value: Any) -> str:
+    """A process or GPU count: posttrain takes it at the launch, not in the config."""
+    return f"the launch: posttrain train run.yaml --nproc {value}"
+
+
 def accept(allowed: tuple[Any, ...], why: str, detail: str) -> Apply:
     """A key whose only supported values need nothing written (posttrain's defaults)."""
 

@@ -126,7 +126,7 @@ def deepspeed_file(conv: Conversion, key: str, value: Any) -> str:
     if isinstance(value, dict):
         block = value
     else:
-        path = next((p for p in _near(conv, str(value)) if p.is_file()), None)
+        path = near(conv, str(value))
         if path is None:
             raise Unsupported(
                 f"{value} not found here: set deepspeed.zero_optimization.stage (and offload_*) by hand"
@@ -146,21 +146,15 @@ def deepspeed_file(conv: Conversion, key: str, value: Any) -> str:
     return ", ".join(f"deepspeed.zero_optimization.{name}" for name in kept)
 
 
-def _near(conv: Conversion, name: str) -> list[Path]:
-    """Where a path a config names may be: as written (the working directory), then beside the config and
-    up to three folders above it (a repository's examples/ run from its root)."""
+def near(conv: Conversion, name: str) -> Path | None:
+    """A file a config names, where it may be: as written (the working directory), then beside the config
+    and up to three folders above it (a repository's examples/ run from its root); None when none is."""
     found = [Path(name)]
     source = conv.scratch.get("source_path")
     if source is not None and not Path(name).is_absolute():
         folder = Path(source).resolve().parent
-        for parent in [folder, *list(folder.parents)[:3]]:
-            found.append(parent / name)
-    return found
-
-
-def near(conv: Conversion, name: str) -> Path | None:
-    """The first existing path of :func:`_near`, or None."""
-    return next((p for p in _near(conv, name) if p.exists()), None)
+        found += [parent / name for parent in [folder, *list(folder.parents)[:3]]]
+    return next((path for path in found if path.is_file()), None)
 
 
 def held_out_share(conv: Conversion, key: str, value: Any) -> str:
@@ -317,9 +311,7 @@ def _warmup_steps(conv: Conversion, key: str, value: Any) -> str:
     if not value:
         return "no warmup steps (warmup_ratio decides)"
     conv.set("scheduler.warmup_steps", int(value), key)
-    if conv.has("scheduler.warmup_ratio"):
-        conv.config["scheduler"].pop("warmup_ratio")  # TrainingArguments: warmup_steps overrides the ratio
-    conv.scratch["warmup_steps"] = True
+    conv.scratch["warmup_steps"] = True  # the ratio, before or after it in the file, is dropped at the end
     return "scheduler.warmup_steps (it overrides warmup_ratio, as in TrainingArguments)"
 
 

@@ -14,7 +14,6 @@ from posttrain.convert.base import (
     SAME,
     UNSUPPORTED,
     Conversion,
-    NotNeeded,
     Rule,
     System,
     Unsupported,
@@ -199,13 +198,6 @@ def _finish(conv: Conversion) -> None:
     finish_training_arguments(conv, bool(conv.scratch.get("has_eval")))
 
 
-def _ignored(why: str) -> Any:
-    def apply(conv: Conversion, key: str, value: Any) -> str:
-        raise NotNeeded(why)
-
-    return apply
-
-
 RULES = (
     Rule("model_name_or_path", "model.name_or_path", SAME),
     Rule("trust_remote_code", "model.trust_remote_code", SAME),
@@ -300,7 +292,7 @@ RULES = (
     ),
     Rule("resize_vocab", "", UNSUPPORTED, "the vocabulary is the checkpoint's", only_if=lambda v: not v),
     Rule("new_special_tokens", "", UNSUPPORTED, "posttrain adds no tokens", only_if=lambda v: not v),
-    Rule("plot_loss", "", SAME, apply=_ignored("posttrain plot draws the loss from the metrics file")),
+    Rule("plot_loss", "", NOT_NEEDED, "posttrain plot draws the loss from the metrics file"),
     Rule("include_num_input_tokens_seen", "", NOT_NEEDED, "tokens are counted in the metrics"),
     Rule("infer_backend", "", NOT_NEEDED, "a chat/export setting"),
     *training_arguments(),

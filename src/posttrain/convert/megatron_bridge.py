@@ -24,6 +24,7 @@ from posttrain.convert.base import (
     resumable_engine,
     to,
     vision_freezes,
+    when_set,
 )
 from posttrain.convert.fp8 import (
     megatron_layer_rules,
@@ -359,9 +360,7 @@ RULES = (
         "data.pack_samples",
         APPROX,
         "posttrain packs with best-fit into data.max_length",
-        apply=lambda c, k, v: (
-            (c.set("data.pack_samples", True, k) or "data.pack_samples: true") if v else "no packing"
-        ),
+        apply=when_set("data.pack_samples", "no packing", True),
         whole=True,
     ),
     Rule(
@@ -462,7 +461,7 @@ RULES = (
         "profiling.record_memory_history",
         "mem_profiler",
         SAME,
-        apply=lambda c, k, v: (c.set("mem_profiler", "e2e", k) or "mem_profiler: e2e") if v else "off",
+        apply=when_set("mem_profiler", "off", "e2e"),
     ),
     Rule(
         "profiling.memory_snapshot_path",

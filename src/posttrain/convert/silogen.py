@@ -16,7 +16,9 @@ from posttrain.convert.base import (
     Unsupported,
     accept,
     attention,
+    model_dtype,
     placeholder_data,
+    process_count,
     remember,
     to,
 )
@@ -86,11 +88,6 @@ def _mix(conv: Conversion, key: str, value: Any) -> str:
     return "data.mix"
 
 
-def _dtype(conv: Conversion, key: str, value: Any) -> str:
-    conv.set("model.dtype", "auto" if value == "auto" else str(value).removeprefix("torch."), key)
-    return "model.dtype"
-
-
 def _peft_type(conv: Conversion, key: str, value: Any) -> str:
     if value == "NO_PEFT":
         return "no adapter (full fine-tuning)"
@@ -123,10 +120,6 @@ def _basemodel(conv: Conversion, key: str, value: Any) -> str:
     conv.scratch["basemodel"] = name
     where = "model.name_or_path (when run_conf.model is the chart's default path)"
     return f"{where}, as {name!r}" if name != value else where
-
-
-def _gpus(conv: Conversion, key: str, value: Any) -> str:
-    return f"the launch: posttrain train run.yaml --nproc {value}"
 
 
 def _distributed(conv: Conversion, key: str, value: Any) -> str:
@@ -252,8 +245,8 @@ RULES = (
     Rule("quant_conf.quantization_type", "model.quantization_config", SAME, apply=_quant_type),
     Rule("quant_conf.*", "model.quantization_config.*", SAME, apply=_quant_key),
     Rule("run_conf.model", "model.name_or_path", SAME),
-    Rule("run_conf.model_args.torch_dtype", "model.dtype", SAME, apply=_dtype),
-    Rule("run_conf.model_args.dtype", "model.dtype", SAME, apply=_dtype),  # transformers 5's spelling
+    Rule("run_conf.model_args.torch_dtype", "model.dtype", SAME, apply=model_dtype),
+    Rule("run_conf.model_args.dtype", "model.dtype", SAME, apply=model_dtype),  # transformers 5's spelling
     Rule("run_conf.model_args.attn_implementation", "model.attn_implementation", SAME, apply=_attention),
     Rule("run_conf.model_args.trust_remote_code", "model.trust_remote_code", SAME),
     Rule("run_conf.model_args.revision", "model.revision", SAME),
@@ -311,7 +304,7 @@ RULES = (
     Rule("overrides.num_train_epochs", "epochs", SAME, apply=epochs),
     Rule("overrides.lr_multiplier", "optimizer.lr_multiplier", SAME),
     Rule("overrides.lr_batch_size_scaling", "optimizer.lr_batch_size_scaling", SAME),
-    Rule("finetuningGpus", "--nproc", SAME, apply=_gpus),
+    Rule("finetuningGpus", "--nproc", SAME, apply=process_count),
     Rule("distributedType", "deepspeed.zero_optimization.stage", SAME, apply=_distributed),
     Rule(
         "basemodel",

@@ -14,13 +14,14 @@ from posttrain.convert.base import (
     SAME,
     UNSUPPORTED,
     Conversion,
-    NotNeeded,
     Rule,
     System,
     Unsupported,
     accept,
     attention,
+    model_dtype,
     placeholder_data,
+    process_count,
     remember,
     to,
 )
@@ -99,13 +100,6 @@ def _loss_type(conv: Conversion, key: str, value: Any) -> str:
     return "loss_type"
 
 
-def _dtype(conv: Conversion, key: str, value: Any) -> str:
-    if value is None:
-        raise NotNeeded("null: the checkpoint's dtype (posttrain: model.dtype auto)")
-    conv.set("model.dtype", str(value).removeprefix("torch."), key)
-    return "model.dtype"
-
-
 def _dataset_name(conv: Conversion, key: str, value: Any) -> str:
     conv.scratch["dataset"] = value
     return "data.sources (a hub name, a data directory or a file)"
@@ -164,7 +158,13 @@ def _finish(conv: Conversion) -> None:
         )
     finish_adapter(conv, bool(conv.scratch.get("use_peft")), "use_peft is off (full fine-tuning)")
     finish_training_arguments(conv, bool(conv.scratch.get("has_eval")))
-    if kind == "grpo" and not conv.has("rewards"):
+    rewards_to_write(conv)
+
+
+def rewards_to_write(conv: Conversion) -> None:
+    """A GRPO config converted without rewards: TRL's (and Axolotl's ``trl:``) reward functions are Python
+    names, so the line says to write posttrain's ``rewards:``."""
+    if conv.get("type") == "grpo" and not conv.has("rewards"):
         conv.line(
             "(rewards)",
             UNSUPPORTED,
@@ -173,16 +173,32 @@ def _finish(conv: Conversion) -> None:
         )
 
 
-def _same(*names: str) -> tuple[Rule, ...]:
-    return tuple(Rule(name, name, SAME) for name in names)
+def grpo_rules(prefix: str = "") -> tuple[Rule, ...]:
+    """GRPOConfig's keys posttrain spells the same, and its reward keys (Python names), under ``prefix``
+    (Axolotl's ``trl.``)."""
+    return (
+        *(Rule(f"{prefix}{name}", name, SAME) for name in GRPO_SAME),
+        Rule(
+            f"{prefix}reward_funcs",
+            "rewards",
+            UNSUPPORTED,
+            "TRL names Python functions; write them under rewards: (type: function, function: module:name)",
+        ),
+        Rule(
+            f"{prefix}reward_weights",
+            "rewards[].weight",
+            UNSUPPORTED,
+            "a weight per reward: rewards[].weight",
+        ),
+    )
 
 
 RULES = (
     # ModelConfig
     Rule("model_name_or_path", "model.name_or_path", SAME),
     Rule("model_revision", "model.revision", SAME),
-    Rule("torch_dtype", "model.dtype", SAME, apply=_dtype),
-    Rule("dtype", "model.dtype", SAME, apply=_dtype),
+    Rule("torch_dtype", "model.dtype", SAME, apply=model_dtype),
+    Rule("dtype", "model.dtype", SAME, apply=model_dtype),
     Rule("attn_implementation", "model.attn_implementation", SAME, apply=attention),
     Rule("trust_remote_code", "model.trust_remote_code", SAME),
     Rule("use_peft", "model.peft_config", SAME, apply=remember("use_peft", "model.peft_config (LoRA)")),
@@ -232,7 +248,7 @@ RULES = (
         "num_processes",
         "--nproc",
         SAME,
-        apply=lambda c, k, v: f"the launch: posttrain train run.yaml --nproc {v}",
+        apply=process_count,
     ),
     Rule("gradient_checkpointing_use_reentrant", "", NOT_NEEDED, "posttrain checkpoints without re-entrance"),
     Rule("ignore_bias_buffers", "", NOT_NEEDED, "DeepSpeed broadcasts no buffers"),
@@ -280,14 +296,7 @@ RULES = (
     ),
     # GRPOConfig
     Rule("loss_type", "loss_type", SAME, apply=_loss_type),
-    *_same(*GRPO_SAME),
-    Rule(
-        "reward_funcs",
-        "rewards",
-        UNSUPPORTED,
-        "TRL names Python functions; write them under rewards: (type: function, function: module:name)",
-    ),
-    Rule("reward_weights", "rewards[].weight", UNSUPPORTED, "a weight per reward: rewards[].weight"),
+    *grpo_rules(),
     Rule("num_completions_to_print", "", NOT_NEEDED, "completions.jsonl holds them all"),
     Rule("vllm_device", "", NOT_NEEDED, "vLLM is colocated or served (vllm_mode)"),
     Rule("vllm_dtype", "", NOT_NEEDED, "the engine runs the trainer's dtype"),
@@ -301,7 +310,7 @@ RULES = (
     ),
     Rule("wandb_log_unique_prompts", "", NOT_NEEDED, "completions.jsonl holds every prompt"),
     # KTOConfig
-    *_same(*KTO_ONLY),
+    *(Rule(name, name, SAME) for name in KTO_ONLY),
     # the rest of TrainingArguments (and DPOConfig)
     *training_arguments(),
     Rule("project_name", "wandb.project", SAME, apply=to("wandb.project")),

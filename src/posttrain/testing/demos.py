@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from posttrain.testing.served import die_with_parent
 
 
@@ -99,9 +101,7 @@ def resume_engine(run_dir: str | Path, every: int) -> dict:
 def resume_override(run_dir: str | Path, every: int, index: int = 1) -> str:
     """:func:`resume_engine` as a ``checkpoint.N={...}`` command-line override (after the config's own
     engines)."""
-    engine = resume_engine(run_dir, every)
-    inner = ", ".join(
-        f"{key}: {value if not isinstance(value, bool) else str(value).lower()}"
-        for key, value in engine.items()
+    engine = yaml.safe_dump(
+        resume_engine(run_dir, every), default_flow_style=True, sort_keys=False, width=10**6
     )
-    return f"checkpoint.{index}={{{inner}}}"
+    return f"checkpoint.{index}={engine.strip()}"
