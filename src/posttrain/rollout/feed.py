@@ -206,9 +206,8 @@ class OnlineSteps:
         if config.generates_ahead:  # max_staleness, weight_sync_steps: rollout/ahead.py
             total = min(self.slots.offsets[-1], -(-self.total_steps // updates))
             sampler.start_ahead(config, engine.module, self._generate_ahead, total, ctx.dist.world_size)
-        self.source = (
-            sampler.source
-        )  # the batches: generated when due (OnPolicy), or ahead (rollout/ahead.py)
+        # the batches: generated when due (OnPolicy), or ahead (rollout/ahead.py)
+        self.source = sampler.source
 
     @property
     def generation(self) -> EngineGeneration | None:
