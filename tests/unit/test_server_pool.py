@@ -294,8 +294,8 @@ def test_a_stopping_process_does_not_wait_for_an_answer_a_closing_server_holds(
     push(pool, tmp_path, "run-1")
     closing.broken = "hold"
     stopping.set()
+    started = time.monotonic()  # before the timer starts: its answer comes 3 s after this at the earliest
     threading.Timer(3.0, closing.held.set).start()  # answered (503) after 3 s: waited for while it answers
-    started = time.monotonic()
     with pytest.raises(GenerationStopped, match="every vLLM server is lost"):  # its 503, then no server
         pool.complete(BODIES[:1], "generating")
     assert time.monotonic() - started >= 3.0
