@@ -21,13 +21,13 @@ from posttrain.testing.vision import QUESTION, colour_rows, draw_square
 from posttrain.vision import images
 from posttrain.vision.formatting import ORIGIN, format_image_rows
 from posttrain.vision.freeze import part_of
-from posttrain.vision.processor import attach
+from posttrain.vision.processor import attach, feature_token_id, input_only_tokens
 from tests.conftest import make_base_config
 from tests.integration.helpers import merge, metrics, train
 
 pytestmark = pytest.mark.integration
 
-ARCHS = ("idefics3", "llava")
+ARCHS = ("idefics3", "llava", "gemma3")
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +108,8 @@ def test_every_layout_gives_the_processors_tokens_and_labels_only_the_answer(
     assert first["input_ids"].tolist() == own["input_ids"][0]
     labelled = first["labels"][first["labels"] != IGNORE_INDEX]
     assert tokenizer.decode(labelled) == "red<|im_end|>"
-    image_id = processor.image_token_id
-    assert (first["input_ids"] == image_id).sum() == 4  # the tiny processors' 4 tokens per image
-    assert not np.any(first["labels"] == image_id)
+    assert (first["input_ids"] == feature_token_id(processor)).sum() == 4  # the tiny processors' 4 per image
+    assert not np.any(np.isin(first["labels"], input_only_tokens(tokenizer)))
     assert images.decode(first[images.IMAGES_COLUMN]) != []
 
 
@@ -259,6 +258,8 @@ def test_part_names_of_the_families() -> None:
     assert part_of("model.visual.merger.mlp.0.weight") == "projector"
     assert part_of("model.visual.blocks.0.attn.qkv.weight") == "tower"
     assert part_of("model.language_model.layers.0.self_attn.q_proj.weight") == "language"
+    assert part_of("model.vision_tower.encoder.layers.0.self_attn.q_proj.weight") == "tower"  # Gemma 3
+    assert part_of("model.multi_modal_projector.mm_input_projection_weight") == "projector"
     assert part_of("lm_head.weight") == "language"
 
 

@@ -80,7 +80,8 @@ def _tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--arch",
         choices=(*ARCHITECTURES, *VISION_ARCHITECTURES),
         default="llama",
-        help="llama (dense), an MoE family, or a vision-language model with its processor (idefics3, llava)",
+        help="llama (dense), an MoE family, or a vision-language model with its processor "
+        f"({', '.join(VISION_ARCHITECTURES)})",
     )
     parser.add_argument("--experts", type=int, default=8, help="MoE: experts per layer")
     parser.add_argument("--top-k", type=int, default=2, help="MoE: experts per token")

@@ -45,6 +45,7 @@ from posttrain.data.samples import document_bounds
 from posttrain.errors import UserError
 from posttrain.logs import say
 from posttrain.models.dimensions import more_than_causal, read_dimensions, text_config
+from posttrain.vision.collate import token_type_keys
 from posttrain.vision.processor import is_vision_language
 
 #: the attention name the model is switched to: transformers builds no mask for a name it does not know, and
@@ -375,11 +376,14 @@ def bounds_hook(
 def unsupported_by_documents(model: torch.nn.Module) -> str:
     """Why per-document attention would not be exact for this model ('' when it is): it computes causal
     attention, with sliding windows, but without logit soft-capping, attention dropout or attention sinks
-    (GPT-OSS: a learned logit per head in every row's softmax)."""
+    (GPT-OSS: a learned logit per head in every row's softmax), and with an image's tokens seeing only what is
+    before them (not Gemma 3)."""
     config = getattr(model, "config", None)
     reason = more_than_causal(read_dimensions(config)) if config is not None else ""
     if not reason and any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
         reason = "its attention has sinks (a learned logit per head in every row's softmax)"
+    if not reason and "token_type_ids" in token_type_keys(model):
+        reason = "an image's tokens attend to each other both ways (Gemma 3's token_type_ids)"
     return reason
 
 

@@ -26,6 +26,7 @@ from posttrain.errors import UserError
 from posttrain.models.peft import base_model
 from posttrain.models.sampling_policy import Replay, SamplingPolicy, entropy_of, replay_for
 from posttrain.vision.collate import IMAGE_INPUTS
+from posttrain.vision.positions import with_modality_inputs
 
 #: ``tiled_loss_compute: auto`` tiles a micro-batch of at least this many tokens (per rank)
 TILED_LOSS_MIN_TOKENS = 8192
@@ -48,10 +49,10 @@ def forward_inputs(model: Any, batch: dict[str, Any]) -> Iterator[dict[str, Any]
     out as the batch's ``[rows, tokens]`` (zeros at the padding): everything from the head on, the tiled loss,
     the sampler's replay, the masks, sees the padded batch, and the decoder spends nothing on padding."""
     joined = batch.get(JOINED)
-    if joined is None:
-        yield model_inputs(batch)
-        return
     base = unwrap(model)
+    if joined is None:
+        yield with_modality_inputs(base, model_inputs(batch))
+        return
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if head is None:
         raise UserError(f"padding_free: {type(base).__name__} has no LM head to lay the rows back out at")
@@ -66,7 +67,7 @@ def forward_inputs(model: Any, batch: dict[str, Any]) -> Iterator[dict[str, Any]
     handle = head.register_forward_pre_hook(laid_out)
     try:
         inputs = {key: value for key, value in joined.items() if key in MODEL_INPUTS}
-        yield inputs | {key: batch[key] for key in IMAGE_INPUTS if key in batch}
+        yield with_modality_inputs(base, inputs | {key: batch[key] for key in IMAGE_INPUTS if key in batch})
     finally:
         handle.remove()
 

@@ -9,16 +9,52 @@ puts each image's features in place of its tokens in that order.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
 from posttrain.data.collate import CollatorWrapper
 from posttrain.vision import images
-from posttrain.vision.processor import processor_of
+from posttrain.vision.processor import is_vision_language, processor_of
 
 #: the image processors' outputs a model's forward takes (the rest, Idefics3's rows and columns, are not
 #: model inputs)
 IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes")
+#: the per-token modality inputs a vision-language model's forward may read (1 at an image's tokens, 2 at a
+#: video's, as the processors make them): Gemma 3's ``token_type_ids`` (an image's tokens attend to each
+#: other both ways) and the Qwen-VL family's ``mm_token_type_ids`` (without them transformers gives the image
+#: tokens plain 1-D positions instead of M-RoPE's 3-D ones). Derived from the ids at every forward, so every
+#: layout of the rows (padded, packed, joined, a KTO's KL rows, generation's prompts) gets them.
+TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")
+
+
+@functools.cache
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def token_type_keys(model: Any) -> tuple[str, ...]:
+    """The modality inputs (``TOKEN_TYPE_INPUTS``) this Hugging Face model's forward takes; none for a text
+    model."""
+    if not is_vision_language(getattr(model, "config", None)):
+        return ()
+    accepted = _forward_parameters(type(model))
+    return tuple(key for key in TOKEN_TYPE_INPUTS if key in accepted)
+
+
+def token_types(model: Any, input_ids: Any) -> dict[str, Any]:
+    """The modality inputs the model reads for ``input_ids`` (the processor's ``mm_token_type_ids``: 1 at
+    the config's image token, 2 at its video token, 0 elsewhere); empty when it reads none."""
+    keys = token_type_keys(model)
+    if not keys:
+        return {}
+    types = input_ids.new_zeros(input_ids.shape)
+    for value, name in ((1, "image_token_id"), (2, "video_token_id")):
+        token = getattr(model.config, name, None)
+        if token is not None:
+            types = types.masked_fill(input_ids == token, value)
+    return dict.fromkeys(keys, types)
 
 
 class ImageBatches(CollatorWrapper):

@@ -22,7 +22,7 @@ from posttrain.vision.preferences import (
     format_image_kto_rows,
     format_image_pairs,
 )
-from posttrain.vision.processor import image_token, processor_of
+from posttrain.vision.processor import feature_token_id, processor_of
 from posttrain.vision.prompts import fit_image_prompt, format_image_prompts
 
 
@@ -60,7 +60,7 @@ def with_images(factory: Any, data_type: str, tokenizer: Any) -> Any:
             f"the images or train with {readers}"
         )
         return replace(factory, format_batch=_refusing(factory.format_batch, why))
-    _, token_id = image_token(processor_of(tokenizer))
+    token_id = feature_token_id(processor_of(tokenizer))
 
     def measure(sample: Sample) -> tuple[int, int]:
         """The sample's images and the image tokens of all its sequences (a pair's twice: both rows read them)."""

@@ -42,11 +42,21 @@ def image_token(processor: Any) -> tuple[str, int]:
     return str(token), int(token_id)
 
 
+def feature_token_id(processor: Any) -> int:
+    """The id of the token an image's features replace, one per feature. Most families write it in the
+    template too (Idefics3's and LLaVA's ``<image>``); Gemma 3 writes ``<start_of_image>``, which the processor
+    expands to that marker, the tokenizer's ``image_token`` once per feature and ``<end_of_image>``."""
+    token_id = getattr(processor.tokenizer, "image_token_id", None)
+    return image_token(processor)[1] if token_id is None else int(token_id)
+
+
 def input_only_tokens(tokenizer: Any) -> tuple[int, ...]:
-    """The tokens a model only reads (its image token, standing for an image's features), which sampling
-    never draws: none for a text model."""
+    """The tokens a model only reads (the template's image token and the token the features replace), which
+    sampling never draws: none for a text model."""
     processor = processor_of(tokenizer)
-    return () if processor is None else (image_token(processor)[1],)
+    if processor is None:
+        return ()
+    return tuple(sorted({image_token(processor)[1], feature_token_id(processor)}))
 
 
 def fingerprint(tokenizer: Any) -> dict[str, Any] | None:

@@ -3,8 +3,9 @@ plus the image tokens of each family, a Pillow-only image processor at 32x32 pix
 initialised model that ``AutoModelForImageTextToText`` and ``AutoProcessor`` load.
 
 Deterministic for a seed, like the text ones (``posttrain tiny-model --arch idefics3``). Qwen2-VL and its
-successors are not built here: transformers 5.24 builds their processor only with torchvision, which has no
-CPU build for this torch on PyPI (see docs/methods.md).
+successors are not built here: transformers 5.24's ``Qwen2VLProcessor`` requires a video processor, which
+transformers builds only with torchvision, and PyPI has no CPU build of torchvision for this torch (see
+docs/methods.md). Gemma 3's processor has no video part and is built with its Pillow image processor.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 #: the vision-language families the tiny builder makes
-VISION_ARCHITECTURES = ("idefics3", "llava")
+VISION_ARCHITECTURES = ("idefics3", "llava", "gemma3")
 #: the side of the square images the tiny processors resize to, in pixels
 IMAGE_SIDE = 32
 
@@ -142,7 +143,55 @@ def _llava(tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, Any
     return config, processor
 
 
-_BUILDERS = {"idefics3": _idefics3, "llava": _llava}
+def _gemma3(tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, Any]:
+    from transformers import AutoConfig, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    names = {
+        "boi_token": "<start_of_image>",
+        "image_token": "<image_soft_token>",
+        "eoi_token": "<end_of_image>",
+    }
+    tokenizer.add_special_tokens({"additional_special_tokens": list(names.values())})
+    tokenizer._set_model_specific_special_tokens(special_tokens=names)  # the attributes Gemma3Processor reads
+    patch = tower.patch or 8  # a 4x4 grid of patches, average-pooled to 2x2: 4 image tokens
+    tokens = 4
+    images = Gemma3ImageProcessorPil(size={"height": IMAGE_SIDE, "width": IMAGE_SIDE})
+    processor = Gemma3Processor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        chat_template=chat_template(names["boi_token"]),
+        image_seq_length=tokens,
+    )
+    # Gemma 3's text layers alternate sliding-window and full attention; the window is smaller than the
+    # tests' rows so that both kinds are exercised.
+    gemma_text = {k: v for k, v in text.items() if k != "model_type"}
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    layer_types = [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(text["num_hidden_layers"])
+    ]
+    gemma_text |= {
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": 16,
+        "layer_types": layer_types,
+        "vocab_size": len(tokenizer),
+    }
+    config = AutoConfig.for_model(
+        "gemma3",
+        text_config=gemma_text,
+        vision_config=tower.config(patch, model_type="siglip_vision_model"),
+        mm_tokens_per_image=tokens,
+        boi_token_index=tokenizer.convert_tokens_to_ids(names["boi_token"]),
+        eoi_token_index=tokenizer.convert_tokens_to_ids(names["eoi_token"]),
+        image_token_index=tokenizer.convert_tokens_to_ids(names["image_token"]),
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return config, processor
+
+
+_BUILDERS = {"idefics3": _idefics3, "llava": _llava, "gemma3": _gemma3}
 
 
 def build_tiny_vlm(
