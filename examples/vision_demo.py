@@ -8,7 +8,7 @@ Then GRPO (``examples/grpo-vision.yaml``, a reward for naming the colour) raises
 sampled at temperature 1 that are right, again with the images-swapped control, and ``posttrain eval`` runs
 lm-evaluation-harness's multimodal model on a local task of 30 more squares.
 Everything is local. Run inside the project's virtual environment: ``.venv/bin/python examples/vision_demo.py
-[--short]`` (``make demo-vision``); it says how long it takes before it starts.
+[--short] [--arch gemma3|llava]`` (``make demo-vision``); it says how long it takes before it starts.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from posttrain.testing.vision import (  # noqa: E402
     colour_sampled_accuracy,
     write_colour_task,
 )
+from posttrain.vision.tiny import VISION_ARCHITECTURES  # noqa: E402
 
 OUT = ROOT / "demo-out" / "vision"
 CONFIG = ROOT / "examples" / "sft-vision.yaml"
@@ -45,9 +46,11 @@ def posttrain(*args: str) -> None:
 
 
 def main() -> None:
-    args = arguments(
-        argparse.ArgumentParser(description=__doc__.split("\n")[0]), resumable=False
-    ).parse_args()
+    parser = arguments(argparse.ArgumentParser(description=__doc__.split("\n")[0]), resumable=False)
+    parser.add_argument(
+        "--arch", choices=VISION_ARCHITECTURES, default="idefics3", help="the tiny model's family"
+    )
+    args = parser.parse_args()
     say_expected(EXPECTED, args.short, resumable=False)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -55,11 +58,11 @@ def main() -> None:
     write_jsonl(OUT / "train.jsonl", colour_rows(OUT, 192, seed=1))
     write_jsonl(OUT / "prompts.jsonl", colour_prompts(OUT, 192, seed=3))  # GRPO's prompts
     held_out = colour_rows(OUT, 60, seed=2)  # other squares, other places
-    model_dir = OUT / "tiny-idefics3"
-    posttrain("tiny-model", str(model_dir.relative_to(ROOT)), "--arch", "idefics3", "--seed", "0")
+    model_dir = OUT / f"tiny-{args.arch}"
+    posttrain("tiny-model", str(model_dir.relative_to(ROOT)), "--arch", args.arch, "--seed", "0")
     before = colour_accuracy(model_dir, held_out, OUT)
     print(f"\nheld-out accuracy before training (60 squares never seen): {before:.1%}\n")
-    posttrain("train", str(CONFIG.relative_to(ROOT)))
+    posttrain("train", str(CONFIG.relative_to(ROOT)), f"model.name_or_path={model_dir.relative_to(ROOT)}")
     trained = OUT / "export" / "final"
     after = colour_accuracy(trained, held_out, OUT)
     control = colour_accuracy(trained, held_out, OUT, swap=True)
