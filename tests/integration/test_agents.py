@@ -109,25 +109,32 @@ def test_tool_rollouts_resume_exactly_after_a_kill(tool_model: dict[str, Path], 
 def test_one_and_two_processes_draw_the_same_trajectories(
     tool_model: dict[str, Path], tmp_path: Path
 ) -> None:
+    """Two data-parallel processes, and two processes splitting each row (``sequence_parallel_size: 2``:
+    each generates half of the group's trajectories with the tools, the training rows split after), give one
+    process's trajectories, rewards and losses."""
     runs = {}
-    for nproc, accumulation in ((1, 2), (2, 1)):
-        out = tmp_path / f"p{nproc}"
+    layouts = {"one": (1, 2, 1), "two": (2, 1, 1), "split": (2, 2, 2)}  # processes, accumulation, SP
+    for name, (nproc, accumulation, sp) in layouts.items():
+        out = tmp_path / name
         config = agent_config(
             tool_model["model"],
             tool_model["train"],
             out,
             train_iters=3,
             gradient_accumulation_steps=accumulation,
+            sequence_parallel_size=sp,
         )
-        done = cli(config, tmp_path / f"p{nproc}.yaml", nproc=nproc, timeout=600)
+        done = cli(config, tmp_path / f"{name}.yaml", nproc=nproc, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
-        runs[nproc] = last_metrics(out)
-    for step in (1, 2, 3):
-        one, two = runs[1][step], runs[2][step]
-        assert one["tools/call_frequency"] == two["tools/call_frequency"], step
-        assert one["completions/mean_length"] == two["completions/mean_length"], step
-        assert one["reward"] == two["reward"], step
-        assert abs(one["loss"] - two["loss"]) <= 1e-6, step
+        assert ("each sample split over 2 processes" in done.stdout) == (sp == 2), done.stdout[-3000:]
+        runs[name] = last_metrics(out)
+    for name in ("two", "split"):
+        for step in (1, 2, 3):
+            one, other = runs["one"][step], runs[name][step]
+            assert one["tools/call_frequency"] == other["tools/call_frequency"], (name, step)
+            assert one["completions/mean_length"] == other["completions/mean_length"], (name, step)
+            assert one["reward"] == other["reward"], (name, step)
+            assert abs(one["loss"] - other["loss"]) <= 1e-6, (name, step, one["loss"], other["loss"])
 
 
 OBSERVING = """
