@@ -74,6 +74,7 @@ TEST_ORDER = (
     "test_observability_gpu.py",
     "test_gpu_training.py",
     "test_vision_gpu.py",
+    "test_long_online_gpu.py",
     "test_memory_plan_gpu.py",
 )
 #: (name, what is compared, the least ratio); plan errors are checked separately (within 20%)

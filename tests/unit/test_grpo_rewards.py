@@ -207,11 +207,6 @@ def _grpo(tmp_path: Path, **extra) -> dict:
             "GSPO",
         ),
         (
-            {"sequence_parallel_size": 2, "use_vllm": True},
-            "vllm_importance_sampling_mode",
-            "token_truncate",
-        ),
-        (
             {"sequence_parallel_size": 2, "micro_batch_size": 3, "gradient_accumulation_steps": 1},
             "sequence_parallel_size",
             "equal share",

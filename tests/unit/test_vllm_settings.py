@@ -166,6 +166,15 @@ def test_the_importance_sampling_correction_is_trls(mode: str, bounds: tuple[Any
     assert records["sampling/importance_sampling_ratio/min"] == pytest.approx(float(flat.min()))
     assert records["sampling/importance_sampling_ratio/max"] == pytest.approx(2 * float(flat.max()))
     assert records["sampling/sampling_logp_difference/mean"] == pytest.approx(1.5 * float(delta.mean()))
+    # split over two sequence-parallel slices, each completion's sum over both: the unsplit weights
+    halves = [(old[:, a:b], sampled[:, a:b], mask[:, a:b]) for a, b in ((0, 3), (3, 6))]
+    partial = [torch.nan_to_num((o - e) * m, nan=0.0).sum(-1, keepdim=True) for o, e, m in halves]
+    others = iter(reversed(partial))  # each slice's process adds the other's sums (an all-reduce of two)
+    split = [sampling_weights(params, *half, whole=lambda mine: mine + next(others)) for half in halves]
+    if params.sequence:
+        assert all(torch.allclose(part, weights, atol=1e-6, rtol=0) for part in split)
+    else:
+        assert torch.equal(torch.cat(split, dim=1), weights)
 
 
 def test_the_server_is_started_and_called_with_the_runs_settings() -> None:

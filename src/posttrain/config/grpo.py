@@ -221,13 +221,6 @@ class GRPOTrainerConfig(ScoredConfig):
                 "completion's tokens from every process of the group, not done yet; use token, or "
                 "sequence_parallel_size: 1",
             )
-        mode = self.vllm_importance_sampling_mode
-        if self.use_vllm and self.vllm_importance_sampling_correction and mode.startswith("sequence"):
-            yield Problem(
-                "vllm_importance_sampling_mode",
-                f"{mode} with sequence_parallel_size={sp}: one weight per completion is not split over the "
-                "group yet; use token_truncate or token_mask",
-            )
         yield from super().sequence_parallel_problems()
 
     @property

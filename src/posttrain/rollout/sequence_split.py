@@ -15,6 +15,7 @@ completion's (``completion_tokens``), so the slices' sums add up to the unsplit 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,3 +84,21 @@ def sequence_split(config: Any, rank: int, pad_id: int) -> SequenceSplit | None:
     from deepspeed.runtime.sequence_parallel import parallel_state_sp as groups
 
     return SequenceSplit(size, rank % size, groups.get_sequence_parallel_group(), pad_id)
+
+
+def whole_sequence_sums(config: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """For a value summed over each completion (the sequence-level importance weight's log-ratio), the map from
+    this process's slices' sums to the whole sequences' (the sum over the group); None without sequence
+    parallelism, where a process holds whole sequences."""
+    if config.sequence_parallel_size == 1:
+        return None
+
+    def whole(partial: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp as groups
+
+        total = partial.clone()
+        dist.all_reduce(total, group=groups.get_sequence_parallel_group())
+        return total
+
+    return whole

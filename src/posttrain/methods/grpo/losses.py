@@ -38,6 +38,7 @@ On-policy (one update per batch, l^old = l detached) the ratio is 1 and its grad
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -108,14 +109,21 @@ class SamplingCorrection:
 
 
 def sampling_weights(
-    params: SamplingCorrection, old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tensor
+    params: SamplingCorrection,
+    old: torch.Tensor,
+    sampling: torch.Tensor,
+    mask: torch.Tensor,
+    whole: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The correction's weights: ``[completions, tokens]``, or ``[completions, 1]`` per completion, from the
     trainer's log-probabilities when the batch was generated (``old``) and the engine's (``sampling``, NaN
-    where it gave none: such a token weighs 1)."""
+    where it gave none: such a token weighs 1). ``whole``: each completion's sum over its whole sequence from
+    this process's part of it (sequence parallelism: the sum over the group's slices)."""
     delta = torch.nan_to_num((old - sampling) * mask, nan=0.0)
     if params.sequence:
         delta = delta.sum(-1, keepdim=True)
+        if whole is not None:
+            delta = whole(delta)
     ratio = torch.exp(delta)
     if params.mode.endswith("truncate"):
         return torch.clamp(ratio, min=params.low, max=params.high)

@@ -37,6 +37,7 @@ from posttrain.rollout.feed import (
     OnlineSteps,
     completion_records,
 )
+from posttrain.rollout.sequence_split import whole_sequence_sums
 
 STATE_KEY = "grpo"
 
@@ -56,6 +57,7 @@ class GRPOMethod(OnlineMethod):
             config, tokenizer
         )  # the sampler's distribution: every log-probability is from it
         self.correction = sampling_correction_of(config)
+        self.whole = whole_sequence_sums(config)  # a completion's sum over its slices (sequence parallelism)
         self.wants_sampling_logps = self.correction is not None
         self.mask_truncated = config.mask_truncated_completions
         self.updates = config.num_iterations
@@ -158,7 +160,9 @@ class GRPOMethod(OnlineMethod):
                 batch["ref_logps"] = self.reference.logps(on_device, temperature, self.policy, tiled).cpu()
             if correction is not None and sampling is not None:
                 mask = batch["completion_mask"]
-                batch["sampling_weight"] = sampling_weights(correction, batch["old_logps"], sampling, mask)
+                batch["sampling_weight"] = sampling_weights(
+                    correction, batch["old_logps"], sampling, mask, self.whole
+                )
                 olds.append(batch["old_logps"].flatten())
                 samplings.append(sampling.flatten())
                 masks.append(mask.flatten())
