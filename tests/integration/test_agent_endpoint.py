@@ -150,6 +150,27 @@ def test_grpo_trains_on_an_agents_episodes_and_records_them(base_config: dict, t
     )
 
 
+@pytest.mark.distributed
+def test_two_processes_splitting_each_row_give_one_processs_episodes(base_config: dict, tmp_path: Path) -> None:
+    """``sequence_parallel_size: 2``: each process plays half of the group's episodes against its own
+    endpoint, the trajectories are exchanged and each training row split over the two; the records are one
+    process's."""
+    config, _ = _grpo(base_config, tmp_path)
+    config.update(log_completions=False)
+    runs = {}
+    for name, nproc in (("one", 1), ("split", 2)):
+        layout = {"sequence_parallel_size": nproc, "logger": {"output_dir": str(tmp_path / name)}}
+        done = cli({**config, **layout}, tmp_path / f"{name}.yaml", nproc=nproc, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = last_metrics(tmp_path / name)
+    assert "each sample split over 2 processes" in done.stdout
+    for step in (1, 2):
+        one, split = runs["one"][step], runs["split"][step]
+        for key in ("reward", "agent/calls", "agent/branched", "num_tokens"):
+            assert one[key] == split[key], (step, key)
+        assert abs(one["loss"] - split["loss"]) <= 1e-6, (step, one["loss"], split["loss"])
+
+
 @pytest.mark.slow  # make test-slow (CI runs it)
 def test_a_run_killed_in_the_middle_of_an_episode_resumes_exactly(base_config: dict, tmp_path: Path) -> None:
     """SIGKILL after the first call of step 3's 5th episode (checkpoints every step, 8 episodes a step): the
