@@ -1,15 +1,17 @@
-"""Long completions online: one process's peak memory in an on-policy distillation step (the student's
-forward and backward, the teacher's forward) at sequence parallelism 1 and 2, and the longest completion the
-memory plan fits in this machine's memory at each.
+"""Long completions online: one process's peak memory in an online step at sequence parallelism 1 and 2, and
+the longest completion the memory plan fits in this machine's memory at each.
 
-    python benchmarks/online_long.py                       # 8,192-token completions, width 256, 4 layers
+    python benchmarks/online_long.py                       # on-policy distillation, 8,192-token completions
+    python benchmarks/online_long.py --method grpo         # a GRPO step with a reference
     python benchmarks/online_long.py --length 16384
 
-The completions are the data's (``lmbda: 0``: GKD's supervised batches), so their length is set, not sampled:
-rows whose ``completion`` is ``--length`` tokens long behind a short prompt, one completion a micro-batch,
-tiled log-probabilities and activation checkpointing on. Each run measures the growth of a fresh process's
-peak resident memory over its memory before the run (``benchmarks/memory_plan.py``'s measurement; the larger
-rank at SP=2), against the plan's estimate for the same run.
+The completions' length is set, not sampled: ``distill`` trains on the data's completions (``lmbda: 0``: GKD's
+supervised batches; the student's forward and backward, the teacher's forward), ``grpo`` on the completions a
+``rollout_func`` returns (TRL's hand-written rollout: ``--length`` tokens for each, rewards that differ inside
+the group; the policy's forward and backward, the reference's forward, ``beta`` 0.04). One completion a
+micro-batch, tiled log-probabilities and activation checkpointing on. Each run measures the growth of a fresh
+process's peak resident memory over its memory before the run (``benchmarks/memory_plan.py``'s measurement;
+the larger rank at SP=2), against the plan's estimate for the same run.
 """
 
 from __future__ import annotations
@@ -29,7 +31,25 @@ import memory_plan
 GIB = 2**30
 
 
-def write_inputs(work: Path, length: int, hidden: int, layers: int) -> dict[str, Any]:
+#: GRPO's rollout: every completion ``LENGTH`` tokens of the prompt's own digits, a reward from its index
+ROLLOUT = """
+LENGTH = {length}
+
+def rollout(prompts, trainer):
+    tokenizer = trainer.tokenizer
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    digits = tokenizer(" ".join(str(k % 10) for k in range(LENGTH)))["input_ids"][:LENGTH]
+    return {{"prompt_ids": ids, "completion_ids": [digits] * len(ids), "logprobs": None,
+             "slot": list(range(len(ids)))}}
+
+def by_slot(completions, slot, **kwargs):
+    return [float(s % 2) for s in slot]
+"""
+
+
+def write_inputs(
+    work: Path, length: int, hidden: int, layers: int, method: str = "distill"
+) -> dict[str, Any]:
     from posttrain.testing.data import write_jsonl
     from posttrain.tiny_model import write_tiny_model
 
@@ -42,12 +62,8 @@ def write_inputs(work: Path, length: int, hidden: int, layers: int) -> dict[str,
         for i in range(8)
     ]
     data = write_jsonl(work / f"long-{length}.jsonl", rows)
-    return {
-        "type": "distill",
+    common = {
         "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": False},
-        "teacher_model_name_or_path": str(model),
-        "lmbda": 0.0,
-        "beta": 0.0,
         "data": {"sources": [str(data)], "max_length": 64, "dl_num_workers": 0},
         "max_completion_length": length,
         "micro_batch_size": 1,
@@ -59,6 +75,19 @@ def write_inputs(work: Path, length: int, hidden: int, layers: int) -> dict[str,
         "checkpoint": [],
         "check_memory": False,
     }
+    if method == "grpo":
+        code = work / f"rollout-{length}.py"
+        code.write_text(ROLLOUT.format(length=length))
+        return {
+            "type": "grpo",
+            **common,
+            "rollout_func": f"{code}:rollout",
+            "rewards": [f"{code}:by_slot"],
+            "num_generations": 2,
+            "beta": 0.04,
+            "log_completions": False,
+        }
+    return {"type": "distill", **common, "teacher_model_name_or_path": str(model), "lmbda": 0.0, "beta": 0.0}
 
 
 def longest_fitting(config: dict[str, Any], processes: int, memory: float) -> int:
@@ -79,6 +108,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--method", choices=("distill", "grpo"), default="distill")
     parser.add_argument("--length", type=int, default=8192, help="completion tokens")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -89,7 +119,7 @@ def main() -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     work = args.work or Path(tempfile.mkdtemp(prefix="online-long-"))
     memory_plan.prepare(work)  # the warm-up run's model and data
-    base = write_inputs(work, args.length, args.hidden, args.layers)
+    base = write_inputs(work, args.length, args.hidden, args.layers, args.method)
     from posttrain.memory.machine import detect
 
     host = detect(1).host_memory
@@ -100,6 +130,7 @@ def main() -> int:
         measured = memory_plan.run_measured(config, sp, work)
         rows.append(
             {
+                "method": args.method,
                 "sequence_parallel_size": sp,
                 "completion_tokens": args.length,
                 "measured_bytes_per_process": measured,
@@ -108,7 +139,7 @@ def main() -> int:
             }
         )
         print(
-            f"SP={sp}: {args.length:,}-token completions, peak per process {measured / GIB:.2f} GiB (plan "
+            f"{args.method} SP={sp}: {args.length:,}-token completions, peak per process {measured / GIB:.2f} GiB (plan "
             f"{estimate / GIB:.2f} GiB, {estimate / measured - 1:+.1%}); the plan's longest completion in "
             f"{host / GIB:.0f} GiB: {rows[-1]['longest_fitting_completion']:,} tokens",
             flush=True,
