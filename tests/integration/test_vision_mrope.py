@@ -1,5 +1,6 @@
 """The Qwen-VL family's M-RoPE in the trainer's forward: padded, packed and joined (padding-free) rows give
-each token the log-probability the model gives it on its document alone, with the inputs its processor makes.
+each token the log-probability the model gives it on its document alone, with the inputs its processor makes;
+generation gives the image tokens' types to the model and each prompt's completion as generated alone.
 
 The processors of this family need torchvision (transformers builds their video processor with it), which has
 no CPU build for this torch on PyPI, so these tests build the model alone and make its image inputs with the
@@ -167,3 +168,41 @@ def test_padded_packed_and_joined_rows_give_each_token_its_documents_own_log_pro
     logps, _ = token_logps(model, joined)
     for row in range(3):
         check(logps[row], row)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_generation_reads_the_images_with_their_3d_positions(
+    arch: str, documents: list[tuple[list[int], list[Any]]]
+) -> None:
+    """transformers' ``generate`` through the trainer's engine (left-padded prompts with images) gives each
+    prompt's greedy completion as the model generates it alone from the processor's inputs."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from posttrain.generation.transformers_engine import TransformersEngine, split_completions
+    from posttrain.generation.types import Sampling
+
+    model = tiny_qwen_vl(arch)
+    pictures = Qwen2VLImageProcessorPil(
+        min_pixels=16 * 16, max_pixels=32 * 32, patch_size=8, temporal_patch_size=2, merge_size=2
+    )
+    # the engine asks a processor only for its image processor (the Qwen processor itself needs torchvision)
+    engine = TransformersEngine([2], PAD, SimpleNamespace(image_processor=pictures))
+    prompts = [ids[:-1] for ids, images in documents if images]  # the documents with images, their end cut
+    images = [images for _, images in documents if images]
+    assert len({len(p) for p in prompts}) == 2  # left padding in the batch
+    seen: list[dict[str, Any]] = []
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: seen.append(kwargs), with_kwargs=True)
+    got = engine.generate(model, prompts, Sampling(max_new_tokens=5), None, images=images)
+    hook.remove()
+    first = seen[0]  # the prefill: every prompt token's modality, as the processor would mark it
+    assert torch.equal(first["mm_token_type_ids"], (first["input_ids"] == IMAGE).long())
+    for prompt, own, ids in zip(prompts, images, got.ids, strict=True):
+        row = torch.tensor([prompt])
+        inputs = {"input_ids": row, "mm_token_type_ids": (row == IMAGE).long(), **images_inputs(own)}
+        with torch.no_grad():
+            alone = model.generate(
+                **inputs, max_new_tokens=5, do_sample=False, eos_token_id=[2], pad_token_id=PAD
+            )
+        assert split_completions(alone[:, row.shape[1] :], [2], PAD).ids[0] == ids
