@@ -151,7 +151,9 @@ def test_grpo_trains_on_an_agents_episodes_and_records_them(base_config: dict, t
 
 
 @pytest.mark.distributed
-def test_two_processes_splitting_each_row_give_one_processs_episodes(base_config: dict, tmp_path: Path) -> None:
+def test_two_processes_splitting_each_row_give_one_processs_episodes(
+    base_config: dict, tmp_path: Path
+) -> None:
     """``sequence_parallel_size: 2``: each process plays half of the group's episodes against its own
     endpoint, the trajectories are exchanged and each training row split over the two; the records are one
     process's."""

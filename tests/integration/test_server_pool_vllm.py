@@ -94,7 +94,10 @@ def _completions_served(log: Path) -> int:
 
 
 def _same(
-    one: dict[int, dict[str, Any]], other: dict[int, dict[str, Any]], exact_loss: bool = True, rel: float = 0.0
+    one: dict[int, dict[str, Any]],
+    other: dict[int, dict[str, Any]],
+    exact_loss: bool = True,
+    rel: float = 0.0,
 ) -> None:
     """The same rewards and generation rounds every step (the same completions), and the same loss: exactly,
     or within 1e-5 where the sums are split apart, or ``rel`` where each row is too (float32 updates after
