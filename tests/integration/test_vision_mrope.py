@@ -206,3 +206,21 @@ def test_generation_reads_the_images_with_their_3d_positions(
                 **inputs, max_new_tokens=5, do_sample=False, eos_token_id=[2], pad_token_id=PAD
             )
         assert split_completions(alone[:, row.shape[1] :], [2], PAD).ids[0] == ids
+
+
+def test_the_modality_types_are_given_where_they_mean_modalities() -> None:
+    """Qwen-VL reads ``mm_token_type_ids``; PaliGemma's ``token_type_ids`` mean the prompt against the answer
+    (bidirectional over the prompt), not modalities, so none are derived for it (Gemma 3's are: the vision
+    tests)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from posttrain.vision.collate import token_type_keys
+
+    assert token_type_keys(tiny_qwen_vl("qwen2_5_vl")) == ("mm_token_type_ids",)
+    config = AutoConfig.for_model(
+        "paligemma",
+        text_config={"vocab_size": 300, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1},
+        vision_config={"hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 1, "patch_size": 8},
+        image_token_id=IMAGE,
+    )
+    assert token_type_keys(AutoModelForImageTextToText.from_config(config)) == ()

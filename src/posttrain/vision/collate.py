@@ -27,6 +27,10 @@ IMAGE_INPUTS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image
 #: tokens plain 1-D positions instead of M-RoPE's 3-D ones). Derived from the ids at every forward, so every
 #: layout of the rows (padded, packed, joined, a KTO's KL rows, generation's prompts) gets them.
 TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")
+#: the families whose ``token_type_ids`` are those modality types (their processors rename
+#: ``mm_token_type_ids``); elsewhere the name means something else (PaliGemma's: the prompt against the
+#: answer), and it is left to the model's own default
+MODALITY_TOKEN_TYPE_IDS = frozenset({"gemma3", "gemma3n"})
 
 
 @functools.cache
@@ -37,9 +41,12 @@ def _forward_parameters(model_class: type) -> frozenset[str]:
 def token_type_keys(model: Any) -> tuple[str, ...]:
     """The modality inputs (``TOKEN_TYPE_INPUTS``) this Hugging Face model's forward takes; none for a text
     model."""
-    if not is_vision_language(getattr(model, "config", None)):
+    config = getattr(model, "config", None)
+    if not is_vision_language(config):
         return ()
     accepted = _forward_parameters(type(model))
+    if getattr(config, "model_type", None) not in MODALITY_TOKEN_TYPE_IDS:
+        accepted -= {"token_type_ids"}
     return tuple(key for key in TOKEN_TYPE_INPUTS if key in accepted)
 
 
