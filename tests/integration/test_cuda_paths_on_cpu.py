@@ -113,6 +113,31 @@ def test_sliding_windows_run_per_document_and_equal_the_masked_row(varlen: bool)
     assert torch.allclose(ours, reference, rtol=2e-2 if varlen else 1e-5)
 
 
+def test_left_padded_prompts_longer_than_the_window_attend_without_their_padding() -> None:
+    """Generation's left-padded prompts on a sliding-window model switched to per-document attention: each
+    real position's logits are the prompt's alone (a row is never taken as one causal document when padding
+    comes first: that attended the padding, 1.2e-2 off), and transformers' ``generate`` through the trainer's
+    engine gives each prompt's greedy completion alone."""
+    from posttrain.generation.transformers_engine import TransformersEngine
+    from posttrain.generation.types import Sampling
+
+    model = _mistral(8)
+    assert use_document_attention(model) == ""
+    prompts = [list(range(3, 23)), list(range(40, 52))]  # 20 and 12 tokens: the second gets 8 of padding
+    ids = torch.tensor([prompts[0], [0] * 8 + prompts[1]])
+    mask = (torch.arange(20) >= torch.tensor([[0], [8]])).long()
+    with torch.no_grad():
+        batch = model(input_ids=ids, attention_mask=mask).logits
+        for row, (prompt, pad) in enumerate(zip(prompts, (0, 8), strict=True)):
+            alone = model(input_ids=torch.tensor([prompt])).logits[0]
+            assert torch.allclose(batch[row, pad:], alone, atol=1e-5, rtol=0), row
+            own = model.generate(
+                input_ids=torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=[2]
+            )
+            engine = TransformersEngine([2], 0).generate(model, prompts, Sampling(max_new_tokens=6), None)
+            assert engine.ids[row] == own[0, len(prompt) :].tolist(), row
+
+
 def test_models_whose_attention_is_more_than_windowed_causal_keep_the_masked_row() -> None:
     model = _mistral(4096)
     model.config.attention_dropout = 0.1

@@ -259,7 +259,14 @@ def per_document(core: Callable[..., Any]) -> Callable[..., Any]:
     ) -> Any:
         bounds = kwargs.get("document_bounds")  # the batch's, or derived once per forward (bounds_hook)
         window = layer_window(module, kwargs)
-        if bounds is None and window and query.shape[2] > window and key.shape[2] == query.shape[2]:
+        rows_alone = not _LEFT_PADDED[0]  # a left-padded row is no document: its mask keeps the padding out
+        if (
+            bounds is None
+            and window
+            and rows_alone
+            and query.shape[2] > window
+            and key.shape[2] == query.shape[2]
+        ):
             bounds = torch.arange(query.shape[0] + 1) * query.shape[2]  # a document per row, windowed
         if bounds is None or (len(bounds) <= 2 and query.shape[0] == 1 and not window):
             return core(module, query, key, value, mask, *args, **kwargs)
@@ -340,6 +347,21 @@ def _padding_masks(on: bool) -> None:
         mapping.pop(DOCUMENT_ATTENTION, None)
 
 
+#: whether this forward's rows have padding before their tokens (generation's left-padded prompts): set by
+#: the model's pre-hook; such rows are never attended as one causal document each
+_LEFT_PADDED = [False]
+
+
+def _left_padded(model: torch.nn.Module, mask: Any) -> bool:
+    """Whether a 2-D attention mask pads any row on the left: read (one read of the mask's first column per
+    forward) only for a model with a sliding window, the one case where a row is attended as a document of
+    its own (``attention``), which left padding would break; a right-padded batch stays on that path."""
+    config = text_config(getattr(model, "config", None))
+    if not getattr(config, "sliding_window", None) or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return False
+    return bool((mask[:, 0] == 0).any())
+
+
 def derive_bounds(positions: torch.Tensor) -> dict[str, Any]:
     """The documents' bounds of a row from its positions (one read of the positions from the device), with
     the cumulative lengths copied to the positions' device once."""
@@ -358,8 +380,10 @@ def bounds_hook(
     ``HostPrepared`` did not wrap) gets the bounds derived here, once per forward: every layer, compiled blocks included, then
     attends per document, and no layer reads the positions or copies bounds to the device. Nothing is kept
     between forwards, so a positions tensor changed in place is read afresh."""
-    padded = _argument(module, args, kwargs, "attention_mask") is not None
+    mask = _argument(module, args, kwargs, "attention_mask")
+    padded = mask is not None
     _padding_masks(padded)
+    _LEFT_PADDED[0] = padded and _left_padded(module, mask)
     if "document_bounds" in kwargs or padded:
         return None
     if any(kwargs.get(name) is not None for name in _CACHES):
