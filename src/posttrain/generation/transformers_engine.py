@@ -130,14 +130,14 @@ class TransformersEngine:
         the sampling and the training model are one, so there is no mismatch to report."""
         from transformers import GenerationConfig, LogitsProcessorList
 
-        from posttrain.models.peft import base_model
+        from posttrain.models.token_logps import unwrap
         from posttrain.vision.collate import image_inputs, token_types
 
         device = next(module.parameters()).device
         ids, mask = left_padded(prompts, self.pad_id, device)
         pictures = image_inputs(self.processor, images) if images and self.processor is not None else {}
         if pictures:
-            pictures |= token_types(base_model(module), ids)
+            pictures |= token_types(unwrap(module), ids)
         if images and any(images) and self.processor is None:
             raise ValueError("prompts with images for a model without an image processor")
         if self.processor is not None and not pictures:

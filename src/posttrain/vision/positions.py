@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from posttrain.data.samples import document_bounds
+
 
 def rope_index_of(model: Any) -> Any:
     """The model's own M-RoPE position function (``get_rope_index``), or None for a model without one."""
@@ -45,31 +47,29 @@ def document_mrope_positions(model: Any, inputs: dict[str, Any]) -> dict[str, An
     if positions is None or grids is None or kinds is None or positions.dim() != 2 or rope_index is None:
         return {}
     ids, kinds, text, grids = (t.cpu() for t in (inputs["input_ids"], kinds, positions, grids))
+    bounds = inputs.get("document_bounds")  # the collator's, on the host; else found from the positions
+    bounds = (bounds if bounds is not None else document_bounds(text)["document_bounds"]).tolist()
     per_image = image_token_counts(model, grids)
-    out = text.unsqueeze(0).repeat(3, 1, 1)
+    flat_ids, flat_kinds = ids.reshape(1, -1), kinds.reshape(1, -1)  # the rows laid end to end, as the bounds
+    out = text.reshape(1, -1).repeat(3, 1)
     image = 0
-    for row in range(ids.shape[0]):
-        starts = torch.nonzero(text[row] == 0).squeeze(1).tolist()
-        if starts[:1] != [0]:
-            starts = [0, *starts]
-        for a, b in itertools.pairwise([*starts, ids.shape[1]]):
-            tokens, first = int((kinds[row, a:b] == 1).sum()), image
-            while tokens > 0:
-                if image >= len(per_image):
-                    raise ValueError("the rows hold more image tokens than their images stand for")
-                tokens -= per_image[image]
-                image += 1
-            if tokens < 0:
-                raise ValueError("an image's tokens are split between two documents")
-            if image > first:
-                found, _ = rope_index(
-                    ids[row : row + 1, a:b],
-                    mm_token_type_ids=kinds[row : row + 1, a:b],
-                    image_grid_thw=grids[first:image],
-                )
-                out[:, row, a:b] = found[:, 0]
+    for a, b in itertools.pairwise(bounds):
+        tokens, first = int((flat_kinds[0, a:b] == 1).sum()), image
+        while tokens > 0:
+            if image >= len(per_image):
+                raise ValueError("the rows hold more image tokens than their images stand for")
+            tokens -= per_image[image]
+            image += 1
+        if tokens < 0:
+            raise ValueError("an image's tokens are split between two documents")
+        if image > first:
+            found, _ = rope_index(
+                flat_ids[:, a:b], mm_token_type_ids=flat_kinds[:, a:b], image_grid_thw=grids[first:image]
+            )
+            out[:, a:b] = found[:, 0]
     if image != len(per_image):
         raise ValueError(f"{len(per_image)} images for the image tokens of {image}")
+    out = out.view(3, *text.shape)
     return {"position_ids": torch.cat([text.unsqueeze(0), out]).to(positions.device)}
 
 
