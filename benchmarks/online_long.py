@@ -48,14 +48,22 @@ def by_slot(completions, slot, **kwargs):
 
 
 def write_inputs(
-    work: Path, length: int, hidden: int, layers: int, method: str = "distill"
+    work: Path,
+    length: int,
+    hidden: int,
+    layers: int,
+    method: str = "distill",
+    heads: int = 4,
+    vocab_size: int = 2048,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
+    """The run's config: its model written once under ``work``, its rows' completions ``length`` tokens."""
     from posttrain.testing.data import write_jsonl
     from posttrain.tiny_model import write_tiny_model
 
-    model = work / f"model-{hidden}-{layers}"
+    model = work / f"model-{hidden}-{layers}-{heads}-{vocab_size}"
     if not model.exists():
-        write_tiny_model(model, hidden_size=hidden, layers=layers, heads=4, vocab_size=2048)
+        write_tiny_model(model, hidden_size=hidden, layers=layers, heads=heads, vocab_size=vocab_size)
     # about one token a number: "1 2 3 ..." in the tiny tokenizer
     rows = [
         {"prompt": f"count from {i}", "completion": " ".join(str(k % 10) for k in range(length))}
@@ -63,7 +71,7 @@ def write_inputs(
     ]
     data = write_jsonl(work / f"long-{length}.jsonl", rows)
     common = {
-        "model": {"name_or_path": str(model), "dtype": "float32", "disable_activation_checkpoint": False},
+        "model": {"name_or_path": str(model), "dtype": dtype, "disable_activation_checkpoint": False},
         "data": {"sources": [str(data)], "max_length": 64, "dl_num_workers": 0},
         "max_completion_length": length,
         "micro_batch_size": 1,

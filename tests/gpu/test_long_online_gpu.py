@@ -31,31 +31,14 @@ def longest_completion(
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from memory_plan import estimate, measure  # the memory-plan benchmark's own two halves
-    from posttrain.testing.data import write_jsonl
-    from posttrain.tiny_model import write_tiny_model
+    from online_long import write_inputs  # the CPU benchmark's run and rows, at this size
 
-    model = write_tiny_model(work / "model", **shape)
     rows = []
     for length in lengths:
-        # about one token a digit and one a space in the tiny tokenizer; cut at max_completion_length
-        data = [
-            {"prompt": f"count from {i}", "completion": " ".join(str(k % 10) for k in range(length))}
-            for i in range(4)
-        ]
         config = {
-            "type": "distill",
-            "model": {"name_or_path": str(model), "dtype": dtype, "disable_activation_checkpoint": False},
-            "teacher_model_name_or_path": str(model),
-            "lmbda": 0.0,
-            "beta": 0.0,
-            "data": {"sources": [str(write_jsonl(work / f"long-{length}.jsonl", data))], "max_length": 64},
-            "max_completion_length": length,
-            "micro_batch_size": 1,
-            "train_iters": 1,
-            "tiled_loss_compute": True,
+            **write_inputs(work, length, dtype=dtype, **shape),
+            "gradient_accumulation_steps": 1,
             "optimizer": {"lr": 1e-5},
-            "checkpoint": [],
-            "check_memory": False,
             "logger": {"output_dir": str(work / f"run-{length}")},
         }
         planned, _ = estimate(config, 1)
@@ -77,7 +60,7 @@ def test_the_longest_online_completion_a_1_5b_model_trains_on_one_gpu(tmp_path: 
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    rows = longest_completion(tmp_path, LENGTHS, hidden_size=2048, layers=28, heads=16, vocab_size=32768)
+    rows = longest_completion(tmp_path, LENGTHS, hidden=2048, layers=28, heads=16, vocab_size=32768)
     fitted = [r for r in rows if not r.get("out_of_memory")]
     report = {
         "longest_completion_tokens": max((r["completion_tokens"] for r in fitted), default=0),
