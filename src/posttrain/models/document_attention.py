@@ -23,6 +23,13 @@ window is the layer's own (``layer_window``): models that mix sliding and full l
 that is longer than the window is attended as one banded document too, unless padding comes first in it
 (generation's left-padded prompts): that forward keeps transformers' mask.
 
+A vision-language model whose image tokens see the rest of their image, the later tokens too (Gemma 3:
+transformers' ``block_sequence_ids``, an image being a run of consecutive image tokens), adds those blocks to
+each document's attention, as transformers' mask does (on a windowed layer a token sees the window before it
+and, within the window, the rest of its image): the model's pre-hook finds the images' runs once per forward
+(one read of the modality types), and a document holding an image gets a mask of its own (the others stay on
+the unmasked path). Other models with such blocks keep transformers' masked row.
+
 Under ``torch.compile`` the varlen call runs as it is inside the compiled block (torch's own operator, with the
 maximum length from the batch); the per-document ``sdpa`` loop is one opaque operator
 (``posttrain::causal_documents``), so the compiled blocks neither unroll the documents nor recompile for every
@@ -34,8 +41,10 @@ nothing per layer), and flex attention builds a sparse document block mask, so b
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +67,9 @@ REPLACED = ("sdpa", "eager")
 #: device types where torch's varlen flash kernel runs (tests add "cpu" over stand-in kernels)
 VARLEN_DEVICES = {"cuda"}
 HALF = (torch.bfloat16, torch.float16)
+#: vision-language models whose image tokens attend both ways within an image that is a run of consecutive
+#: image tokens (the modality type 1) in a row, with the window, where a layer has one, over that: Gemma 3
+IMAGE_BLOCK_MODELS = frozenset({"gemma3"})
 
 
 # ------------------------------------------------------------------------------------ torch's varlen call
@@ -129,10 +141,16 @@ def varlen_causal(
 
 
 def _document_sdpa(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, window: int
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    window: int,
+    blocks: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
-    """Causal ``sdpa`` on one document ``[1, heads, length, dim]``; a banded mask only when the document is
-    longer than the window."""
+    """Causal ``sdpa`` on one document ``[1, heads, length, dim]``; a mask only when the document is longer
+    than the window or holds image ``blocks`` (``[start, end)`` in the document: each token of one sees the
+    whole block, then the window, if any, cuts what every token sees before it)."""
     gqa = key.shape[1] != query.shape[1]
     if gqa and query.is_cuda and query.dtype == torch.float32:
         # only sdpa's math kernel takes grouped heads in float32 on CUDA, and it holds the [heads, length,
@@ -141,11 +159,42 @@ def _document_sdpa(
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         gqa = False
     length = query.shape[2]
-    if not window or length <= window:
+    if not blocks and (not window or length <= window):
         return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
     index = torch.arange(length, device=query.device)
-    band = (index[None, :] <= index[:, None]) & (index[None, :] > index[:, None] - window)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=band, scale=scale, enable_gqa=gqa)
+    allowed = index[None, :] <= index[:, None]
+    for start, end in blocks or ():
+        allowed[start:end, start:end] = True  # a fill on the device: nothing read back
+    if window:
+        allowed &= index[None, :] > index[:, None] - window
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+
+
+def image_blocks(types: torch.Tensor) -> torch.Tensor:
+    """Where each image's run of tokens starts and ends over the rows laid end to end (``[images, 2]``
+    int64 on the host, ``[start, end)``), from the modality types ``[rows, tokens]`` (1 at an image's
+    tokens): one read of the types; a run never continues into the next row."""
+    image = (types == 1).cpu().to(torch.int8)
+    change = torch.diff(F.pad(image, (1, 1)), dim=1)  # +1 where a run starts, -1 just past its end
+    length = types.shape[-1]
+    starts, ends = ((change == sign).nonzero() for sign in (1, -1))  # row-major, so they pair up
+    return torch.stack([starts[:, 0] * length + starts[:, 1], ends[:, 0] * length + ends[:, 1]], dim=1)
+
+
+def blocks_by_document(bounds: list[int], blocks: torch.Tensor) -> dict[int, list[tuple[int, int]]]:
+    """The image blocks of each document that holds any, as ``[start, end)`` within it (a block is cut at
+    the document's bounds: transformers' document mask cuts it there too)."""
+    found: dict[int, list[tuple[int, int]]] = {}
+    spans = blocks.tolist()
+    first = 0
+    for document, (a, b) in enumerate(itertools.pairwise(bounds)):
+        while first < len(spans) and spans[first][1] <= a:
+            first += 1
+        inside = itertools.takewhile(lambda span: span[0] < b, spans[first:])  # noqa: B023
+        local = [(max(s, a) - a, min(e, b) - a) for s, e in inside]
+        if local:
+            found[document] = local
+    return found
 
 
 def causal_documents_eager(
@@ -158,11 +207,15 @@ def causal_documents_eager(
     window: int = 0,
     longest: int = 0,
     varlen: bool = True,
+    blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention per document of ``[1, heads, tokens, dim]`` inputs whose documents end at ``bounds``
     (host int64: 0, ends...; ``cumulative``: the same on the device, when the batch brought it there;
-    ``longest``: the longest document when the batch says, else read from the host bounds);
-    ``[1, heads, tokens, dim]`` out. ``varlen``: False keeps to ``sdpa`` (inside the compiled operator)."""
+    ``longest``: the longest document when the batch says, else read from the host bounds), with the image
+    ``blocks`` (``image_blocks``) attended both ways; ``[1, heads, tokens, dim]`` out. ``varlen``: False keeps
+    to ``sdpa`` (inside the compiled operator)."""
+    edges = bounds.tolist()
+    images = blocks_by_document(edges, blocks) if blocks is not None and len(blocks) else {}
     if varlen and varlen_applies(query, key, scale, window):
         longest = longest or int((bounds[1:] - bounds[:-1]).max())  # host tensor: no device read
         if cumulative is None or cumulative.device != query.device:
@@ -174,10 +227,20 @@ def causal_documents_eager(
             scale,
             window,
         )
-        return out.transpose(0, 1).unsqueeze(0)
+        out = out.transpose(0, 1).unsqueeze(0)
+        if not images:
+            return out
+        # the documents holding an image again, with their blocks: the others keep the one varlen call
+        outputs = [
+            _document_sdpa(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scale, window, images[index])
+            if index in images
+            else out[:, :, a:b]
+            for index, (a, b) in enumerate(itertools.pairwise(edges))
+        ]
+        return torch.cat(outputs, dim=2)
     outputs = [
-        _document_sdpa(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scale, window)
-        for a, b in itertools.pairwise(bounds.tolist())
+        _document_sdpa(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scale, window, images.get(index))
+        for index, (a, b) in enumerate(itertools.pairwise(edges))
     ]
     return torch.cat(outputs, dim=2)
 
@@ -190,20 +253,25 @@ def causal_documents(
     bounds: torch.Tensor,
     scale: float,
     window: int = 0,
+    blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The per-document ``sdpa`` loop as one operator for ``torch.compile`` (the varlen call needs none)."""
-    return causal_documents_eager(query, key, value, bounds, scale, window=window, varlen=False).contiguous()
+    return causal_documents_eager(
+        query, key, value, bounds, scale, window=window, varlen=False, blocks=blocks
+    ).contiguous()
 
 
 @causal_documents.register_fake
-def _(query: Any, key: Any, value: Any, bounds: Any, scale: float, window: int = 0) -> Any:
+def _(
+    query: Any, key: Any, value: Any, bounds: Any, scale: float, window: int = 0, blocks: Any = None
+) -> Any:
     return query.new_empty(query.shape)
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    query, key, value, bounds, scale, window = inputs
+    query, key, value, bounds, scale, window, blocks = inputs
     ctx.save_for_backward(query, key, value, bounds)
-    ctx.scale, ctx.window = scale, window
+    ctx.scale, ctx.window, ctx.blocks = scale, window, blocks  # blocks: a host tensor, never differentiated
 
 
 @torch.library.custom_op("posttrain::causal_documents_backward", mutates_args=())
@@ -215,11 +283,14 @@ def causal_documents_backward(
     bounds: torch.Tensor,
     scale: float,
     window: int = 0,
+    blocks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of :func:`causal_documents`, recomputing the attention (the operator keeps no
     activations); an operator of its own so that the compiler does not trace into the documents."""
     _, pullback = torch.func.vjp(
-        lambda q, k, v: causal_documents_eager(q, k, v, bounds, scale, window=window, varlen=False),
+        lambda q, k, v: causal_documents_eager(
+            q, k, v, bounds, scale, window=window, varlen=False, blocks=blocks
+        ),
         query,
         key,
         value,
@@ -229,14 +300,23 @@ def causal_documents_backward(
 
 
 @causal_documents_backward.register_fake
-def _(grad: Any, query: Any, key: Any, value: Any, bounds: Any, scale: float, window: int = 0) -> Any:
+def _(
+    grad: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    bounds: Any,
+    scale: float,
+    window: int = 0,
+    blocks: Any = None,
+) -> Any:
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     query, key, value, bounds = ctx.saved_tensors
-    grads = causal_documents_backward(grad, query, key, value, bounds, ctx.scale, ctx.window)
-    return (*grads, None, None, None)
+    grads = causal_documents_backward(grad, query, key, value, bounds, ctx.scale, ctx.window, ctx.blocks)
+    return (*grads, None, None, None, None)
 
 
 causal_documents.register_autograd(_backward, setup_context=_setup)
@@ -248,7 +328,8 @@ causal_documents.register_autograd(_backward, setup_context=_setup)
 def per_document(core: Callable[..., Any]) -> Callable[..., Any]:
     """An attention function: causal attention per document when the inputs carry the documents' bounds (the
     collator's, or those :func:`bounds_hook` derived from a batch-1 row's ``position_ids`` before the
-    forward); ``core`` (an ``sdpa`` attention function) otherwise."""
+    forward), with image blocks attended both ways when they carry ``image_blocks``; ``core`` (an ``sdpa``
+    attention function, over the mask transformers built) otherwise."""
 
     def attention(
         module: Any,
@@ -261,16 +342,12 @@ def per_document(core: Callable[..., Any]) -> Callable[..., Any]:
     ) -> Any:
         bounds = kwargs.get("document_bounds")  # the batch's, or derived once per forward (bounds_hook)
         window = layer_window(module, kwargs)
-        rows_alone = not _LEFT_PADDED[0]  # a left-padded row is no document: its mask keeps the padding out
-        if (
-            bounds is None
-            and window
-            and rows_alone
-            and query.shape[2] > window
-            and key.shape[2] == query.shape[2]
-        ):
-            bounds = torch.arange(query.shape[0] + 1) * query.shape[2]  # a document per row, windowed
-        if bounds is None or (len(bounds) <= 2 and query.shape[0] == 1 and not window):
+        whole = key.shape[2] == query.shape[2] and not _KEEP_MASK[0]  # rows attended without their mask
+        blocks = kwargs.get("image_blocks")
+        blocks = blocks if blocks is not None and len(blocks) and whole else None
+        if bounds is None and whole and (blocks is not None or (window and query.shape[2] > window)):
+            bounds = torch.arange(query.shape[0] + 1) * query.shape[2]  # a document per row
+        if bounds is None or (len(bounds) <= 2 and query.shape[0] == 1 and not window and blocks is None):
             return core(module, query, key, value, mask, *args, **kwargs)
         scale = kwargs.get("scaling") or getattr(module, "scaling", None) or query.shape[-1] ** -0.5
         query, key, value = _autocast(query, key, value)
@@ -279,13 +356,20 @@ def per_document(core: Callable[..., Any]) -> Callable[..., Any]:
         cumulative = kwargs.get("cu_seq_lens_q")  # the bounds already on the device (the loop moved them)
         longest = int(kwargs.get("max_length_q") or 0)
         if not torch.compiler.is_compiling():
-            out = causal_documents_eager(q, k, v, bounds, float(scale), cumulative, window, longest)
-        elif cumulative is not None and longest and varlen_applies(q, k, float(scale), window):
+            out = causal_documents_eager(
+                q, k, v, bounds, float(scale), cumulative, window, longest, blocks=blocks
+            )
+        elif (
+            blocks is None
+            and cumulative is not None
+            and longest
+            and varlen_applies(q, k, float(scale), window)
+        ):
             t = (x[0].transpose(0, 1) for x in (q, k, v))
             out = varlen_causal(*t, cumulative.to(torch.int32), longest, float(scale), window)
             out = out.transpose(0, 1).unsqueeze(0)
         else:
-            out = causal_documents(q, k, v, bounds, float(scale), window)
+            out = causal_documents(q, k, v, bounds, float(scale), window, blocks)
         # [1, heads, batch x length, dim] -> [batch, length, heads, dim], as transformers' attention returns
         return out.reshape(heads, batch, length, dim).permute(1, 2, 0, 3), None
 
@@ -349,9 +433,10 @@ def _padding_masks(on: bool) -> None:
         mapping.pop(DOCUMENT_ATTENTION, None)
 
 
-#: whether this forward's rows have padding before their tokens (generation's left-padded prompts): set by
-#: the model's pre-hook; such rows are never attended as one causal document each
-_LEFT_PADDED = [False]
+#: whether this forward's attention keeps transformers' mask: rows with padding before their tokens
+#: (generation's left-padded prompts), never attended as one causal document each, and a padded or cached
+#: forward of a model with image blocks (transformers' mask holds the blocks). Set by the model's pre-hook.
+_KEEP_MASK = [False]
 
 
 def _left_padded(model: torch.nn.Module, mask: Any) -> bool:
@@ -374,43 +459,78 @@ def derive_bounds(positions: torch.Tensor) -> dict[str, Any]:
 
 
 def bounds_hook(
-    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], blocks: bool = False
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """A forward pre-hook on the model. It tells transformers whether to build a mask for this forward (only
-    for a batch with an attention mask: ``_padding_masks``). A batch-1 row with ``position_ids`` that restart
+    for a batch with an attention mask: ``_padding_masks``; a model with image ``blocks``, also for a cached
+    forward). A batch-1 row with ``position_ids`` that restart
     (documents laid end to end), no attention mask and no bounds of its own (a user's call, or a collator
     ``HostPrepared`` did not wrap) gets the bounds derived here, once per forward: every layer, compiled blocks included, then
-    attends per document, and no layer reads the positions or copies bounds to the device. Nothing is kept
-    between forwards, so a positions tensor changed in place is read afresh."""
+    attends per document, and no layer reads the positions or copies bounds to the device. A model with image
+    blocks gets them from its ``token_type_ids`` (``image_blocks``) for a forward without mask or cache.
+    Nothing is kept between forwards, so a positions tensor changed in place is read afresh."""
     mask = _argument(module, args, kwargs, "attention_mask")
     padded = mask is not None
-    _padding_masks(padded)
-    _LEFT_PADDED[0] = padded and _left_padded(module, mask)
-    if "document_bounds" in kwargs or padded:
+    cached = any(kwargs.get(name) is not None for name in _CACHES)
+    _padding_masks(padded or (blocks and cached))
+    _KEEP_MASK[0] = (padded and _left_padded(module, mask)) or (blocks and (padded or cached))
+    if padded or cached:
         return None
-    if any(kwargs.get(name) is not None for name in _CACHES):
-        return None
+    found: dict[str, Any] = {}
+    types = _argument(module, args, kwargs, "token_type_ids") if blocks else None
+    if isinstance(types, torch.Tensor) and "image_blocks" not in kwargs:
+        found["image_blocks"] = image_blocks(types)
     positions = _argument(module, args, kwargs, "position_ids")
-    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[0] != 1:
-        return None
-    found = derive_bounds(positions)
-    if len(found["document_bounds"]) <= 2:  # one document: plain causal attention
-        return None
-    return args, {**kwargs, **found}
+    if (
+        "document_bounds" not in kwargs
+        and isinstance(positions, torch.Tensor)
+        and positions.dim() == 2
+        and positions.shape[0] == 1
+    ):
+        bounds = derive_bounds(positions)
+        if len(bounds["document_bounds"]) > 2:  # one document: plain causal attention
+            found |= bounds
+    return (args, {**kwargs, **found}) if found else None
 
 
 def unsupported_by_documents(model: torch.nn.Module) -> str:
     """Why per-document attention would not be exact for this model ('' when it is): it computes causal
     attention, with sliding windows, but without logit soft-capping, attention dropout or attention sinks
-    (GPT-OSS: a learned logit per head in every row's softmax), and with an image's tokens seeing only what is
-    before them (not Gemma 3)."""
+    (GPT-OSS: a learned logit per head in every row's softmax), and with image tokens that see later ones
+    only in the blocks it finds as the model does (Gemma 3's; not Molmo2's or Gemma 4's)."""
     config = getattr(model, "config", None)
     reason = more_than_causal(read_dimensions(config)) if config is not None else ""
     if not reason and any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
         reason = "its attention has sinks (a learned logit per head in every row's softmax)"
-    if not reason and "token_type_ids" in token_type_keys(model):
-        reason = "an image's tokens attend to each other both ways (Gemma 3's token_type_ids)"
+    if not reason and has_image_blocks(model) and not image_blocks_known(model):
+        reason = (
+            "its image tokens attend both ways in blocks it finds itself (transformers' block_sequence_ids)"
+        )
     return reason
+
+
+def has_image_blocks(model: torch.nn.Module) -> bool:
+    """Whether the model's language model lets image tokens see later tokens: a vision-language model given
+    modality types (``vision.collate.token_type_keys``) whose transformers module builds attention blocks
+    from them (``block_sequence_ids``)."""
+    return bool(token_type_keys(model)) and "block_sequence_ids" in _module_source(type(model).__module__)
+
+
+def image_blocks_known(model: torch.nn.Module) -> bool:
+    """Whether per-document attention finds the model's image blocks as it does (``IMAGE_BLOCK_MODELS``)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", None) in IMAGE_BLOCK_MODELS and "token_type_ids" in token_type_keys(
+        model
+    )
+
+
+@functools.cache
+def _module_source(name: str) -> str:
+    module = sys.modules.get(name)
+    try:
+        return inspect.getsource(module) if module is not None else ""
+    except (OSError, TypeError):
+        return ""
 
 
 def language_model_only(model: torch.nn.Module, name: str) -> str | dict[str, str]:
@@ -438,7 +558,8 @@ def use_document_attention(model: torch.nn.Module) -> str:
         _parameters(_varlen_attn())  # read the signature now, not inside a compiled block
     AttentionInterface.register(DOCUMENT_ATTENTION, per_document(sdpa_attention_forward))
     model.set_attn_implementation(language_model_only(model, DOCUMENT_ATTENTION))
-    model.register_forward_pre_hook(bounds_hook, with_kwargs=True)
+    hook = functools.partial(bounds_hook, blocks=has_image_blocks(model))
+    model.register_forward_pre_hook(hook, with_kwargs=True)
     return ""
 
 
