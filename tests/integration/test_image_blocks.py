@@ -268,11 +268,16 @@ def test_models_that_find_their_blocks_otherwise_keep_the_masked_row(
     gemma: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A model whose transformers module builds image blocks that per-document attention does not find as
-    it does (Molmo2, Gemma 4; here Gemma 3 with its family taken off the list) keeps transformers' masked
+    it does (Molmo2; here Gemma 3 with its family taken off the list) keeps transformers' masked
     row."""
     model, _ = gemma
     other = copy.deepcopy(model)
     assert document_attention.has_image_blocks(other) and document_attention.image_blocks_known(other)
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    with torch.device("meta"):  # Molmo2 as its default config builds it, no weights allocated
+        molmo = AutoModelForImageTextToText.from_config(AutoConfig.for_model("molmo2"))
+    assert "block_sequence_ids" in unsupported_by_documents(molmo)
     monkeypatch.setattr(document_attention, "IMAGE_BLOCK_MODELS", frozenset())
     assert "block_sequence_ids" in unsupported_by_documents(other)
     assert use_document_attention(other) != ""

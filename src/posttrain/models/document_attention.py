@@ -497,7 +497,7 @@ def unsupported_by_documents(model: torch.nn.Module) -> str:
     """Why per-document attention would not be exact for this model ('' when it is): it computes causal
     attention, with sliding windows, but without logit soft-capping, attention dropout or attention sinks
     (GPT-OSS: a learned logit per head in every row's softmax), and with image tokens that see later ones
-    only in the blocks it finds as the model does (Gemma 3's; not Molmo2's or Gemma 4's)."""
+    only in the blocks it finds as the model does (Gemma 3's; not Molmo2's)."""
     config = getattr(model, "config", None)
     reason = more_than_causal(read_dimensions(config)) if config is not None else ""
     if not reason and any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
