@@ -115,6 +115,14 @@ def test_packed_rows_and_rows_without_documents_give_each_documents_own_logits(
             (got - expected[index]).abs().max(),
         )
         start += len(ids)
+    # under a LoRA adapter (PEFT wraps the model before the run switches its attention): the same logits
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    assert use_document_attention(adapted) == ""
+    with torch.no_grad():
+        found = adapted(**inputs, **pictures).logits[0]
+    assert torch.allclose(found, logits, atol=1e-5, rtol=0)  # LoRA's B starts at zero
     # the failure guarded against: the image tokens attended causally only (the blocks left out)
     with torch.no_grad():
         causal = ours(

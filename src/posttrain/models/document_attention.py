@@ -56,6 +56,7 @@ from posttrain.data.samples import document_bounds
 from posttrain.errors import UserError
 from posttrain.logs import say
 from posttrain.models.dimensions import more_than_causal, read_dimensions, text_config
+from posttrain.models.peft import base_model
 from posttrain.vision.collate import token_type_keys
 from posttrain.vision.processor import is_vision_language
 
@@ -512,16 +513,16 @@ def unsupported_by_documents(model: torch.nn.Module) -> str:
 def has_image_blocks(model: torch.nn.Module) -> bool:
     """Whether the model's language model lets image tokens see later tokens: a vision-language model given
     modality types (``vision.collate.token_type_keys``) whose transformers module builds attention blocks
-    from them (``block_sequence_ids``)."""
+    from them (``block_sequence_ids``); a PEFT wrapper's model is the one looked at."""
+    model = base_model(model)
     return bool(token_type_keys(model)) and "block_sequence_ids" in _module_source(type(model).__module__)
 
 
 def image_blocks_known(model: torch.nn.Module) -> bool:
     """Whether per-document attention finds the model's image blocks as it does (``IMAGE_BLOCK_MODELS``)."""
-    config = getattr(model, "config", None)
-    return getattr(config, "model_type", None) in IMAGE_BLOCK_MODELS and "token_type_ids" in token_type_keys(
-        model
-    )
+    model = base_model(model)
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    return family in IMAGE_BLOCK_MODELS and "token_type_ids" in token_type_keys(model)
 
 
 @functools.cache
