@@ -257,6 +257,9 @@ def test_part_names_of_the_families() -> None:
     assert part_of("model.connector.modality_projection.proj.weight") == "projector"
     assert part_of("model.visual.merger.mlp.0.weight") == "projector"
     assert part_of("model.visual.blocks.0.attn.qkv.weight") == "tower"
+    # Qwen3-VL's deepstack mergers go with the tower, as LLaMA-Factory's freeze_vision_tower takes them
+    assert part_of("model.visual.deepstack_merger_list.0.linear_fc1.weight") == "tower"
+    assert part_of("model.visual.pos_embed.weight") == "tower"
     assert part_of("model.language_model.layers.0.self_attn.q_proj.weight") == "language"
     assert part_of("model.vision_tower.encoder.layers.0.self_attn.q_proj.weight") == "tower"  # Gemma 3
     assert part_of("model.multi_modal_projector.mm_input_projection_weight") == "projector"

@@ -1,4 +1,4 @@
-"""The Qwen-VL family's M-RoPE in the trainer's forward: padded, packed and joined (padding-free) rows give
+"""The Qwen-VL family's M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) in the trainer's forward: padded, packed and joined (padding-free) rows give
 each token the log-probability the model gives it on its document alone, with the inputs its processor makes;
 generation gives the image tokens' types to the model and each prompt's completion as generated alone.
 
@@ -44,6 +44,16 @@ def tiny_qwen_vl(arch: str) -> Any:
     shape = {"depth": 2, "num_heads": 2, "patch_size": 8, "spatial_merge_size": 2, "temporal_patch_size": 2}
     if arch == "qwen2_vl":
         vision = shape | {"embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2}
+    elif arch == "qwen3_vl":  # interleaved M-RoPE, learned position embeddings, deepstack features
+        text["head_dim"] = 16
+        text["rope_parameters"] |= {"mrope_interleaved": True}
+        vision = shape | {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": 64,
+            "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0],
+        }
     else:  # Qwen2.5-VL: windowed attention in the tower, an output width of its own
         vision = shape | {
             "hidden_size": 32,
@@ -120,7 +130,7 @@ def trained(ids: list[int]) -> torch.Tensor:
     return (labels[1:] != IGNORE_INDEX).nonzero().squeeze(1)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_padded_packed_and_joined_rows_give_each_token_its_documents_own_log_probability(
     arch: str, documents: list[tuple[list[int], list[Any]]]
 ) -> None:
@@ -170,7 +180,7 @@ def test_padded_packed_and_joined_rows_give_each_token_its_documents_own_log_pro
         check(logps[row], row)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_generation_reads_the_images_with_their_3d_positions(
     arch: str, documents: list[tuple[list[int], list[Any]]]
 ) -> None:
