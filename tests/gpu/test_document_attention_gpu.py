@@ -119,3 +119,50 @@ def test_per_layer_windows_packed_equal_padded_on_the_real_varlen_kernel(family:
     reference = row_nll(masked, padded).sum() / padded["num_target_tokens"]
     loss = row_nll(ours, packed).sum() / packed["num_target_tokens"]
     assert abs(float(reference - loss)) < 2e-2, (float(reference), float(loss))
+
+
+def test_gemma3_image_blocks_on_the_real_varlen_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3's packed rows with images in bf16: the documents in one varlen call per layer, those holding an
+    image again with their blocks; each document's logits those of the document alone through transformers'
+    masks (the CPU tests check the same to 1e-5 in float32, over stand-in kernels)."""
+    if document_attention._varlen_attn() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    from posttrain.data.collate import HostPrepared
+    from tests.integration.test_image_blocks import _documents, _pixels, _types, tiny_gemma
+
+    model, processor = tiny_gemma()
+    model = model.to("cuda", torch.bfloat16)
+    ours = copy.deepcopy(model)
+    assert use_document_attention(ours) == ""
+    documents = _documents(processor)
+    calls = []
+    real = document_attention._varlen_attn()
+
+    @functools.wraps(real)
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(document_attention, "_varlen_attn", lambda: counting)
+    samples = [{"input_ids": ids, "labels": ids} for ids, _ in documents]
+    packed = _on_gpu(HostPrepared(Collator(0))([join_samples(samples)]))
+    inputs = {k: v for k, v in packed.items() if k not in ("labels", "target_rows")}
+    inputs["token_type_ids"] = _types(packed["input_ids"], processor)
+    pictures = {
+        k: v.to("cuda", torch.bfloat16)
+        for k, v in _pixels(processor, [p for _, ps in documents for p in ps]).items()
+    }
+    with torch.no_grad():
+        logits = ours(**inputs, **pictures).logits[0].float()
+    assert len(calls) == model.config.text_config.num_hidden_layers
+    start = 0
+    for ids, own in documents:
+        row = torch.tensor([ids], device="cuda")
+        alone = {"input_ids": row, "token_type_ids": _types(row, processor)}
+        if own:
+            alone |= {k: v.to("cuda", torch.bfloat16) for k, v in _pixels(processor, own).items()}
+        with torch.no_grad():
+            want = model(**alone).logits[0].float()
+        got = logits[start : start + len(ids)]
+        assert (got - want).norm() <= 2e-2 * want.norm(), float((got - want).norm() / want.norm())
+        start += len(ids)

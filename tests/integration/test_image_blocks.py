@@ -32,8 +32,7 @@ pytestmark = pytest.mark.integration
 WINDOW = 3  # smaller than an image's 4 tokens: the window cuts inside a block
 
 
-@pytest.fixture(scope="module")
-def gemma() -> tuple[Any, Any]:
+def tiny_gemma() -> tuple[Any, Any]:
     """A tiny Gemma 3 (a sliding layer, then a full one) with a window of 3, in sdpa, and its processor."""
     from posttrain.vision.tiny import build_tiny_vlm
 
@@ -44,6 +43,11 @@ def gemma() -> tuple[Any, Any]:
             module.sliding_window = WINDOW
     model.set_attn_implementation("sdpa")
     return model.eval(), processor
+
+
+@pytest.fixture(scope="module")
+def gemma() -> tuple[Any, Any]:
+    return tiny_gemma()
 
 
 def _tokens(processor: Any) -> dict[str, int]:
