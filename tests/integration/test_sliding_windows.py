@@ -1,5 +1,5 @@
 """Per-layer sliding windows under packing: models that mix sliding and full attention layers (EXAONE-4,
-Gemma-2/3, Qwen2 with ``max_window_layers``) and Mistral's window on every layer give the padded batch's loss
+Gemma-2/3/4, Qwen2 with ``max_window_layers``) and Mistral's window on every layer give the padded batch's loss
 and gradients when their documents are packed into one row, on both attention paths (the per-document loop
 and the varlen call over the stand-in kernels). EXAONE-4 keeps the config's window on every layer's module
 and passes ``sliding_window=None`` from its full layers: the call's value decides."""
@@ -70,6 +70,22 @@ def _gemma3() -> torch.nn.Module:
     return Gemma3ForCausalLM(config)
 
 
+def _gemma4() -> torch.nn.Module:
+    """Gemma 4's text model: its full layers' heads wider than its sliding layers' (``global_head_dim``),
+    which makes its config give ``head_dim`` per layer only (a heterogeneous config)."""
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    config = Gemma4TextConfig(
+        **SHAPE,
+        global_head_dim=32,
+        sliding_window=WINDOW,
+        layer_types=ALTERNATING,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=SHAPE["vocab_size"],
+    )
+    return Gemma4ForCausalLM(config)
+
+
 def _qwen2() -> torch.nn.Module:
     """``use_sliding_window`` from layer ``max_window_layers`` on: layer 0 full, layer 1 sliding."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -89,6 +105,7 @@ FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
     "exaone4": _exaone4,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
+    "gemma4": _gemma4,
     "qwen2": _qwen2,
     "mistral": _mistral,
 }
@@ -99,6 +116,7 @@ LEFT = {
     "exaone4": [WINDOW - 1, -1],
     "gemma2": [WINDOW - 1, -1],
     "gemma3": [WINDOW - 1, -1],
+    "gemma4": [WINDOW - 1, -1],
     "qwen2": [-1, WINDOW - 1],
     "mistral": [WINDOW - 1, WINDOW - 1],
 }
@@ -160,6 +178,15 @@ def test_packed_equals_padded_on_the_varlen_path(family: str) -> None:
         assert stand_ins.CALLS == ["2.13", "2.13"]
         assert LEFT[family] == stand_ins.WINDOWS
     assert abs(float(loss - ours)) < 2e-2, (float(loss), float(ours))
+
+
+def test_a_config_that_sets_the_head_size_per_layer_is_read_at_its_largest() -> None:
+    """Gemma 4's config refuses ``head_dim`` as one value (its full layers' heads are wider): the dimensions
+    take every layer's and keep the largest, the bound the memory plan wants, instead of failing."""
+    from posttrain.models.dimensions import read_dimensions
+
+    dimensions = read_dimensions(_gemma4().config)
+    assert (dimensions.head_dim, dimensions.sliding_window, dimensions.layers) == (32, WINDOW, 2)
 
 
 def test_a_window_on_the_full_layers_would_be_seen(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,21 +53,33 @@ def text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def _attribute(config: Any, name: str) -> Any:
+    """``config.name``; for an attribute that a heterogeneous config sets per layer (transformers'
+    ``per_layer_config``: Gemma 4's ``head_dim``, larger on its full-attention layers), which the config
+    refuses to give as one value, every layer's value, as a list."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        return [getattr(layer, name, None) for layer in config.per_layer_config]
+
+
+def _numbers(value: Any) -> list[int | float]:
+    values = value if isinstance(value, list | tuple) else [value]
+    return [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+
+
 def _int(config: Any, *names: str) -> int:
+    """The first of ``names`` the config sets to an int; the largest, for a list (per layer)."""
     for name in names:
-        value = getattr(config, name, None)
-        if isinstance(value, bool):
-            continue
-        if isinstance(value, int):
-            return value
-        if isinstance(value, list | tuple) and value:
-            return max(value)
+        found = [v for v in _numbers(_attribute(config, name)) if isinstance(v, int)]
+        if found:
+            return max(found)
     return 0
 
 
 def _float(config: Any, name: str) -> float:
-    value = getattr(config, name, None)
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+    found = _numbers(_attribute(config, name))
+    return float(max(found)) if found else 0.0
 
 
 def read_dimensions(config: Any) -> Dimensions:

@@ -18,7 +18,7 @@ collator's rows) and every layer receives them with the model's inputs:
 
 A layer with a sliding window (``sliding_window=W``: each token sees itself and the W - 1 before it) is exact on
 both paths: the varlen call takes the window, and a document longer than W gets its own banded mask. The
-window is the layer's own (``layer_window``): models that mix sliding and full layers (Gemma-2/3, Qwen2's
+window is the layer's own (``layer_window``): models that mix sliding and full layers (Gemma-2/3/4, Qwen2's
 ``max_window_layers``, EXAONE-4) pass ``sliding_window=None`` from their full layers. A row without documents
 that is longer than the window is attended as one banded document too, unless padding comes first in it
 (generation's left-padded prompts): that forward keeps transformers' mask.
