@@ -370,20 +370,21 @@ def test_the_memory_plan_counts_what_trains_and_the_report_counts_images(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("arch", ["idefics3", "gemma3"])
 def test_two_processes_under_zero3_give_one_processs_numbers_and_a_killed_run_resumes_exactly(
-    vlms: dict[str, Path], colour_data: Path, tmp_path: Path
+    vlms: dict[str, Path], colour_data: Path, tmp_path: Path, arch: str
 ) -> None:
     """ZeRO-3 over 2 processes (the frozen tower partitioned with the rest) trains as one process does, and
     a run SIGKILLed after its checkpoint at step 2 and resumed with ``auto_resume`` ends where the
-    uninterrupted one does."""
+    uninterrupted one does. Gemma 3's rows are packed (two rows a sequence): per-document attention with its
+    image blocks on every process."""
     from tests.resume_helpers import assert_same_continuation, kill_and_resume
 
+    rows = {"micro_batch_size": 2}
+    if arch == "gemma3":
+        rows = {"micro_batch_size": 1, "data": {"pack_samples": True, "max_length": 96}}
     base = vlm_config(
-        vlms["idefics3"],
-        colour_data,
-        tmp_path,
-        micro_batch_size=2,
-        deepspeed={"zero_optimization": {"stage": 3}},
+        vlms[arch], colour_data, tmp_path, deepspeed={"zero_optimization": {"stage": 3}}, **rows
     )
     (tmp_path / "two").mkdir()
     results = kill_and_resume(base, tmp_path / "two", nproc=2, kill_at=2, total=4)
@@ -396,7 +397,9 @@ def test_two_processes_under_zero3_give_one_processs_numbers_and_a_killed_run_re
     exports = {}
     for name, nproc, stage in (("one", 1, 0), ("pair", 2, 3)):
         config = merge(base, train_iters=1, deepspeed={"zero_optimization": {"stage": stage}})
-        config["gradient_accumulation_steps"] = 3 - nproc  # the same global batch of 4
+        config["gradient_accumulation_steps"] = (3 - nproc) * (
+            2 // config["micro_batch_size"]
+        )  # 4 micro-batches a step
         config["logger"]["output_dir"] = str(tmp_path / name)
         config["checkpoint"] = [
             {"type": "huggingface", "output_dir": str(tmp_path / name / "x"), "save_end_of_training": True}
@@ -404,8 +407,38 @@ def test_two_processes_under_zero3_give_one_processs_numbers_and_a_killed_run_re
         done = cli(config, tmp_path / f"{name}.yaml", nproc)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         exports[name] = load_file(tmp_path / name / "x" / "final" / "model.safetensors")
+    assert exports["one"].keys() == exports["pair"].keys(), set(exports["one"]) ^ set(exports["pair"])
     diff = max(float((exports["one"][k] - exports["pair"][k]).abs().max()) for k in exports["one"])
     assert diff < 1e-5, diff
+
+
+def test_an_export_writes_the_checkpoints_names_whatever_renamings_the_loader_recorded(
+    vlms: dict[str, Path], tmp_path: Path
+) -> None:
+    """transformers' ZeRO-3 loader records renamings it never used (one is added here by hand) and
+    ``save_pretrained`` reverses every recorded one: Gemma 3's export got ``language_model.model.model.*``.
+    The export keeps the used ones only and writes the checkpoint's own names."""
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText
+    from transformers.core_model_loading import WeightRenaming
+
+    from posttrain.checkpoint.huggingface import keep_used_conversions
+
+    def names(directory: Path) -> set[str]:
+        with safe_open(directory / "model.safetensors", "pt") as handle:
+            return set(handle.keys())
+
+    model = AutoModelForImageTextToText.from_pretrained(vlms["gemma3"])
+    unused = WeightRenaming(
+        source_patterns=[r"^model\.language_model\.model", r"^language_model\.model\.model"],
+        target_patterns=["model.language_model"],
+    )
+    model._weight_conversions = [*model._weight_conversions, unused]
+    model.save_pretrained(tmp_path / "as-recorded")
+    assert names(tmp_path / "as-recorded") != names(vlms["gemma3"])  # the defect, as transformers saves
+    keep_used_conversions(model)
+    model.save_pretrained(tmp_path / "kept")
+    assert names(tmp_path / "kept") == names(vlms["gemma3"])
 
 
 def test_a_text_model_refuses_rows_with_images(base_config: dict, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from posttrain.checkpoint.base import CheckpointEngine
 from posttrain.checkpoint.model_card import base_model_place, model_card
 from posttrain.config.checkpoint import HFCheckpointConfig
 from posttrain.models.expert_parallel import full_experts
-from posttrain.models.peft import is_peft_model
+from posttrain.models.peft import base_model, is_peft_model
 from posttrain.utils.fs import atomic_dir
 from posttrain.vision.processor import processor_of
 
@@ -29,6 +29,18 @@ def full_parameters(model: Any) -> Iterator[None]:
 
     with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
         yield
+
+
+def keep_used_conversions(model: Any) -> None:
+    """Keep, of the checkpoint renamings transformers recorded when it loaded the model, only those it used.
+    ``save_pretrained`` writes the checkpoint's own names back by reversing every recorded renaming; its
+    ZeRO-3 loader (transformers 5.24) records every renaming it knows for the architecture, used or not, where
+    its other loader keeps the used ones, so a ZeRO-3 run's export of Gemma 3 came out as
+    ``language_model.model.model.*`` while a ZeRO-0 run's kept the checkpoint's names."""
+    base = base_model(model)
+    conversions = getattr(base, "_weight_conversions", None)
+    if conversions:
+        base._weight_conversions = [c for c in conversions if not hasattr(c, "was_used") or c.was_used()]
 
 
 class HFCheckpointEngine(CheckpointEngine):
@@ -63,6 +75,7 @@ class HFCheckpointEngine(CheckpointEngine):
     def _write(self, model: Any, target: Path, card: str) -> None:
         for adapter in getattr(model, "peft_config", {}).values():  # a PEFT model writes its adapter only
             adapter.base_model_name_or_path = base_model_place(adapter.base_model_name_or_path or "")
+        keep_used_conversions(model)
         with atomic_dir(target) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
             if self.tokenizer is not None:  # a vision-language model's processor, its tokenizer included
