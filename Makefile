@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 
-.PHONY: install demo demo-vision test test-slow test-vllm vllm-env lint format bench gpu-wheels clean
+.PHONY: install demo demo-vision test test-slow test-vllm vllm-env test-vision vision-env lint format bench gpu-wheels clean
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist; 2 for the 2-core machine CI uses), the tests that
 # share a module's set-up in one of them (tests/conftest.py groups them), the others wherever a worker is
@@ -56,6 +56,30 @@ vllm-env: $(VLLM_STAMP)
 # pinned to cores of its own: an engine binds its OpenMP threads to the cores its process may use
 test-vllm: $(VLLM_STAMP)
 	POSTTRAIN_TEST_PIN_WORKERS=1 $(VLLM_VENV)/bin/python -m pytest $(PYTEST) -m vllm tests
+
+# The Qwen-VL family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): transformers builds its processors only with torchvision,
+# and PyPI's torchvision for torch 2.13 is a CUDA build that does not import beside the CPU torch. The tests
+# marked `torchvision` run in a venv of their own with torch 2.14.1 and torchvision 0.29.1 (CPU wheels where
+# PyTorch's index answers; else PyPI's CUDA builds, about 6 GB, which run on the CPU too), the rest as above.
+VISION_VENV := .venv-vision
+VISION_STAMP := $(VISION_VENV)/.installed
+VISION_TORCH := torch==2.14.1 torchvision==0.29.1
+$(VISION_STAMP): pyproject.toml constraints.txt
+	test -x $(VISION_VENV)/bin/python || $(PY) -m venv $(VISION_VENV) || python3 -m venv $(VISION_VENV)
+	$(VISION_VENV)/bin/python -m pip install -q --upgrade pip
+	if $(VISION_VENV)/bin/python -c "import socket; socket.create_connection(('download.pytorch.org', 443), 5)" 2>/dev/null; \
+	then $(VISION_VENV)/bin/python -m pip install -q $(VISION_TORCH) --index-url $(TORCH_CPU_INDEX); \
+	else $(VISION_VENV)/bin/python -m pip install -q $(VISION_TORCH); fi
+	grep -v '^torch==' constraints.txt > $(VISION_VENV)/constraints.txt
+	$(VISION_VENV)/bin/python -m pip install -q -c $(VISION_VENV)/constraints.txt -e '.[dev]'
+	touch $(VISION_STAMP)
+
+vision-env: $(VISION_STAMP)
+
+# The tests marked `torchvision` (the slow ones among them), DeepSpeed's ops built for that venv's torch
+test-vision: $(VISION_STAMP)
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VISION_VENV)/torch_extensions \
+		$(VISION_VENV)/bin/python -m pytest $(PYTEST) -m "torchvision and not gpu and not vllm" tests
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
@@ -100,4 +124,4 @@ gpu-wheels: $(STAMP)
 	du -sh $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) demo-out runs
+	rm -rf $(VENV) $(VLLM_VENV) $(VISION_VENV) demo-out runs

@@ -158,7 +158,11 @@ def run_trl(model: Path, data: Path, steps: int, trl_path: str) -> dict[str, flo
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="idefics3", choices=("idefics3", "llava", "gemma3"))
+    parser.add_argument(
+        "--arch",
+        default="idefics3",
+        choices=("idefics3", "llava", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
+    )
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--steps", type=int, default=12)

@@ -8,7 +8,9 @@ Then GRPO (``examples/grpo-vision.yaml``, a reward for naming the colour) raises
 sampled at temperature 1 that are right, again with the images-swapped control, and ``posttrain eval`` runs
 lm-evaluation-harness's multimodal model on a local task of 30 more squares.
 Everything is local. Run inside the project's virtual environment: ``.venv/bin/python examples/vision_demo.py
-[--short] [--arch gemma3|llava]`` (``make demo-vision``); it says how long it takes before it starts.
+[--short] [--arch FAMILY]`` (``make demo-vision``); it says how long it takes before it starts. The Qwen-VL
+family's processors need torchvision: ``make vision-env``, then ``.venv-vision/bin/python
+examples/vision_demo.py --arch qwen2_vl`` (or ``qwen2_5_vl``, ``qwen3_vl``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from posttrain.testing.vision import (  # noqa: E402
     colour_sampled_accuracy,
     write_colour_task,
 )
-from posttrain.vision.tiny import VISION_ARCHITECTURES  # noqa: E402
+from posttrain.vision.tiny import NEEDS_TORCHVISION, VISION_ARCHITECTURES, torchvision_missing  # noqa: E402
 
 OUT = ROOT / "demo-out" / "vision"
 CONFIG = ROOT / "examples" / "sft-vision.yaml"
@@ -51,6 +53,13 @@ def main() -> None:
         "--arch", choices=VISION_ARCHITECTURES, default="idefics3", help="the tiny model's family"
     )
     args = parser.parse_args()
+    if args.arch in NEEDS_TORCHVISION and (missing := torchvision_missing()) is not None:
+        print(
+            f"--arch {args.arch}: its processor needs torchvision, which does not import here ({missing}); "
+            f"run `make vision-env`, then `.venv-vision/bin/python examples/vision_demo.py --arch {args.arch}`",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     say_expected(EXPECTED, args.short, resumable=False)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

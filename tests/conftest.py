@@ -95,14 +95,20 @@ def make_base_config(tiny_model_dir: Path, chat_file: Path, tmp_path: Path) -> d
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``gpu`` tests skip cleanly on machines without CUDA, ``vllm`` tests where vLLM is not installed (its
-    CPU build runs them: ``make test-vllm``)."""
+    CPU build runs them: ``make test-vllm``), ``torchvision`` tests where torchvision does not import (the
+    vision tier's venv has it: ``make test-vision``)."""
     import importlib.util
+
+    from posttrain.vision.tiny import torchvision_missing
 
     skips = {
         "gpu": None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU"),
         "vllm": None
         if importlib.util.find_spec("vllm") is not None
         else pytest.mark.skip(reason="needs vLLM (make test-vllm installs its CPU build)"),
+        "torchvision": None
+        if (missing := torchvision_missing()) is None
+        else pytest.mark.skip(reason=f"needs torchvision ({missing}; make test-vision)"),
     }
     for item in items:
         for marker, skip in skips.items():

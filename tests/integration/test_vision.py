@@ -22,20 +22,27 @@ from posttrain.vision import images
 from posttrain.vision.formatting import ORIGIN, format_image_rows
 from posttrain.vision.freeze import part_of
 from posttrain.vision.processor import attach, feature_token_id, input_only_tokens
+from posttrain.vision.tiny import NEEDS_TORCHVISION, VISION_ARCHITECTURES, torchvision_missing
 from tests.conftest import make_base_config
 from tests.integration.helpers import merge, metrics, train
 
 pytestmark = pytest.mark.integration
 
-ARCHS = ("idefics3", "llava", "gemma3")
+#: the families every venv builds, and the Qwen-VL family, whose processors need torchvision (make test-vision)
+QWEN = tuple(pytest.param(arch, marks=pytest.mark.torchvision) for arch in NEEDS_TORCHVISION)
+ARCHS = (*(arch for arch in VISION_ARCHITECTURES if arch not in NEEDS_TORCHVISION), *QWEN)
 
 
 @pytest.fixture(scope="module")
 def vlms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny VLMs this venv can build, each written once for the module."""
     from posttrain.vision.tiny import write_tiny_vlm
 
     root = tmp_path_factory.mktemp("vlm")
-    return {arch: write_tiny_vlm(root / arch, arch, vocab_size=1024) for arch in ARCHS}
+    buildable = [
+        a for a in VISION_ARCHITECTURES if a not in NEEDS_TORCHVISION or torchvision_missing() is None
+    ]
+    return {arch: write_tiny_vlm(root / arch, arch, vocab_size=1024) for arch in buildable}
 
 
 @pytest.fixture(scope="module")
@@ -171,15 +178,16 @@ def test_bad_image_rows_are_reported_together_with_their_rows(vlms: dict[str, Pa
     assert "bad.jsonl row 1:" not in message
 
 
+@pytest.mark.parametrize("arch", ["idefics3", *QWEN])
 def test_sft_trains_the_language_model_and_leaves_the_frozen_parts(
-    vlms: dict[str, Path], colour_data: Path, tmp_path: Path
+    vlms: dict[str, Path], colour_data: Path, tmp_path: Path, arch: str
 ) -> None:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    before = AutoModelForImageTextToText.from_pretrained(vlms["idefics3"]).state_dict()
+    before = AutoModelForImageTextToText.from_pretrained(vlms[arch]).state_dict()
     export = tmp_path / "export"
     config = vlm_config(
-        vlms["idefics3"],
+        vlms[arch],
         colour_data,
         tmp_path,
         train_iters=4,
@@ -194,7 +202,7 @@ def test_sft_trains_the_language_model_and_leaves_the_frozen_parts(
 
     loaded = AutoModelForImageTextToText.from_pretrained(export / "final")
     processor = AutoProcessor.from_pretrained(export / "final")
-    assert type(processor).__name__ == "Idefics3Processor"
+    assert type(processor) is type(AutoProcessor.from_pretrained(vlms[arch]))
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, after[name]) if name in after else True
 
@@ -283,14 +291,16 @@ def _text(text: str) -> dict[str, str]:
     return {"type": "text", "text": text}
 
 
+@pytest.mark.parametrize("arch", ["llava", *QWEN[1:2]])
 def test_lora_adapts_the_language_model_and_merges_into_a_vlm_export(
-    vlms: dict[str, Path], colour_data: Path, tmp_path: Path
+    vlms: dict[str, Path], colour_data: Path, tmp_path: Path, arch: str
 ) -> None:
-    from transformers import AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    family = type(AutoModelForImageTextToText.from_pretrained(vlms[arch])).__name__
     export = tmp_path / "export"
     config = vlm_config(
-        vlms["llava"],
+        vlms[arch],
         colour_data,
         tmp_path,
         train_iters=2,
@@ -308,17 +318,14 @@ def test_lora_adapts_the_language_model_and_merges_into_a_vlm_export(
     adapted = {name.split(".lora_A")[0] for name, _ in result.model.named_parameters() if ".lora_A" in name}
     assert adapted and {part_of(name) for name in adapted} == {"language"}
     merged = AutoModelForImageTextToText.from_pretrained(export / "final-merged")
-    assert type(merged).__name__ == "LlavaForConditionalGeneration"
-    from transformers import AutoProcessor
-
+    assert type(merged).__name__ == family
     from posttrain.inference.merge import merge_adapter
 
     merge_adapter(export / "final", tmp_path / "merged")
-    assert (
-        type(AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")).__name__
-        == "LlavaForConditionalGeneration"
+    assert type(AutoModelForImageTextToText.from_pretrained(tmp_path / "merged")).__name__ == family
+    assert type(AutoProcessor.from_pretrained(tmp_path / "merged")) is type(
+        AutoProcessor.from_pretrained(vlms[arch])
     )
-    assert type(AutoProcessor.from_pretrained(tmp_path / "merged")).__name__ == "LlavaProcessor"
 
 
 def test_the_memory_plan_counts_what_trains_and_the_report_counts_images(
@@ -370,18 +377,18 @@ def test_the_memory_plan_counts_what_trains_and_the_report_counts_images(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["idefics3", "gemma3"])
+@pytest.mark.parametrize("arch", ["idefics3", "gemma3", *QWEN[1:2]])
 def test_two_processes_under_zero3_give_one_processs_numbers_and_a_killed_run_resumes_exactly(
     vlms: dict[str, Path], colour_data: Path, tmp_path: Path, arch: str
 ) -> None:
     """ZeRO-3 over 2 processes (the frozen tower partitioned with the rest) trains as one process does, and
     a run SIGKILLed after its checkpoint at step 2 and resumed with ``auto_resume`` ends where the
-    uninterrupted one does. Gemma 3's rows are packed (two rows a sequence): per-document attention with its
-    image blocks on every process."""
+    uninterrupted one does. Gemma 3's and Qwen2.5-VL's rows are packed (two rows a sequence): per-document
+    attention with Gemma 3's image blocks, and Qwen's M-RoPE positions per document, on every process."""
     from tests.resume_helpers import assert_same_continuation, kill_and_resume
 
     rows = {"micro_batch_size": 2}
-    if arch == "gemma3":
+    if arch != "idefics3":
         rows = {"micro_batch_size": 1, "data": {"pack_samples": True, "max_length": 96}}
     base = vlm_config(
         vlms[arch], colour_data, tmp_path, deepspeed={"zero_optimization": {"stage": 3}}, **rows
@@ -486,3 +493,45 @@ def test_a_freeze_key_written_for_a_text_model_is_refused(base_config: dict) -> 
     base_config["model"]["freeze_vision_tower"] = False
     with pytest.raises(UserError, match=r"model.freeze_vision_tower: LlamaForCausalLM is a text model"):
         train(base_config)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_vlms_from_the_command_line_are_deterministic_and_load_with_their_processors(
+    tmp_path: Path, arch: str
+) -> None:
+    """``posttrain tiny-model --arch ...``: the same bytes twice for a seed, a model and processor that the
+    Auto classes load, and a forward on the processor's inputs for an image."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from posttrain.cli import main
+
+    arguments = ["--arch", arch, "--seed", "2", "--vocab-size", "512"]
+    for name in ("a", "b"):
+        assert main(["tiny-model", str(tmp_path / name), *arguments]) == 0
+    for file in ("model.safetensors", "tokenizer.json", "config.json", "processor_config.json"):
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
+    processor = AutoProcessor.from_pretrained(tmp_path / "a")
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "a").eval()
+    question = [{"role": "user", "content": [{"type": "image"}, _text(QUESTION)]}]
+    text = processor.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+    picture = images.open_image({"path": str(draw_square(tmp_path / "red.png", "red"))})
+    inputs = processor(text=[text], images=[[picture]], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.shape[:2] == inputs["input_ids"].shape and torch.isfinite(logits).all()
+
+
+def test_the_qwen_vl_family_without_torchvision_is_one_clear_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    from posttrain.cli import main
+
+    monkeypatch.setitem(
+        sys.modules, "torchvision", None
+    )  # `import torchvision` fails, as where it is missing
+    assert main(["tiny-model", str(tmp_path / "q"), "--arch", "qwen2_5_vl"]) == 2
+    error = capsys.readouterr().err
+    assert "--arch qwen2_5_vl" in error and "torchvision" in error and "make vision-env" in error, error
+    assert "Traceback" not in error and not (tmp_path / "q").exists()

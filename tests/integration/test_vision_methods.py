@@ -22,7 +22,7 @@ from posttrain.vision import images
 from posttrain.vision.formatting import ORIGIN
 from posttrain.vision.preferences import PROMPT_LENGTH, fit_image_pair, format_image_pairs
 from tests.integration.helpers import merge, metrics, train
-from tests.integration.test_vision import ARCHS, processor_and_tokenizer, vlm_config
+from tests.integration.test_vision import ARCHS, QWEN, processor_and_tokenizer, vlm_config
 from tests.integration.test_vision import vlms as vlms
 
 pytestmark = pytest.mark.integration
@@ -253,6 +253,9 @@ def test_grpo_prompts_with_images_generate_and_score_on_the_processors_inputs(
         for index, (inputs, ids) in enumerate(zip(own, completions.ids, strict=True)):
             whole = {**inputs, "input_ids": torch.cat([inputs["input_ids"], torch.tensor([ids])], 1)}
             whole["attention_mask"] = torch.ones_like(whole["input_ids"])
+            for types in ("token_type_ids", "mm_token_type_ids"):  # the completion is text
+                if types in inputs:
+                    whole[types] = torch.cat([inputs[types], torch.zeros(1, len(ids), dtype=torch.long)], 1)
             logits = model(**whole).logits[0, :-1].double()
             expected = torch.log_softmax(logits, -1)[-len(ids) :].gather(1, torch.tensor(ids)[:, None])[:, 0]
             mask = batch["completion_mask"][index].bool()
@@ -382,8 +385,9 @@ def test_grpo_on_images_gives_one_processs_numbers_on_two_and_resumes_exactly_af
             assert single[step][key] == pytest.approx(pair[step][key], abs=1e-5), (step, key)
 
 
+@pytest.mark.parametrize("arch", ["idefics3", *QWEN[2:]])
 def test_eval_runs_the_harnesss_multimodal_model_on_a_local_image_task(
-    vlms: dict[str, Path], tmp_path: Path
+    vlms: dict[str, Path], tmp_path: Path, arch: str
 ) -> None:
     """``posttrain eval`` on a VLM: lm-evaluation-harness's ``hf-multimodal`` model, each response what the
     model answers greedily about the document's image under its chat template (computed here)."""
@@ -393,7 +397,7 @@ def test_eval_runs_the_harnesss_multimodal_model_on_a_local_image_task(
 
     tasks = write_colour_task(tmp_path / "tasks", 6, seed=11)
     evaluation = Evaluation(
-        model=vlms["idefics3"],
+        model=vlms[arch],
         tasks=("colour_squares",),
         include_path=tasks,
         batch_size=3,
@@ -408,8 +412,8 @@ def test_eval_runs_the_harnesss_multimodal_model_on_a_local_image_task(
     assert len(samples) == 6
     assert len({sample["resps"][0][0] for sample in samples}) > 1  # the answers follow the images
 
-    processor, _ = processor_and_tokenizer(vlms["idefics3"])
-    model = AutoModelForImageTextToText.from_pretrained(vlms["idefics3"], dtype=torch.float32).eval()
+    processor, _ = processor_and_tokenizer(vlms[arch])
+    model = AutoModelForImageTextToText.from_pretrained(vlms[arch], dtype=torch.float32).eval()
     question = [
         {
             "role": "user",

@@ -2,9 +2,10 @@
 each token the log-probability the model gives it on its document alone, with the inputs its processor makes;
 generation gives the image tokens' types to the model and each prompt's completion as generated alone.
 
-The processors of this family need torchvision (transformers builds their video processor with it), which has
-no CPU build for this torch on PyPI, so these tests build the model alone and make its image inputs with the
-family's Pillow image processor and its ids by hand: ``<|vision_start|>``, one ``<|image_pad|>`` per merged
+The processors of this family need torchvision (transformers builds their video processor with it), which
+imports only in the vision tier's venv (``make test-vision``: the processors' path is tested there, in
+test_vision.py), so these tests, which run in every venv, build the model alone and make its image inputs with
+the family's Pillow image processor and its ids by hand: ``<|vision_start|>``, one ``<|image_pad|>`` per merged
 patch, ``<|vision_end|>``, as the processor writes them.
 """
 

@@ -95,7 +95,8 @@ def _tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
     "write a tiny random LLaMA (mixture-of-experts, vision-language) model and BPE tokenizer (no network)",
     _tiny_model_arguments,
     """Write a small random model (LLaMA, a mixture-of-experts family, or a vision-language model with its
-    processor: Idefics3/SmolVLM or LLaVA at 32x32 pixels) and a byte-level BPE tokenizer with a ChatML
+    processor: Idefics3/SmolVLM, LLaVA, Gemma 3 or, where torchvision imports, the Qwen-VL family, at 32x32
+    pixels) and a byte-level BPE tokenizer with a ChatML
     template ({% generation %} markers), deterministic per seed; nothing is downloaded.""",
 )
 def cmd_tiny_model(args: argparse.Namespace) -> int:

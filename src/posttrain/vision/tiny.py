@@ -2,20 +2,26 @@
 plus the image tokens of each family, a Pillow-only image processor at 32x32 pixels, and a randomly
 initialised model that ``AutoModelForImageTextToText`` and ``AutoProcessor`` load.
 
-Deterministic for a seed, like the text ones (``posttrain tiny-model --arch idefics3``). Qwen2-VL and its
-successors are not built here: transformers 5.24's ``Qwen2VLProcessor`` requires a video processor, which
-transformers builds only with torchvision, and PyPI has no CPU build of torchvision for this torch (see
-docs/methods.md). Gemma 3's processor has no video part and is built with its Pillow image processor.
+Deterministic for a seed, like the text ones (``posttrain tiny-model --arch idefics3``). The Qwen-VL family
+(Qwen2-VL, Qwen2.5-VL, Qwen3-VL) is built where torchvision imports: transformers 5.24's processors of that
+family require a video processor, which transformers builds only with torchvision (the vision tier's venv has
+it: ``make test-vision``; docs/methods.md). Gemma 3's processor has no video part and is built with its
+Pillow image processor.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.errors import UserError
+
 #: the vision-language families the tiny builder makes
-VISION_ARCHITECTURES = ("idefics3", "llava", "gemma3")
+VISION_ARCHITECTURES = ("idefics3", "llava", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+#: the families whose processors transformers builds only with torchvision
+NEEDS_TORCHVISION = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 #: the side of the square images the tiny processors resize to, in pixels
 IMAGE_SIDE = 32
 
@@ -191,7 +197,95 @@ def _gemma3(tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, An
     return config, processor
 
 
-_BUILDERS = {"idefics3": _idefics3, "llava": _llava, "gemma3": _gemma3}
+_QWEN_TOKENS = {
+    "vision_start": "<|vision_start|>",
+    "vision_end": "<|vision_end|>",
+    "image": "<|image_pad|>",
+    "video": "<|video_pad|>",
+}
+
+
+def torchvision_missing() -> str | None:
+    """Why torchvision cannot be used here (None: it can): the Qwen-VL processors need it."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:  # an ImportError, or a RuntimeError from a build made for another torch
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return None
+
+
+def _qwen_vl(arch: str, tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, Any]:
+    """Qwen2-VL, Qwen2.5-VL or Qwen3-VL: M-RoPE over (time, height, width) in the language model, a tower over
+    8-pixel patches merged 2x2 (a 32x32 image: 4 image tokens) and the family's own processor, its video
+    processor included."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    reason = torchvision_missing()
+    if reason is not None:
+        raise UserError(
+            f"--arch {arch}: transformers builds this family's processor only with torchvision, which does not "
+            f"import here ({reason}); install a torchvision built for this torch (make vision-env)"
+        )
+    processor_class, video_class = {
+        "qwen2_vl": ("Qwen2VLProcessor", "Qwen2VLVideoProcessor"),
+        "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
+        "qwen3_vl": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+    }[arch]
+    tokenizer.add_special_tokens({"additional_special_tokens": list(_QWEN_TOKENS.values())})
+    patch, merge = tower.patch or 8, 2
+    sizes = {"patch_size": patch, "temporal_patch_size": 2, "merge_size": merge}
+    pixels = {"shortest_edge": (patch * merge) ** 2, "longest_edge": IMAGE_SIDE * IMAGE_SIDE}
+    processor = getattr(transformers, processor_class)(
+        image_processor=Qwen2VLImageProcessorPil(size=pixels, **sizes),
+        video_processor=getattr(transformers, video_class)(size=pixels, **sizes),
+        tokenizer=tokenizer,
+        chat_template=chat_template(
+            _QWEN_TOKENS["vision_start"] + _QWEN_TOKENS["image"] + _QWEN_TOKENS["vision_end"]
+        ),
+    )
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    half = head_dim // 2  # M-RoPE splits the rotary frequencies between time, height and width
+    sections = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+    qwen_text = {k: v for k, v in text.items() if k != "model_type"}
+    qwen_text |= {
+        "head_dim": head_dim,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections},
+    }
+    shape = {"depth": tower.layers, "num_heads": 2, "spatial_merge_size": merge, **sizes}
+    shape.pop("merge_size")
+    if arch == "qwen2_vl":
+        vision = shape | {"embed_dim": tower.hidden, "hidden_size": text["hidden_size"], "mlp_ratio": 2}
+    else:
+        vision = shape | {
+            "hidden_size": tower.hidden,
+            "intermediate_size": 2 * tower.hidden,
+            "out_hidden_size": text["hidden_size"],
+        }
+    if arch == "qwen2_5_vl":  # windowed attention in the tower, its last layer full
+        vision |= {"window_size": IMAGE_SIDE // 2, "fullatt_block_indexes": [tower.layers - 1]}
+    if arch == "qwen3_vl":  # interleaved M-RoPE, learned position embeddings, deepstack features
+        qwen_text["rope_parameters"] |= {"mrope_interleaved": True}
+        vision |= {"num_position_embeddings": (IMAGE_SIDE // patch) ** 2, "deepstack_visual_indexes": [0]}
+    ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in _QWEN_TOKENS.items()}
+    config = AutoConfig.for_model(
+        arch,
+        text_config=qwen_text | {"vocab_size": len(tokenizer)},
+        vision_config=vision,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        **ids,
+    )
+    return config, processor
+
+
+_BUILDERS = {
+    "idefics3": _idefics3,
+    "llava": _llava,
+    "gemma3": _gemma3,
+    **{arch: functools.partial(_qwen_vl, arch) for arch in NEEDS_TORCHVISION},
+}
 
 
 def build_tiny_vlm(
