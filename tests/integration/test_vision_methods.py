@@ -104,8 +104,9 @@ def test_image_pairs_that_cannot_be_placed_are_reported_and_long_prompts_dropped
     assert fit_image_pair(first, 512, config.model_copy(update={"max_prompt_length": 0}))[0] is not None
 
 
+@pytest.mark.parametrize("arch", ["idefics3", *QWEN[1:2]])
 def test_kto_rows_on_images_score_the_processors_tokens_and_their_kl_sequences_keep_their_prompts_images(
-    vlms: dict[str, Path], tmp_path: Path
+    vlms: dict[str, Path], tmp_path: Path, arch: str
 ) -> None:
     """TRL's unpaired rows (``prompt``, ``completion``, ``label``, ``images``): each completion and each KL
     sequence (the prompt with the next row's completion) is what the processor makes of it with the prompt's
@@ -115,7 +116,7 @@ def test_kto_rows_on_images_score_the_processors_tokens_and_their_kl_sequences_k
     from posttrain.config.kto import KTODataConfig
     from posttrain.vision.preferences import format_image_kto_rows
 
-    processor, tokenizer = processor_and_tokenizer(vlms["idefics3"])
+    processor, tokenizer = processor_and_tokenizer(vlms[arch])
     rows = [
         {"prompt": p["prompt"], "completion": p[side], "label": side == "chosen", "images": p["images"]}
         for p, side in zip(colour_pairs(tmp_path, 6, seed=10), ["chosen", "rejected"] * 3, strict=True)
@@ -125,7 +126,7 @@ def test_kto_rows_on_images_score_the_processors_tokens_and_their_kl_sequences_k
     samples = format_image_kto_rows(origin, tokenizer, KTODataConfig.model_construct())
     assert not [s for s in samples if isinstance(s, Exception)], samples
 
-    model = AutoModelForImageTextToText.from_pretrained(vlms["idefics3"], dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(vlms[arch], dtype=torch.float32).eval()
     pictures = [images.open_image(images.reference(row["images"][0], tmp_path)) for row in rows]
     logps: dict[bool, list[float]] = {True: [], False: []}
     for index, (row, sample) in enumerate(zip(rows, samples, strict=True)):
@@ -152,9 +153,7 @@ def test_kto_rows_on_images_score_the_processors_tokens_and_their_kl_sequences_k
             float(torch.log_softmax(logits, -1)[kept].gather(1, labels[1:][kept][:, None]).sum())
         )
 
-    config = vlm_config(
-        vlms["idefics3"], data, tmp_path / "run", type="kto", train_iters=1, micro_batch_size=6
-    )
+    config = vlm_config(vlms[arch], data, tmp_path / "run", type="kto", train_iters=1, micro_batch_size=6)
     train(config)
     [logged] = metrics(config)
     assert logged["logps/chosen"] == pytest.approx(np.mean(logps[True]), abs=1e-4, rel=0)
@@ -318,17 +317,18 @@ def test_online_runs_that_do_not_read_images_yet_say_so(vlms: dict[str, Path], t
         train(config)
 
 
+@pytest.mark.parametrize("arch", ["idefics3", *QWEN[2:]])
 def test_distill_on_image_prompts_from_a_vision_language_teacher(
-    vlms: dict[str, Path], tmp_path: Path
+    vlms: dict[str, Path], tmp_path: Path, arch: str
 ) -> None:
-    """On-policy distillation of the tiny Idefics3 from a wider one on image prompts: the teacher samples
+    """On-policy distillation of a tiny VLM from a wider one of its family on image prompts: the teacher samples
     (``seq_kd``, ``lmbda: 0``) and scores with the images, the held-out prompts too."""
     from posttrain.vision.tiny import write_tiny_vlm
 
-    teacher = write_tiny_vlm(tmp_path / "teacher", "idefics3", vocab_size=1024, hidden_size=128, heads=4)
+    teacher = write_tiny_vlm(tmp_path / "teacher", arch, vocab_size=1024, hidden_size=128, heads=4)
     data = write_jsonl(tmp_path / "prompts.jsonl", colour_prompts(tmp_path, 8, seed=13))
     held_out = write_jsonl(tmp_path / "held_out.jsonl", colour_prompts(tmp_path, 4, seed=14))
-    config = vlm_config(vlms["idefics3"], data, tmp_path / "run", type="distill", train_iters=2)
+    config = vlm_config(vlms[arch], data, tmp_path / "run", type="distill", train_iters=2)
     config = {k: v for k, v in config.items() if k != "data"}
     config.update(
         data={"sources": [str(data)], "eval_sources": [str(held_out)], "max_length": 96, "dl_num_workers": 0},
