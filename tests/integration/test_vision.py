@@ -448,6 +448,46 @@ def test_an_export_writes_the_checkpoints_names_whatever_renamings_the_loader_re
     assert names(tmp_path / "kept") == names(vlms["gemma3"])
 
 
+def hub_layout(model: Path, out: Path) -> Path:
+    """A copy of a tiny VLM's directory with its weights named as the hub's checkpoints of the family were
+    saved before transformers 5 (llava-hf's LLaVA: the tower under ``vision_tower.vision_model.``), the names
+    vLLM's loader reads; transformers 5 loads them through its renamings."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    weights = load_file(out / "model.safetensors")
+    renamed = {k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in weights.items()}
+    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_the_engine_push_names_each_weight_as_the_checkpoint_the_model_was_loaded_from(
+    vlms: dict[str, Path], tmp_path: Path
+) -> None:
+    """A LLaVA checkpoint in the hub's layout: the weights pushed to a vLLM engine carry the file's names
+    (transformers 5 holds them as ``model.vision_tower.*``: vLLM refused those), under LoRA too, and a
+    checkpoint in transformers 5's own layout under its own."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from posttrain.generation.vllm_engine import named_weights
+
+    hub = hub_layout(vlms["llava"], tmp_path / "hub")
+    on_disk = load_file(hub / "model.safetensors")
+    model = AutoModelForImageTextToText.from_pretrained(hub)
+    pushed = dict(named_weights(model))
+    assert pushed.keys() == on_disk.keys(), set(pushed) ^ set(on_disk)
+    assert all(torch.equal(pushed[name], on_disk[name]) for name in on_disk)
+    adapted = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    assert dict(named_weights(adapted)).keys() == on_disk.keys()
+
+    native = AutoModelForImageTextToText.from_pretrained(vlms["llava"])  # transformers 5's own layout
+    assert dict(named_weights(native)).keys() == load_file(vlms["llava"] / "model.safetensors").keys()
+
+
 def test_a_text_model_refuses_rows_with_images(base_config: dict, tmp_path: Path) -> None:
     """A LLaMA-Factory row's ``<image>`` would otherwise train as text, its image silently dropped."""
     draw_square(tmp_path / "a.png", "red")

@@ -2,8 +2,8 @@
 installed): the colocated engine is given each prompt as vLLM takes it (one image token per image and the
 images as ``multi_modal_data``, never the processor's expanded ids with the raw image), its expansion is
 checked against the trainer's ids, and after every weight push the engine's log-probabilities of the sampled
-tokens are the trainer's. Idefics3 in vLLM's venv; the Qwen-VL family, whose processors (in transformers and
-in vLLM) need torchvision, in the vision tier's venv (``make test-vision``)."""
+tokens are the trainer's. Idefics3 in vLLM's venv; the Qwen-VL family and LLaVA, whose processors (in
+transformers or in vLLM) need torchvision, in the vision tier's venv (``make test-vision``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from posttrain.testing.data import write_jsonl
 from posttrain.testing.vision import colour_prompts
 from tests.grpo_helpers import engine_grpo_config
-from tests.integration.test_vision import QWEN
+from tests.integration.test_vision import QWEN, hub_layout
 from tests.resume_helpers import cli, last_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -27,14 +27,18 @@ def length(completions, images, **kwargs):
 """
 
 
-@pytest.mark.parametrize("arch", ["idefics3", *QWEN])
+@pytest.mark.parametrize("arch", ["idefics3", *QWEN, pytest.param("llava", marks=pytest.mark.torchvision)])
 def test_grpo_on_image_prompts_samples_through_the_engine_as_the_trainer_scores(
     tmp_path: Path, arch: str
 ) -> None:
+    """LLaVA's checkpoint is in the hub's layout (vLLM 0.32 does not load transformers 5's own), so the
+    weights pushed after each step must be renamed back to it."""
     from posttrain.vision.tiny import write_tiny_vlm
 
     # heads of 64 dimensions: what vLLM's CPU attention runs
     model = write_tiny_vlm(tmp_path / "model", arch, vocab_size=1024, hidden_size=128, heads=2)
+    if arch == "llava":
+        model = hub_layout(model, tmp_path / "hub")
     data = write_jsonl(tmp_path / "prompts.jsonl", colour_prompts(tmp_path, 16, seed=2))
     (tmp_path / "length.py").write_text(LENGTH)
     config = engine_grpo_config(

@@ -4,7 +4,7 @@ processor) that transformers loads."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,9 +38,39 @@ def keep_used_conversions(model: Any) -> None:
     its other loader keeps the used ones, so a ZeRO-3 run's export of Gemma 3 came out as
     ``language_model.model.model.*`` while a ZeRO-0 run's kept the checkpoint's names."""
     base = base_model(model)
-    conversions = getattr(base, "_weight_conversions", None)
-    if conversions:
-        base._weight_conversions = [c for c in conversions if not hasattr(c, "was_used") or c.was_used()]
+    if getattr(base, "_weight_conversions", None):
+        base._weight_conversions = used_conversions(model)
+
+
+def used_conversions(model: Any) -> list[Any]:
+    """The checkpoint renamings and converters transformers recorded when it loaded ``model`` and used."""
+    conversions = getattr(base_model(model), "_weight_conversions", None) or []
+    return [c for c in conversions if not hasattr(c, "was_used") or c.was_used()]
+
+
+def checkpoint_names(model: Any, names: Iterable[str]) -> dict[str, str]:
+    """The name each of ``names`` (the model's weights, PEFT's prefixes removed) has in the checkpoint the model
+    was loaded from, as ``save_pretrained`` writes it: transformers' renamings used at load time, reversed (a
+    LLaVA checkpoint in the hub's layout says ``vision_tower.vision_model.*`` where transformers 5 holds
+    ``model.vision_tower.*``), in transformers' own order (sorted). A model loaded without renamings, or with
+    weights a converter made (experts fused at load time: not reversed here), keeps the names it holds."""
+    names = list(names)
+    used = used_conversions(model)
+    try:
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            apply_renamings,
+            dot_natural_key,
+        )
+
+        reversed_ = [conversion.reverse_transform() for conversion in used[::-1]]
+    except (ImportError, ValueError):  # another transformers; a quantized load's transforms do not reverse
+        return {name: name for name in names}
+    renamings = [r for r in reversed_ if isinstance(r, WeightRenaming)]
+    if not renamings or any(isinstance(r, WeightConverter) for r in reversed_):
+        return {name: name for name in names}
+    return {name: apply_renamings(name, renamings) for name in sorted(names, key=dot_natural_key)}
 
 
 class HFCheckpointEngine(CheckpointEngine):

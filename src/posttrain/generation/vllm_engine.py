@@ -406,7 +406,8 @@ def check_reload(reports: Sequence[Any], engine: str) -> None:
 
 def named_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under the names of the checkpoint vLLM loaded: LoRA adapters merged in (their own
-    weights not pushed), PEFT's prefixes and ``base_layer`` removed, a ``modules_to_save`` module's trained
+    weights not pushed), PEFT's prefixes and ``base_layer`` removed, transformers' load-time renamings reversed
+    (:func:`~posttrain.checkpoint.huggingface.checkpoint_names`), a ``modules_to_save`` module's trained
     copy under the module's own name (its ``original_module`` is not pushed). Under ZeRO-3 every parameter is
     gathered first, so that the adapters merge into whole weights."""
     partitioned = [p for p in module.parameters() if hasattr(p, "ds_id")]
@@ -415,16 +416,23 @@ def named_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
         import deepspeed
 
         gathered = deepspeed.zero.GatheredParameters(partitioned)
+    from posttrain.checkpoint.huggingface import checkpoint_names
+
     peft = hasattr(module, "merge_adapter")
+    pushed = {}  # the parameter's name -> its name without PEFT's wrapping
+    for name, _ in module.named_parameters():
+        if peft and ("lora_" in name or ".original_module." in name):
+            continue
+        clean = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        pushed[name] = clean.replace(".modules_to_save.default", "")
+    as_loaded = checkpoint_names(module, pushed.values())
     with gathered:
         if peft:
             module.merge_adapter()
         try:
             for name, param in module.named_parameters():
-                if peft and ("lora_" in name or ".original_module." in name):
-                    continue
-                clean = name.removeprefix("base_model.model.").replace(".base_layer", "")
-                yield clean.replace(".modules_to_save.default", ""), param.data
+                if name in pushed:
+                    yield as_loaded[pushed[name]], param.data
         finally:
             if peft:
                 module.unmerge_adapter()
