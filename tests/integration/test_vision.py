@@ -376,6 +376,19 @@ def test_the_memory_plan_counts_what_trains_and_the_report_counts_images(
     assert items["image encoder activations"]["bytes"] == 2 * per_layer  # not checkpointed: both layers
 
 
+@pytest.mark.parametrize("arch", QWEN)
+def test_the_memory_plan_reads_the_qwen_vl_towers(vlms: dict[str, Path], arch: str) -> None:
+    """Qwen2-VL's tower is ``embed_dim`` wide with an MLP ``mlp_ratio`` times that; its successors name them
+    as the others do; 2x2 patches merged into each image token."""
+    from posttrain.config.model import ModelConfig
+    from posttrain.memory.shape import model_shape
+
+    shape = model_shape(ModelConfig(name_or_path=str(vlms[arch])))
+    assert shape.vision is not None
+    assert (shape.vision.layers, shape.vision.hidden, shape.vision.intermediate) == (2, 32, 64)
+    assert shape.vision.patches_per_token == 4.0 and not shape.vision.tower_trained
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["idefics3", "gemma3", *QWEN[1:2]])
 def test_two_processes_under_zero3_give_one_processs_numbers_and_a_killed_run_resumes_exactly(
