@@ -461,9 +461,26 @@ def test_an_export_writes_the_checkpoints_names_whatever_renamings_the_loader_re
     assert names(tmp_path / "kept") == names(vlms["gemma3"])
 
 
+def test_tokens_joined_across_an_image_edge_keep_their_labels_only_where_the_text_is_the_same(
+    vlms: dict[str, Path],
+) -> None:
+    """Gemma 3's vocabulary has runs of newlines as single tokens: the processor's own ids join the "\n\n"
+    it writes around an image with a "\n" beside it. The sample takes the processor's ids; a differing
+    stretch must spell the same text and carry no label, or the row is refused."""
+    from posttrain.vision.formatting import reconcile
+
+    _, tokenizer = processor_and_tokenizer(vlms["gemma3"])
+    one, two, three = (tokenizer.convert_tokens_to_ids("\n" * n) for n in (1, 2, 3))
+    expanded, joined = np.array([5, one, two, 7, 8]), np.array([5, three, 7, 8])
+    labels = np.array([IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, 8])
+    assert reconcile(tokenizer, expanded, joined, labels).tolist() == [IGNORE_INDEX] * 3 + [8]
+    assert reconcile(tokenizer, expanded, joined, np.where(expanded == one, one, labels)) is None  # labelled
+    assert reconcile(tokenizer, expanded, np.array([5, two, 7, 8]), labels) is None  # another text
+
+
 def hub_layout(model: Path, out: Path) -> Path:
     """A copy of a tiny VLM's directory with its weights named as the hub's checkpoints of the family were
-    saved before transformers 5 (llava-hf's LLaVA: the tower under ``vision_tower.vision_model.``), the names
+    saved before transformers 5 (llava-hf's LLaVA, google's Gemma 3: the tower under ``vision_tower.vision_model.``), the names
     vLLM's loader reads; transformers 5 loads them through its renamings."""
     import shutil
 

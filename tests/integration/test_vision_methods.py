@@ -445,6 +445,11 @@ def test_collapse_undoes_the_processors_expansion_for_an_engine_that_expands_its
     ids = np.asarray(tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
     expanded, _ = expand(processor, ids, pictures)
     assert collapse(processor, expanded.tolist(), pictures) == ids.tolist()
+    # the processor's own call: Gemma 3's "\n\n" around each image joins the template's "\n" before it
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    own = processor(text=[text], images=[pictures], add_special_tokens=False)["input_ids"][0]
+    assert (list(own) != expanded.tolist()) == (arch == "gemma3")
+    assert collapse(processor, list(own), pictures) == ids.tolist()
     with pytest.raises(ValueError, match="do not hold its image's expansion"):
         collapse(processor, ids.tolist(), pictures)  # the ids were never expanded
 

@@ -2,7 +2,7 @@
 installed): the colocated engine is given each prompt as vLLM takes it (one image token per image and the
 images as ``multi_modal_data``, never the processor's expanded ids with the raw image), its expansion is
 checked against the trainer's ids, and after every weight push the engine's log-probabilities of the sampled
-tokens are the trainer's. Idefics3 in vLLM's venv; the Qwen-VL family and LLaVA, whose processors (in
+tokens are the trainer's. Idefics3 in vLLM's venv; the Qwen-VL family, LLaVA and Gemma 3, whose processors (in
 transformers or in vLLM) need torchvision, in the vision tier's venv (``make test-vision``)."""
 
 from __future__ import annotations
@@ -27,17 +27,22 @@ def length(completions, images, **kwargs):
 """
 
 
-@pytest.mark.parametrize("arch", ["idefics3", *QWEN, pytest.param("llava", marks=pytest.mark.torchvision)])
+@pytest.mark.parametrize(
+    "arch",
+    ["idefics3", *QWEN, *(pytest.param(a, marks=pytest.mark.torchvision) for a in ("llava", "gemma3"))],
+)
 def test_grpo_on_image_prompts_samples_through_the_engine_as_the_trainer_scores(
     tmp_path: Path, arch: str
 ) -> None:
-    """LLaVA's checkpoint is in the hub's layout (vLLM 0.32 does not load transformers 5's own), so the
-    weights pushed after each step must be renamed back to it."""
+    """LLaVA's and Gemma 3's checkpoints are in the hub's layout (vLLM 0.32 does not load transformers 5's
+    own), so the weights pushed after each step must be renamed back to it; Gemma 3's prompts join the
+    newlines around each image with the text beside them (its vocabulary's "\n\n\n"), which the engine's
+    prompt must split again."""
     from posttrain.vision.tiny import write_tiny_vlm
 
     # heads of 64 dimensions: what vLLM's CPU attention runs
     model = write_tiny_vlm(tmp_path / "model", arch, vocab_size=1024, hidden_size=128, heads=2)
-    if arch == "llava":
+    if arch in ("llava", "gemma3"):
         model = hub_layout(model, tmp_path / "hub")
     data = write_jsonl(tmp_path / "prompts.jsonl", colour_prompts(tmp_path, 16, seed=2))
     (tmp_path / "length.py").write_text(LENGTH)

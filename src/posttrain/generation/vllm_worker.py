@@ -19,7 +19,8 @@ from typing import Any
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 FAILED = ": Failed to load weights"
 #: layers with no weights of their own to load, which vLLM's reload mentions anyway: the rotary tables, and
-#: the image normalisation vLLM builds from the processor's mean and std (the Qwen-VL family's `visual`)
+#: the image normalisation vLLM builds from the processor's mean and std (the Qwen-VL family's `visual`);
+#: beside them, every class whose layers hold buffers only (:func:`buffer_only_layers`)
 WEIGHTLESS = ("RotaryEmbedding", "FusedMMInputNorm")
 
 
@@ -53,6 +54,20 @@ def tied_layers(model: Any) -> dict[str, Any]:
     return tied
 
 
+def buffer_only_layers(model: Any) -> set[str]:
+    """The classes whose every layer holds tensors but no parameter of its own: buffers vLLM computes when it
+    builds the model (Gemma 3's embedding scale, SigLIP's position ids), which no checkpoint holds and a reload
+    reports as not loaded."""
+    holds: dict[str, bool] = {}
+    for module in model.modules():
+        name = type(module).__name__
+        own = any(True for _ in module.parameters(recurse=False))
+        buffers = any(True for _ in module.buffers(recurse=False))
+        if own or buffers:
+            holds[name] = holds.get(name, False) or own
+    return {name for name, parameters in holds.items() if not parameters}
+
+
 class PosttrainWorker:
     """Mixed into vLLM's worker class (``worker_extension_cls``); ``self`` is the worker."""
 
@@ -66,7 +81,10 @@ class PosttrainWorker:
         self.posttrain_weights = None  # mid-reload: no weights anyone may sample from
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         tied = tied_layers(model)
-        failed = _Failed({type(layer).__name__ for layer in tied.values()} | set(WEIGHTLESS))
+        quiet = (
+            {type(layer).__name__ for layer in tied.values()} | set(WEIGHTLESS) | buffer_only_layers(model)
+        )
+        failed = _Failed(quiet)
         logger = logging.getLogger(RELOAD_LOGGER)
         logger.addFilter(failed)
         try:

@@ -5,8 +5,11 @@ part. The labels come from that rendering as they do for text (the template's ``
 token-exact prefix rendering); the processor then expands every image token into the image's tokens, and
 those ids are the sample's: each image is expanded once, by the processor, and what the trainer sees is what
 the processor made. The expanded tokens of an image never carry a label. The row's expansion is checked
-against the processor's own call on the whole rendered row: a processor whose expansion changes the text
-around an image is refused rather than mislabelled.
+against the processor's own call on the whole rendered row, whose ids are the sample's: where the two differ
+only by tokens joined across an image's edge (Gemma 3 writes "\n\n" around each image, and its vocabulary
+joins them with a "\n" beside them into one token), each differing stretch must spell the same text and carry
+no label; a processor whose expansion changes the text around an image otherwise is refused rather than
+mislabelled.
 """
 
 from __future__ import annotations
@@ -62,24 +65,89 @@ def expand(processor: Any, ids: np.ndarray, opened: list[Any]) -> tuple[np.ndarr
     return np.concatenate(pieces).astype(np.int64), np.concatenate(origins).astype(np.int64)
 
 
+def reconcile(tokenizer: Any, expanded: np.ndarray, own: np.ndarray, labels: np.ndarray) -> np.ndarray | None:
+    """The labels of the processor's own ids ``own`` for the in-place expansion ``expanded`` labelled
+    ``labels``, where the two differ only by tokens joined across an image's edge: each differing stretch
+    spells the same text in both and carries no label (it lies in the prompt, beside an image). None when they
+    differ otherwise."""
+    from difflib import SequenceMatcher
+
+    def text(ids: np.ndarray) -> str:
+        return tokenizer.decode(ids.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    out = np.full(len(own), IGNORE_INDEX, dtype=np.int64)
+    matcher = SequenceMatcher(None, expanded.tolist(), own.tolist(), autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            out[j1:j2] = labels[i1:i2]
+        elif (labels[i1:i2] != IGNORE_INDEX).any() or text(expanded[i1:i2]) != text(own[j1:j2]):
+            return None
+    return out
+
+
 def collapse(processor: Any, ids: Sequence[int], opened: list[Any]) -> list[int]:
     """``expand`` undone: each image's expansion in ``ids`` (in order) back to the one image token the chat
     template wrote, for an engine that expands the images itself (vLLM), whose expansion is then checked
-    against ``ids``. A block that is not there is a ``ValueError``."""
+    against ``ids``. Each expansion is found by its span of special tokens; plain-text edges of it that the
+    tokenizer joined with the text beside them (Gemma 3's "\n\n") are split off again. A block that is not
+    there is a ``ValueError``."""
     token, token_id = image_token(processor)
+    tokenizer = processor.tokenizer
+    special = set(tokenizer.all_special_ids)
     out: list[int] = []
     start = 0
     ids = list(ids)
     for image in opened:
         block = list(processor(text=[token], images=[image], add_special_tokens=False)["input_ids"][0])
-        found = next(
-            (i for i in range(start, len(ids) - len(block) + 1) if ids[i : i + len(block)] == block), None
-        )
+        marked = [i for i, t in enumerate(block) if t in special] or [0, len(block) - 1]
+        lead, core, trail = block[: marked[0]], block[marked[0] : marked[-1] + 1], block[marked[-1] + 1 :]
+        found = _find(ids, core, start)
         if found is None:
             raise ValueError("a prompt's ids do not hold its image's expansion where the processor puts it")
-        out += [*ids[start:found], token_id]
-        start = found + len(block)
+        if found - len(lead) >= start and ids[found - len(lead) : found] == lead:
+            out += [*ids[start : found - len(lead)], token_id]
+        else:
+            out += [*_unjoin(tokenizer, ids[start:found], lead, at_end=True), token_id]
+        start = found + len(core)
+        if ids[start : start + len(trail)] == trail:
+            start += len(trail)
+        else:
+            stop = _next_image_start(ids, start, special, len(ids))
+            ids = [*ids[:start], *_unjoin(tokenizer, ids[start:stop], trail, at_end=False), *ids[stop:]]
     return out + ids[start:]
+
+
+def _find(ids: list[int], block: list[int], start: int) -> int | None:
+    return next(
+        (i for i in range(start, len(ids) - len(block) + 1) if ids[i : i + len(block)] == block), None
+    )
+
+
+def _next_image_start(ids: list[int], start: int, special: set[int], default: int) -> int:
+    """Where the next special token after ``start`` is (the next image's expansion), or ``default``."""
+    return next((i for i in range(start, len(ids)) if ids[i] in special), default)
+
+
+def _unjoin(tokenizer: Any, ids: list[int], edge: list[int], at_end: bool) -> list[int]:
+    """``ids`` without the text of ``edge`` (an expansion's plain-text edge, which the processor's tokenizer
+    joined with them): the fewest tokens at that end that hold the edge's text are tokenized again without it."""
+    if not edge:
+        return ids
+
+    def text(part: list[int]) -> str:
+        return tokenizer.decode(part, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    edge_text = text(edge)
+    for n in range(1, len(ids) + 1):
+        part = ids[-n:] if at_end else ids[:n]
+        spelled = text(part)
+        if at_end and spelled.endswith(edge_text):
+            rest = tokenizer.encode(spelled[: len(spelled) - len(edge_text)], add_special_tokens=False)
+            return [*ids[:-n], *rest]
+        if not at_end and spelled.startswith(edge_text):
+            rest = tokenizer.encode(spelled[len(edge_text) :], add_special_tokens=False)
+            return [*rest, *ids[n:]]
+    raise ValueError("a prompt's ids do not hold its image's expansion where the processor puts it")
 
 
 def format_image_row(row: dict[str, Any], tokenizer: Any, config: DataConfig) -> dict[str, np.ndarray]:
@@ -127,12 +195,17 @@ def expand_labelled(
     tokens never carry a label."""
     ids, labels = np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
     expanded, origins = expand(processor, ids, opened)
-    if not np.array_equal(processor_ids(processor, tokenizer, messages, opened), expanded):
+    placed = np.where(origins >= 0, labels[np.maximum(origins, 0)], IGNORE_INDEX)
+    own = processor_ids(processor, tokenizer, messages, opened)
+    if np.array_equal(own, expanded):
+        return expanded, placed
+    fitted = reconcile(tokenizer, expanded, own, placed)
+    if fitted is None:
         raise RowError(
             "the processor's tokens for this row differ from its expansion of each image in place (its image "
             "tokens change the text around them), so the labels cannot be placed exactly"
         )
-    return expanded, np.where(origins >= 0, labels[np.maximum(origins, 0)], IGNORE_INDEX)
+    return own, fitted
 
 
 def checked_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

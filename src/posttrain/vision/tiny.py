@@ -160,6 +160,9 @@ def _gemma3(tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, An
     }
     tokenizer.add_special_tokens({"additional_special_tokens": list(names.values())})
     tokenizer._set_model_specific_special_tokens(special_tokens=names)  # the attributes Gemma3Processor reads
+    # runs of one to four newlines are single tokens, as in Gemma's own vocabulary (the processor writes
+    # "\n\n" around each image; vLLM's Gemma 3 code looks these four up by name)
+    tokenizer.add_tokens(["\n" * n for n in range(1, 5)])
     patch = tower.patch or 8  # a 4x4 grid of patches, average-pooled to 2x2: 4 image tokens
     tokens = 4
     images = Gemma3ImageProcessorPil(size={"height": IMAGE_SIDE, "width": IMAGE_SIDE})
@@ -170,7 +173,8 @@ def _gemma3(tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, An
         image_seq_length=tokens,
     )
     # Gemma 3's text layers alternate sliding-window and full attention; the window is smaller than the
-    # tests' rows so that both kinds are exercised.
+    # tests' rows so that both kinds are exercised. Its LM head is its input embedding, as in every Gemma 3
+    # checkpoint (vLLM's Gemma 3 ties them whatever the config says).
     gemma_text = {k: v for k, v in text.items() if k != "model_type"}
     head_dim = text["hidden_size"] // text["num_attention_heads"]
     layer_types = [
@@ -182,6 +186,7 @@ def _gemma3(tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, An
         "sliding_window": 16,
         "layer_types": layer_types,
         "vocab_size": len(tokenizer),
+        "tie_word_embeddings": True,
     }
     config = AutoConfig.for_model(
         "gemma3",
@@ -191,7 +196,7 @@ def _gemma3(tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, An
         boi_token_index=tokenizer.convert_tokens_to_ids(names["boi_token"]),
         eoi_token_index=tokenizer.convert_tokens_to_ids(names["eoi_token"]),
         image_token_index=tokenizer.convert_tokens_to_ids(names["image_token"]),
-        tie_word_embeddings=False,
+        tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
     )
     return config, processor
