@@ -41,7 +41,8 @@ def test_grpo_on_image_prompts_samples_through_the_engine_as_the_trainer_scores(
     from posttrain.vision.tiny import write_tiny_vlm
 
     # heads of 64 dimensions: what vLLM's CPU attention runs
-    model = write_tiny_vlm(tmp_path / "model", arch, vocab_size=1024, hidden_size=128, heads=2)
+    tied = arch == "gemma3"  # as every Gemma 3 checkpoint (vLLM's Gemma 3 reads no head of its own)
+    model = write_tiny_vlm(tmp_path / "model", arch, vocab_size=1024, hidden_size=128, heads=2, tied=tied)
     if arch in ("llava", "gemma3"):
         model = hub_layout(model, tmp_path / "hub")
     data = write_jsonl(tmp_path / "prompts.jsonl", colour_prompts(tmp_path, 16, seed=2))

@@ -104,7 +104,7 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     from posttrain.vision.tiny import write_tiny_vlm
 
     if args.arch in VISION_ARCHITECTURES:
-        shape = ("seed", "hidden_size", "layers", "vocab_size", "heads")
+        shape = ("seed", "hidden_size", "layers", "vocab_size", "heads", "tied")
         print(
             f"wrote {write_tiny_vlm(args.out_dir, args.arch, **{name: getattr(args, name) for name in shape})}"
         )

@@ -112,7 +112,7 @@ def _idefics3(tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, 
         vision_config=tower.config(patch),
         scale_factor=scale,
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-        tie_word_embeddings=False,
+        tie_word_embeddings=text["tie_word_embeddings"],
         pad_token_id=tokenizer.pad_token_id,
     )
     return config, processor
@@ -143,7 +143,7 @@ def _llava(tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, Any
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,
         projector_hidden_act="gelu",
-        tie_word_embeddings=False,
+        tie_word_embeddings=text["tie_word_embeddings"],
         pad_token_id=tokenizer.pad_token_id,
     )
     return config, processor
@@ -173,8 +173,8 @@ def _gemma3(tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, An
         image_seq_length=tokens,
     )
     # Gemma 3's text layers alternate sliding-window and full attention; the window is smaller than the
-    # tests' rows so that both kinds are exercised. Its LM head is its input embedding, as in every Gemma 3
-    # checkpoint (vLLM's Gemma 3 ties them whatever the config says).
+    # tests' rows so that both kinds are exercised. Every Gemma 3 checkpoint ties its LM head to its input
+    # embedding (``tied``; vLLM's Gemma 3 ties them whatever the config says); the demo's learns faster untied.
     gemma_text = {k: v for k, v in text.items() if k != "model_type"}
     head_dim = text["hidden_size"] // text["num_attention_heads"]
     layer_types = [
@@ -186,7 +186,6 @@ def _gemma3(tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, An
         "sliding_window": 16,
         "layer_types": layer_types,
         "vocab_size": len(tokenizer),
-        "tie_word_embeddings": True,
     }
     config = AutoConfig.for_model(
         "gemma3",
@@ -196,7 +195,7 @@ def _gemma3(tokenizer: Any, text: dict[str, Any], tower: Tower) -> tuple[Any, An
         boi_token_index=tokenizer.convert_tokens_to_ids(names["boi_token"]),
         eoi_token_index=tokenizer.convert_tokens_to_ids(names["eoi_token"]),
         image_token_index=tokenizer.convert_tokens_to_ids(names["image_token"]),
-        tie_word_embeddings=True,
+        tie_word_embeddings=text["tie_word_embeddings"],
         pad_token_id=tokenizer.pad_token_id,
     )
     return config, processor
@@ -278,7 +277,7 @@ def _qwen_vl(arch: str, tokenizer: Any, text: dict[str, Any], tower: Tower) -> t
         arch,
         text_config=qwen_text | {"vocab_size": len(tokenizer)},
         vision_config=vision,
-        tie_word_embeddings=False,
+        tie_word_embeddings=text["tie_word_embeddings"],
         pad_token_id=tokenizer.pad_token_id,
         **ids,
     )
@@ -302,9 +301,11 @@ def build_tiny_vlm(
     vocab_size: int = 2048,
     seed: int = 0,
     tower: Tower = Tower(),
+    tied: bool = False,
 ) -> tuple[Any, Any]:
     """(model, processor) of a tiny ``arch`` VLM: float32, random weights drawn from ``seed``; ``tower``: the
-    image encoder's size (a wider one for the memory plan's benchmark)."""
+    image encoder's size (a wider one for the memory plan's benchmark); ``tied``: the LM head is the input
+    embedding (as in Gemma 3's checkpoints)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -315,7 +316,7 @@ def build_tiny_vlm(
     if hidden_size % heads:
         raise ValueError(f"hidden_size {hidden_size} must be a multiple of the {heads} attention heads")
     tokenizer = build_tokenizer(vocab_size=vocab_size, seed=seed)
-    text = _text_config(len(tokenizer), hidden_size, layers, heads, tokenizer)
+    text = _text_config(len(tokenizer), hidden_size, layers, heads, tokenizer) | {"tie_word_embeddings": tied}
     config, processor = _BUILDERS[arch](tokenizer, text, tower)
     tokenizer.chat_template = processor.chat_template  # one template, whichever object renders it
     torch.manual_seed(seed)
