@@ -18,10 +18,10 @@ from typing import Any
 #: vLLM's logger that says a layer received none of its weights in a reload
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 FAILED = ": Failed to load weights"
-#: layers with no weights of their own to load, which vLLM's reload mentions anyway: the rotary tables, and
-#: the image normalisation vLLM builds from the processor's mean and std (the Qwen-VL family's `visual`);
-#: beside them, every class whose layers hold buffers only (:func:`buffer_only_layers`)
-WEIGHTLESS = ("RotaryEmbedding", "FusedMMInputNorm")
+#: layers with no weights of their own to load, which vLLM's reload mentions anyway: the rotary tables;
+#: beside them, every class whose layers hold buffers only (:func:`buffer_only_layers`: the image
+#: normalisation vLLM builds from the processor's mean and std, Gemma 3's embedding scale)
+WEIGHTLESS = ("RotaryEmbedding",)
 
 
 class _Failed(logging.Filter):

@@ -72,17 +72,22 @@ def reconcile(tokenizer: Any, expanded: np.ndarray, own: np.ndarray, labels: np.
     differ otherwise."""
     from difflib import SequenceMatcher
 
-    def text(ids: np.ndarray) -> str:
-        return tokenizer.decode(ids.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
     out = np.full(len(own), IGNORE_INDEX, dtype=np.int64)
     matcher = SequenceMatcher(None, expanded.tolist(), own.tolist(), autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag == "equal":
             out[j1:j2] = labels[i1:i2]
-        elif (labels[i1:i2] != IGNORE_INDEX).any() or text(expanded[i1:i2]) != text(own[j1:j2]):
+        elif (labels[i1:i2] != IGNORE_INDEX).any() or _spelled(tokenizer, expanded[i1:i2]) != _spelled(
+            tokenizer, own[j1:j2]
+        ):
             return None
     return out
+
+
+def _spelled(tokenizer: Any, ids: Sequence[int] | np.ndarray) -> str:
+    """The text ``ids`` spell, special tokens included, nothing cleaned up."""
+    ids = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def collapse(processor: Any, ids: Sequence[int], opened: list[Any]) -> list[int]:
@@ -133,14 +138,9 @@ def _unjoin(tokenizer: Any, ids: list[int], edge: list[int], at_end: bool) -> li
     joined with them): the fewest tokens at that end that hold the edge's text are tokenized again without it."""
     if not edge:
         return ids
-
-    def text(part: list[int]) -> str:
-        return tokenizer.decode(part, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    edge_text = text(edge)
+    edge_text = _spelled(tokenizer, edge)
     for n in range(1, len(ids) + 1):
-        part = ids[-n:] if at_end else ids[:n]
-        spelled = text(part)
+        spelled = _spelled(tokenizer, ids[-n:] if at_end else ids[:n])
         if at_end and spelled.endswith(edge_text):
             rest = tokenizer.encode(spelled[: len(spelled) - len(edge_text)], add_special_tokens=False)
             return [*ids[:-n], *rest]
@@ -193,19 +193,35 @@ def expand_labelled(
     """The rendered ``messages``' ids (``ids``, one image token per image) and their ``labels`` with each image
     expanded by the processor, checked against the processor's own call on the whole row. An image's own
     tokens never carry a label."""
-    ids, labels = np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
-    expanded, origins = expand(processor, ids, opened)
-    placed = np.where(origins >= 0, labels[np.maximum(origins, 0)], IGNORE_INDEX)
-    own = processor_ids(processor, tokenizer, messages, opened)
-    if np.array_equal(own, expanded):
-        return expanded, placed
-    fitted = reconcile(tokenizer, expanded, own, placed)
+    fitted = processor_labelled(processor, tokenizer, messages, opened, ids, labels)
     if fitted is None:
         raise RowError(
             "the processor's tokens for this row differ from its expansion of each image in place (its image "
             "tokens change the text around them), so the labels cannot be placed exactly"
         )
-    return own, fitted
+    return fitted
+
+
+def processor_labelled(
+    processor: Any,
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    opened: list[Any],
+    ids: Any,
+    labels: Any,
+    add_generation_prompt: bool = False,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The processor's own ids for the rendered ``messages`` (``ids``: one image token per image, labelled
+    ``labels``) and the labels placed on them: each image expanded in place, then reconciled
+    (:func:`reconcile`) with the processor's call on the whole conversation. None when they differ otherwise."""
+    ids, labels = np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+    expanded, origins = expand(processor, ids, opened)
+    placed = np.where(origins >= 0, labels[np.maximum(origins, 0)], IGNORE_INDEX)
+    own = processor_ids(processor, tokenizer, messages, opened, add_generation_prompt)
+    if np.array_equal(own, expanded):
+        return expanded, placed
+    fitted = reconcile(tokenizer, expanded, own, placed)
+    return None if fitted is None else (own, fitted)
 
 
 def checked_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -216,10 +232,16 @@ def checked_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def processor_ids(
-    processor: Any, tokenizer: Any, messages: list[dict[str, Any]], opened: list[Any]
+    processor: Any,
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    opened: list[Any],
+    add_generation_prompt: bool = False,
 ) -> np.ndarray:
     """The processor's own ids for the rendered conversation and its images (one call, as TRL makes it)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     out = processor(text=[text], images=[opened] if opened else None, add_special_tokens=False)
     return np.asarray(out["input_ids"][0], dtype=np.int64)
 

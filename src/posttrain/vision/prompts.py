@@ -19,7 +19,7 @@ from posttrain.data.prompts import fit_prompt, prompt_ids, prompt_of, prompt_sam
 from posttrain.data.samples import IGNORE_INDEX, RowError, Sample, keep_prompt_tokens, render_ids
 from posttrain.data.store import loop_format
 from posttrain.vision import images
-from posttrain.vision.formatting import expand, images_of, reconcile
+from posttrain.vision.formatting import images_of, processor_labelled
 from posttrain.vision.processor import processor_of
 
 
@@ -41,17 +41,17 @@ def format_image_prompt(row: dict[str, Any], tokenizer: Any, config: PromptsData
         raise RowError("a prompt with images in a run with tools: tools with images are not supported yet")
     processor = processor_of(tokenizer)
     messages, refs, opened = images_of(row, prompt)
-    ids = np.asarray(render_ids(tokenizer, messages, add_generation_prompt=True), dtype=np.int64)
-    expanded, _ = expand(processor, ids, opened)
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    own = np.asarray(processor(text=[text], images=[opened], add_special_tokens=False)["input_ids"][0])
-    unlabelled = np.full(len(expanded), IGNORE_INDEX)
-    if not np.array_equal(own, expanded) and reconcile(tokenizer, expanded, own, unlabelled) is None:
+    ids = render_ids(tokenizer, messages, add_generation_prompt=True)
+    unlabelled = np.full(len(ids), IGNORE_INDEX)
+    fitted = processor_labelled(
+        processor, tokenizer, messages, opened, ids, unlabelled, add_generation_prompt=True
+    )
+    if fitted is None:
         raise RowError(
             "the processor's tokens for this prompt differ from its expansion of each image in place, so the "
             "trainer and the engine would not see the same prompt"
         )
-    return {**prompt_sample(row, own.astype(np.int64), config), images.IMAGES_COLUMN: images.encode(refs)}
+    return {**prompt_sample(row, fitted[0], config), images.IMAGES_COLUMN: images.encode(refs)}
 
 
 #: the prompts' batch formatter in a vision-language run: each row's sample or its error
