@@ -104,8 +104,9 @@ def test_zero_stages_agree_on_one_process(base_config: dict, tmp_path: Path) -> 
             base_config,
             train_iters=2,
             # eps=1, no clipping: Adam's step ~ lr * g, so float noise in near-zero gradients is not blown up
-            # to ~lr (see tests/distributed/test_two_processes.py)
-            optimizer={"lr": 0.5, "eps": 1.0, "weight_decay": 0.0},
+            # to ~lr (see tests/distributed/test_two_processes.py); weight decay on (once, ZeRO-3's partitioned
+            # matrices were put in the no-decay group: 1-D placeholders)
+            optimizer={"lr": 0.5, "eps": 1.0, "weight_decay": 0.1},
             deepspeed={"zero_optimization": {"stage": stage}, "gradient_clipping": 0.0},
             logger={"output_dir": str(tmp_path / f"run{stage}")},
             checkpoint=[{"output_dir": str(tmp_path / f"ckpt{stage}"), "save_end_of_training": True}],

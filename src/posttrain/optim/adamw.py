@@ -44,7 +44,8 @@ def param_groups(
     lora_plus_scale: float = 1.0,
     layerwise_lr_decay_bound: float = 1.0,
 ) -> list[dict]:
-    """Decay matrices; never biases, norm weights or other 1-D parameters. Frozen parameters are left out.
+    """Decay matrices (ZeRO-3's partitioned ones too); never biases, norm weights or other 1-D parameters.
+    Frozen parameters are left out.
     Each group's LR is ``lr`` times its ratio: LoRA+ (``lora_plus_scale``) for the LoRA B matrices, and the
     layer-wise decay ratio. ``use_weight_decay`` tells weight-decay schedules which groups to change. Sharded
     expert weights (expert parallelism) get groups of their own, as DeepSpeed needs."""
@@ -53,7 +54,9 @@ def param_groups(
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        decay = not (param.ndim < 2 or name.endswith(".bias") or name.endswith("_bias"))
+        # a ZeRO-3 parameter holds an empty placeholder; its own shape is ``ds_shape``
+        ndim = len(getattr(param, "ds_shape", param.shape))
+        decay = not (ndim < 2 or name.endswith(".bias") or name.endswith("_bias"))
         ratio = lora_plus_scale if lora_plus_scale != 1.0 and ".lora_B." in name else 1.0
         ratio *= layer_ratio(name, num_layers, layerwise_lr_decay_bound)
         groups.setdefault((decay, ratio, expert_group_name(param) or ""), []).append(param)
