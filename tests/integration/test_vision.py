@@ -416,7 +416,11 @@ def test_two_processes_under_zero3_give_one_processs_numbers_and_a_killed_run_re
 
     exports = {}
     for name, nproc, stage in (("one", 1, 0), ("pair", 2, 3)):
-        config = merge(base, train_iters=1, deepspeed={"zero_optimization": {"stage": stage}})
+        # eps=1: Adam's step ~ lr * g, so float noise in gradients near eps is not blown up to ~lr (seen: 2e-5
+        # in Gemma 3 at eps=1e-8), and weight decay's term (lr * 0.1 * w) stands out of it
+        config = merge(
+            base, train_iters=1, optimizer={"eps": 1.0}, deepspeed={"zero_optimization": {"stage": stage}}
+        )
         config["gradient_accumulation_steps"] = (3 - nproc) * (
             2 // config["micro_batch_size"]
         )  # 4 micro-batches a step
@@ -429,7 +433,7 @@ def test_two_processes_under_zero3_give_one_processs_numbers_and_a_killed_run_re
         exports[name] = load_file(tmp_path / name / "x" / "final" / "model.safetensors")
     assert exports["one"].keys() == exports["pair"].keys(), set(exports["one"]) ^ set(exports["pair"])
     diff = max(float((exports["one"][k] - exports["pair"][k]).abs().max()) for k in exports["one"])
-    assert diff < 1e-5, diff
+    assert diff < 1e-6, diff
 
 
 def test_an_export_writes_the_checkpoints_names_whatever_renamings_the_loader_recorded(
